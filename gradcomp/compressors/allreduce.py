@@ -1,0 +1,21 @@
+"""Plain averaging allreduce: the exact baseline every other method is measured against."""
+from __future__ import annotations
+
+from .base import Compressor
+
+
+class Allreduce(Compressor):
+    """Mean over ranks by a sum-allreduce.
+
+    Each rank divides its copy by the world size *before* the sum, as PyTorch's ``allreduce_hook``
+    and ``fp16_compress_hook`` do: inside a half-precision wrapper this keeps the running sum from
+    overflowing, and it gives the same bits as those hooks. float16/bfloat16 buckets are summed by
+    the communicator in their own dtype, in rank order (``comm.sum_by_alltoall``).
+
+    Non-finite values propagate element-wise, exactly as in a plain allreduce: a NaN at position
+    i on any rank makes position i NaN on every rank and touches nothing else.
+    """
+
+    def run(self, bucket, comm):
+        x = bucket.buffer / bucket.dtype.type(comm.size) if comm.size > 1 else bucket.buffer
+        return comm.allreduce(x)

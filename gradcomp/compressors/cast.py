@@ -1,0 +1,59 @@
+"""Half-precision wrappers: run any compressor on a float16 or bfloat16 copy of the bucket."""
+from __future__ import annotations
+
+from ..arrays import array_module, cast, half_dtype
+from .base import Compressor
+
+
+class Cast(Compressor):
+    """Cast the bucket to a half dtype, let ``inner`` reduce it, cast the mean back.
+
+    The inner compressor sees a bucket with the same index and layout, so its per-bucket state
+    (PowerSGD's error feedback and Q memory) keeps working, in half precision. Linear inner methods
+    divide by the world size before they sum (see ``Allreduce``), so the half-precision sum does
+    not overflow where the mean would not; ``FP16(Allreduce())`` therefore matches PyTorch's
+    ``fp16_compress_hook`` and ``FP16(PowerSGD(...))`` matches ``fp16_compress_wrapper``.
+    """
+
+    half = "float16"
+
+    def __init__(self, inner: Compressor):
+        super().__init__()
+        if not isinstance(inner, Compressor):
+            raise TypeError(f"{type(self).__name__} wraps a gradcomp Compressor, got {type(inner).__name__}")
+        self.inner = inner
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.inner!r})"
+
+    def run(self, bucket, comm):
+        xp = array_module(bucket.buffer)
+        low = cast(bucket.buffer, half_dtype(self.half, xp))
+        mean = self.inner.run(bucket.with_buffer(low), comm)
+        return cast(mean, bucket.dtype)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
+
+
+class FP16(Cast):
+    """float16 on the wire: half the bytes, 11-bit mantissa, range +-65504.
+
+    Values whose magnitude exceeds 65504 become +-inf at the cast (as in PyTorch's hooks); use
+    ``BF16`` when gradients can be that large. NaN and Inf propagate element-wise.
+    """
+
+    half = "float16"
+
+
+class BF16(Cast):
+    """bfloat16 on the wire: half the bytes, float32's range, 8-bit mantissa.
+
+    NumPy buckets use ml_dtypes' bfloat16; CuPy buckets use the same dtype where CuPy supports it.
+    NaN and Inf propagate element-wise.
+    """
+
+    half = "bfloat16"

@@ -1,0 +1,4 @@
+import os
+
+# Keep every BLAS / OpenMP pool to one thread: the suite runs several ranks on two cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
