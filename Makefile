@@ -1,0 +1,30 @@
+# One venv, installed from nothing on first use; every target depends on it.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.gradcomp-installed
+NP     ?= 4
+
+.PHONY: install test demo bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[mpi,torch,test,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The whole suite, multi-rank tests under real mpiexec included.
+test: $(STAMP)
+	$(PY) -m pytest
+
+# The digits MLP under mpiexec -n $(NP), once per compressor, one comparison table.
+demo: $(STAMP)
+	$(PY) scripts/demo.py --np $(NP)
+
+bench: $(STAMP)
+	$(PY) -m gradcomp bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
