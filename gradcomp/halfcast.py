@@ -1,0 +1,112 @@
+"""float32 <-> float16 conversion on NumPy without NumPy's software cast.
+
+NumPy's ``astype(float16)`` and back convert one value at a time in C (numpy#28753: its wheels
+target a baseline without the F16C instructions), several times slower than a memcpy. PyTorch uses
+the hardware instructions, but gradcomp must not need PyTorch. These kernels do the same IEEE
+conversion with a handful of whole-array integer and float operations that NumPy runs with SIMD,
+on chunks small enough to stay in the L2 cache, so each operation costs a fraction of a memory
+pass.
+
+The results are bit-identical to NumPy's cast for every input: round to nearest, ties to even;
+subnormal halves; overflow to +-inf; NaN payloads kept the way NumPy keeps them (the top 10
+mantissa bits, a NaN that would become Inf becomes 0x7c01). ``tests/test_bench.py`` checks every
+float16 value, the midpoints and their neighbours, and random float32 bit patterns.
+
+The float32 -> float16 rounding follows the scheme of F. Giesen's "float_to_half_fast3_rtne"
+(public domain, described in his blog post "Half to float done quick"): normal results round with
+one integer add of ``0xfff`` plus the lowest kept bit; subnormal results let the FPU round by adding
+0.5 (so the 10 mantissa bits land at the bottom of the float). float16 -> float32 moves exponent
+and mantissa into place with a shift and rescales the exponent with one float multiply by 2**112,
+which also normalizes subnormals exactly.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+#: Values per chunk: 64 Ki values = 256 KiB per uint32 scratch array, a few of which fit in L2.
+CHUNK = 1 << 16
+
+#: Below this many values NumPy's own cast is as fast (the chunk loop has a fixed Python cost).
+MIN_SIZE = 1 << 14
+
+_REBIAS_ROUND = np.uint32((((15 - 127) << 23) + 0xFFF) & 0xFFFFFFFF)
+_HALF_SUBNORMAL_MAGIC = np.uint32(126 << 23)  # 0.5f: aligns 10 mantissa bits at the bottom
+_SMALLEST_NORMAL_HALF = np.uint32(113 << 23)  # 2**-14 as float32 bits
+_OVERFLOW = np.uint32(0x47800000)  # 2**16: from here (and for Inf/NaN) the result is Inf/NaN
+_F32_INF = np.uint32(0x7F800000)
+_EXP_SCALE = np.float32(2.0 ** 112)
+
+
+def float32_to_float16(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Round a contiguous 1-D float32 array to float16 (bit-identical to ``x.astype(float16)``)."""
+    bits = x.view(np.uint32)
+    n = bits.shape[0]
+    if out is None:
+        out = np.empty(n, np.float16)
+    result = out.view(np.uint16)
+    size = min(CHUNK, n)
+    mag, rounded, sub = (np.empty(size, np.uint32) for _ in range(3))
+    mask = np.empty(size, np.bool_)
+    with np.errstate(all="ignore"):
+        for start in range(0, n, CHUNK):
+            b = bits[start:start + CHUNK]
+            k = b.shape[0]
+            a, r, s, m = mag[:k], rounded[:k], sub[:k], mask[:k]
+            np.bitwise_and(b, 0x7FFFFFFF, out=a)
+            # normal results: rebias the exponent, round half to even at bit 13, shift
+            np.right_shift(a, 13, out=r)
+            np.bitwise_and(r, 1, out=r)
+            np.add(r, a, out=r)
+            np.add(r, _REBIAS_ROUND, out=r)
+            np.right_shift(r, 13, out=r)
+            # subnormal or zero results: the float add rounds, one subtract leaves the bits
+            np.add(a.view(np.float32), np.float32(0.5), out=s.view(np.float32))
+            np.subtract(s, _HALF_SUBNORMAL_MAGIC, out=s)
+            np.less(a, _SMALLEST_NORMAL_HALF, out=m)
+            np.copyto(r, s, where=m)
+            np.greater_equal(a, _OVERFLOW, out=m)
+            if m.any():
+                _inf_and_nan(a, r, m)
+            np.right_shift(b, 16, out=s)
+            np.bitwise_and(s, 0x8000, out=s)
+            np.bitwise_or(r, s, out=r)
+            np.copyto(result[start:start + k], r, casting="unsafe")
+    return out
+
+
+def _inf_and_nan(a, r, big):
+    """Overflow -> Inf; NaN keeps its top mantissa bits, as NumPy does (rare path)."""
+    r[big] = 0x7C00
+    nan = a > _F32_INF
+    if nan.any():
+        payload = np.uint32(0x7C00) + ((a[nan] & 0x7FFFFF) >> 13)
+        payload[payload == 0x7C00] = 0x7C01
+        r[nan] = payload
+
+
+def float16_to_float32(h: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Widen a contiguous 1-D float16 array to float32 (bit-identical to ``h.astype(float32)``)."""
+    u = h.view(np.uint16)
+    n = u.shape[0]
+    if out is None:
+        out = np.empty(n, np.float32)
+    result = out.view(np.uint32)
+    size = min(CHUNK, n)
+    value, sign = np.empty(size, np.uint32), np.empty(size, np.uint32)
+    mask = np.empty(size, np.bool_)
+    with np.errstate(all="ignore"):
+        for start in range(0, n, CHUNK):
+            c = u[start:start + CHUNK]
+            k = c.shape[0]
+            v, s, m = value[:k], sign[:k], mask[:k]
+            np.left_shift(c, 13, out=v, dtype=np.uint32, casting="unsafe")
+            np.bitwise_and(v, 0x8000 << 13, out=s)
+            np.left_shift(s, 3, out=s)
+            np.bitwise_and(v, 0x7FFF << 13, out=v)
+            np.greater_equal(v, np.uint32(0x7C00 << 13), out=m)
+            # exponent bias 15 -> 127 and subnormals normalized, by one exact multiply
+            np.multiply(v.view(np.float32), _EXP_SCALE, out=v.view(np.float32))
+            if m.any():
+                v[m] |= _F32_INF  # Inf/NaN: all exponent bits set, mantissa kept
+            np.bitwise_or(v, s, out=result[start:start + k])
+    return out
