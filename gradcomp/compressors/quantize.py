@@ -64,6 +64,9 @@ class QuantizePerChannel(Compressor):
         rows, width, tail = self._split(n)
         codes = xp.empty(n, dtype=xp.uint8)
         params = xp.empty((2, rows + (tail > 0)), dtype=xp.float32)
+        if xp is np:
+            self._quantize_blocked(x, params, codes, rows, width)
+            return params, codes
         parts = zip(self._chunks(x, rows, width), self._chunks(codes, rows, width))
         for i, (part, out) in enumerate(parts):
             if part.size == 0:
@@ -71,34 +74,142 @@ class QuantizePerChannel(Compressor):
             sl = slice(0, rows) if i == 0 else slice(rows, rows + 1)
             lo = part.min(axis=1)
             hi = part.max(axis=1)
-            with np.errstate(invalid="ignore", over="ignore"):
-                scale = (hi - lo) / xp.float32(self.levels)
-                safe = xp.where(scale > 0, scale, xp.float32(1.0))
-                q = part - lo[:, None]
-                q *= (xp.float32(1.0) / safe)[:, None]
-                xp.rint(q, out=q)
-                xp.clip(q, 0, self.levels, out=q)
-                q[~xp.isfinite(q)] = 0  # non-finite chunks are flagged by their params
+            scale, inv = self._scale(xp, lo, hi)
+            q = part - lo[:, None]
+            self._finish_codes(xp, q, inv)
             out[...] = q
             params[0, sl] = lo
             params[1, sl] = scale
         return params, codes
 
+    def _scale(self, xp, lo, hi):
+        """Per-chunk scale = (max - min) / levels, and the factor that maps values to codes."""
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            scale = (hi - lo) / xp.float32(self.levels)
+            safe = xp.where(scale > 0, scale, xp.float32(1.0))
+            return scale, xp.float32(1.0) / safe
+
+    def _finish_codes(self, xp, q, inv):
+        """q = (x - offset) in place -> rint((x - offset) / scale) clipped to the levels; codes of
+        non-finite chunks are 0 (those chunks are flagged by their params)."""
+        with np.errstate(invalid="ignore", over="ignore"):
+            q *= inv[:, None]
+            xp.rint(q, out=q)
+            xp.clip(q, 0, self.levels, out=q)
+            q[~xp.isfinite(q)] = 0
+
+    # NumPy kernels: the same arithmetic, a block of chunks at a time so the scratch stays in the
+    # L2 cache, and rint + float->uint8 done as one float add of 2**23 (which rounds half to even,
+    # like rint, and leaves the integer in the low mantissa bits) plus an integer narrowing.
+    _BLOCK = 1 << 16  # values per block
+    _ROUND_MAGIC = np.float32(2.0 ** 23)
+
+    def _quantize_blocked(self, x, params, codes, rows, width):
+        n = x.shape[0]
+        block = max(1, self._BLOCK // width) * width if width <= self._BLOCK else self._BLOCK
+        scratch = np.empty(min(block, n), np.float32)
+        if rows == 0 or width > self._BLOCK:  # one chunk per row too long for a block: params first
+            segments = [(r * width, (r + 1) * width) for r in range(rows)]
+            if n > rows * width:
+                segments.append((rows * width, n))
+            for c, (start, stop) in enumerate(segments):
+                part = x[start:stop]
+                lo, hi = part.min(keepdims=True), part.max(keepdims=True)
+                scale, inv = self._scale(np, lo, hi)
+                params[0, c], params[1, c] = lo[0], scale[0]
+                for b in range(start, stop, block):
+                    e = min(b + block, stop)
+                    self._encode(x[b:e].reshape(1, -1), codes[b:e].reshape(1, -1), lo, inv, scratch)
+            return
+        rows_per_block = block // width
+        for r0 in range(0, rows, rows_per_block):
+            r1 = min(r0 + rows_per_block, rows)
+            part = x[r0 * width:r1 * width].reshape(r1 - r0, width)
+            self._encode_rows(part, codes[r0 * width:r1 * width].reshape(r1 - r0, width),
+                              params[:, r0:r1], scratch)
+        if n > rows * width:
+            self._encode_rows(x[rows * width:].reshape(1, -1), codes[rows * width:].reshape(1, -1),
+                              params[:, rows:rows + 1], scratch)
+
+    def _encode_rows(self, part, out, params, scratch):
+        lo = part.min(axis=1)
+        hi = part.max(axis=1)
+        scale, inv = self._scale(np, lo, hi)
+        params[0] = lo
+        params[1] = scale
+        self._encode(part, out, lo, inv, scratch)
+
+    def _encode(self, part, out, lo, inv, scratch):
+        """codes of a (chunks, width) block with per-chunk ``lo`` and ``inv`` (1/scale)."""
+        q = scratch[:part.size].reshape(part.shape)
+        np.subtract(part, lo[:, None], out=q)
+        with np.errstate(invalid="ignore", over="ignore"):
+            finite = np.isfinite(lo).all() and np.isfinite(inv).all() and np.isfinite(lo + inv).all()
+        if not finite:  # a chunk with NaN/Inf (or a subnormal range): the reference sequence
+            self._finish_codes(np, q, inv)
+            out[...] = q
+            return
+        # Finite chunks need no clip: 0 <= fl(x - lo) <= fl(max - min) = d, and with a finite
+        # 1/scale (scale not deep in the subnormals) fl(d * fl(1/fl(d/levels))) is within 4 ulp of
+        # ``levels``, so q < levels + 0.5 rounds into [0, levels] (tests compare with the
+        # reference sequence bit for bit).
+        np.multiply(q, inv[:, None], out=q)
+        np.add(q, self._ROUND_MAGIC, out=q)
+        np.copyto(out, q.view(np.uint32), casting="unsafe")
+
     def dequantize_add(self, acc, params, codes):
         """acc += dequantized codes; chunks with non-finite params become NaN."""
         xp = array_module(acc)
         rows, width, tail = self._split(acc.shape[0])
+        if xp is np:
+            self._dequantize_add_blocked(acc, params, codes, rows, width)
+            return
         for i, (a, c) in enumerate(zip(self._chunks(acc, rows, width), self._chunks(codes, rows, width))):
             if a.size == 0:
                 continue
             sl = slice(0, rows) if i == 0 else slice(rows, rows + 1)
-            lo, scale = params[0, sl], params[1, sl]
-            with np.errstate(invalid="ignore"):
+            self._decode_add(xp, a, c, params[0, sl], params[1, sl])
+
+    def _decode_add(self, xp, a, c, lo, scale, scratch=None):
+        """a += c * scale + lo for a (chunks, width) block, as two adds (the same float32 roundings
+        on every path); chunks with non-finite params become NaN."""
+        with np.errstate(invalid="ignore", over="ignore"):
+            if scratch is None:
                 a += c * scale[:, None]
-                a += lo[:, None]
-            bad = ~(xp.isfinite(lo) & xp.isfinite(scale))
-            if bad.any():
-                a[bad] = xp.nan
+            else:
+                t = scratch[:a.size].reshape(a.shape)
+                np.copyto(t, c)  # uint8 -> float32, exact
+                np.multiply(t, scale[:, None], out=t)
+                np.add(a, t, out=a)
+            a += lo[:, None]
+        bad = ~(xp.isfinite(lo) & xp.isfinite(scale))
+        if bad.any():
+            a[bad] = xp.nan
+
+    def _dequantize_add_blocked(self, acc, params, codes, rows, width):
+        n = acc.shape[0]
+        block = max(1, self._BLOCK // width) * width if width <= self._BLOCK else self._BLOCK
+        scratch = np.empty(min(block, n), np.float32)
+        if rows == 0 or width > self._BLOCK:
+            segments = [(r * width, (r + 1) * width) for r in range(rows)]
+            if n > rows * width:
+                segments.append((rows * width, n))
+            for c, (start, stop) in enumerate(segments):
+                lo, scale = params[0, c:c + 1], params[1, c:c + 1]
+                for b in range(start, stop, block):
+                    e = min(b + block, stop)
+                    self._decode_add(np, acc[b:e].reshape(1, -1), codes[b:e].reshape(1, -1), lo, scale,
+                                     scratch)
+            return
+        rows_per_block = block // width
+        for r0 in range(0, rows, rows_per_block):
+            r1 = min(r0 + rows_per_block, rows)
+            sl = slice(r0 * width, r1 * width)
+            self._decode_add(np, acc[sl].reshape(r1 - r0, width), codes[sl].reshape(r1 - r0, width),
+                             params[0, r0:r1], params[1, r0:r1], scratch)
+        if n > rows * width:
+            self._decode_add(np, acc[rows * width:].reshape(1, -1), codes[rows * width:].reshape(1, -1),
+                             params[0, rows:rows + 1], params[1, rows:rows + 1], scratch)
 
     # -- the reduction -----------------------------------------------------------------------------
     def run(self, bucket, comm):
