@@ -1,0 +1,16 @@
+"""PyTorch adapter: every gradcomp compressor as a DDP communication hook.
+
+    import gradcomp.torch as gt
+    launch = gt.init_process_group()           # under `mpiexec -n 4 python train.py`; no torchrun
+    model = DistributedDataParallel(net.to(launch.device))
+    gt.register(model, gradcomp.FP16(gradcomp.Allreduce()))
+
+Importing ``gradcomp`` never imports torch (DESIGN invariant 6); only ``import gradcomp.torch`` does.
+``TorchCommunicator`` runs the compressors over torch.distributed instead of MPI (for torchrun).
+"""
+from .communicator import TorchCommunicator
+from .hook import HookState, comm_hook, default_comm, gradcomp_hook, register
+from .launch import Launch, init_process_group
+
+__all__ = ["register", "comm_hook", "init_process_group", "Launch", "TorchCommunicator",
+           "HookState", "gradcomp_hook", "default_comm"]

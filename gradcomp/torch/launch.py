@@ -1,0 +1,91 @@
+"""Start torch.distributed from an ``mpiexec`` launch: no torchrun, no environment variables.
+
+Rank and world size come from MPI. Rank 0 opens torch's TCPStore on a free port (the operating
+system picks it, so two jobs on one host never collide) and sends the port and its host name to
+the other ranks over MPI, as bytes (the buffer API: nothing is unpickled). Everyone then joins the
+process group through that store.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+class Launch(NamedTuple):
+    rank: int  # this process's rank in the job
+    size: int  # number of processes in the job
+    local_rank: int  # rank among the processes on this host (picks the GPU)
+    device: torch.device  # where this rank should put its model: cuda:<local GPU> or cpu
+    backend: str  # the torch.distributed backend in use
+
+
+def _bcast_bytes(comm, data: bytes | None, root: int = 0) -> bytes:
+    length = np.array([len(data) if data is not None else 0], dtype=np.int64)
+    comm.Bcast(length, root=root)
+    buf = np.frombuffer(data, dtype=np.uint8).copy() if data is not None else np.empty(int(length[0]), np.uint8)
+    comm.Bcast(buf, root=root)
+    return buf.tobytes()
+
+
+def init_process_group(backend: str | None = None, timeout: datetime.timedelta | None = None) -> Launch:
+    """Initialize torch.distributed's default process group on every rank of ``MPI.COMM_WORLD``.
+
+    ``backend``: None picks nccl when CUDA is available and gloo otherwise. With CUDA, each rank
+    is bound to GPU ``local_rank % device_count`` first. ``timeout``: the process group's timeout
+    for collectives (torch's default when None). The rendezvous host is ``MASTER_ADDR`` if set,
+    127.0.0.1 when all ranks share one host, else rank 0's host name.
+
+    If torch.distributed is already initialized, nothing is started; the sizes must agree.
+    Also sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` where unset, for
+    code that reads torchrun's variables. Returns a ``Launch`` (rank, size, local_rank, device,
+    backend). Must be called on every rank (it is collective).
+    """
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = local.Get_rank(), local.Get_size()
+    local.Free()
+    cuda = torch.cuda.is_available()
+    if backend is None:
+        backend = "nccl" if cuda else "gloo"
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    for name, value in (("RANK", rank), ("WORLD_SIZE", size), ("LOCAL_RANK", local_rank),
+                        ("LOCAL_WORLD_SIZE", local_size)):
+        os.environ.setdefault(name, str(value))
+
+    if dist.is_initialized():
+        if dist.get_world_size() != size or dist.get_rank() != rank:
+            raise RuntimeError(f"gradcomp.torch.init_process_group: torch.distributed is already "
+                               f"initialized as rank {dist.get_rank()} of {dist.get_world_size()}, "
+                               f"but MPI says rank {rank} of {size}")
+        return Launch(rank, size, local_rank, device, str(dist.get_backend()))
+
+    smallest_host = np.array([local_size], dtype=np.int64)
+    world.Allreduce(MPI.IN_PLACE, smallest_host, op=MPI.MIN)
+    all_local = int(smallest_host[0]) == size
+    host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if all_local else socket.gethostname())
+    store_timeout = timeout or datetime.timedelta(seconds=300)
+    if rank == 0:
+        port = int(os.environ.get("GRADCOMP_STORE_PORT", "0"))  # 0: let the OS pick a free port
+        store = dist.TCPStore(host, port, size, is_master=True, timeout=store_timeout,
+                              wait_for_workers=False)
+        address = f"{host}\n{store.port}".encode()
+    else:
+        address = None
+    host, port = _bcast_bytes(world, address).decode().split("\n")
+    if rank != 0:
+        store = dist.TCPStore(host, int(port), size, is_master=False, timeout=store_timeout)
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, **kwargs)
+    return Launch(rank, size, local_rank, device, backend)
