@@ -1,0 +1,6 @@
+"""``python -m gradcomp ...``: see ``gradcomp.cli``."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

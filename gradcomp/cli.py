@@ -1,0 +1,60 @@
+"""Command line: ``python -m gradcomp bench ...`` (also the ``gradcomp`` console script).
+
+``bench``  run the benchmarks (ranks x models x methods, plus kernel throughput) and write
+           results.json, results.csv, kernels.csv, summary.md and PNG figures to ``--out``.
+``report`` rebuild the summary, CSV and figures from the JSON files already in a folder (for
+           example after adding ``capped-*.json`` files from ``bench/capped.sh`` runs).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default="resnet50,bert-base",
+                   help="comma-separated: resnet50, bert-base, tiny (default: %(default)s)")
+    p.add_argument("--ranks", default="2,3,4", help="comma-separated numbers of ranks (default: %(default)s)")
+    p.add_argument("--methods", default="all",
+                   help="comma-separated method names, or all / gradcomp / torch (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per method; the median is kept")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 3 so PowerSGD compresses)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB (DDP's default: 25)")
+    p.add_argument("--torch", choices=("auto", "on", "off"), default="auto",
+                   help="compare with PyTorch's DDP hooks (auto: when torch is installed)")
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure kernel throughput as a multiple of memcpy")
+    p.add_argument("--kernel-mb", type=float, default=100.0, help="buffer size of the kernel figures")
+    p.add_argument("--kernel-methods", default="gradcomp", help="methods in the kernel figure")
+    p.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True, help="write PNG figures")
+    p.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="gradcomp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="run the benchmarks")
+    _bench_args(bench)
+    rep = sub.add_parser("report", help="summary, CSV and figures from the JSON files in a folder")
+    rep.add_argument("folder", nargs="?", default="bench-results")
+    rep.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args(argv)
+
+    from .bench import driver
+
+    if args.command == "bench":
+        result = driver.run(args)
+    else:
+        jobs, kernel_rows, _ = driver.load(args.folder)
+        result = driver.report(args.folder, jobs, kernel_rows, dict(command=" ".join(sys.argv)),
+                               plots=args.plots)
+    print(result["summary"])
+    for path in result.get("figures", []):
+        print("figure:", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
