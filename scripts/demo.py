@@ -1,0 +1,136 @@
+"""`make demo`: train examples/numpy_mlp.py once per compressor under mpiexec, print one table.
+
+    python scripts/demo.py                                  # every compressor in gradcomp.REGISTRY
+    python scripts/demo.py --compressors allreduce fp16 --repeats 3 -- --epochs 20
+
+Each run is a separate ``mpiexec -n RANKS`` job (the mpiexec beside this Python, so the one the
+virtual environment installed) writing a JSON summary; the table gathers them. Arguments after
+``--`` go to the example unchanged. With ``--repeats``, the compressors take turns (round-robin), so
+slow moments of a shared machine spread over all of them, and the time per step is the median over
+repeats. Accuracy and bytes are deterministic for a given seed; only the time varies.
+
+Bytes and compression ratio are those of the last epoch, i.e. after any warm-up (PowerSGD starts
+with plain allreduce); the ratio is what a plain allreduce of the same buckets would send divided by
+what was sent, both counted for bandwidth-optimal algorithms (ring allreduce, allgather).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "numpy_mlp.py"
+
+
+def mpiexec() -> str:
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def parse_args(argv=None):
+    import gradcomp
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--compressors", nargs="+", default=list(gradcomp.REGISTRY),
+                   help="registry names (default: all of gradcomp.REGISTRY)")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=300, help="seconds per run")
+    p.add_argument("--json", metavar="PATH", help="also write every run's summary here")
+    args = p.parse_args(argv)
+    unknown = [c for c in args.compressors if c not in gradcomp.REGISTRY]
+    if unknown:
+        p.error(f"unknown compressor(s) {unknown}; known: {', '.join(gradcomp.REGISTRY)}")
+    args.example_args = passthrough
+    return args
+
+
+def run_once(name: str, ranks: int, example_args: list[str], timeout: float) -> dict:
+    """One mpiexec job; its JSON summary, or {"error": ...} with the tail of its output."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_json = Path(tmp) / "summary.json"
+        cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(EXAMPLE), "--compressor", name,
+               "--json", str(out_json), *example_args]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s"}
+        if proc.returncode != 0 or not out_json.exists():
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+            return {"error": f"exit {proc.returncode}:\n    " + "\n    ".join(tail)}
+        return json.loads(out_json.read_text())
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    """A Markdown table (also readable as plain text): one row per compressor."""
+    base = results.get("allreduce", [{}])[0]
+    base_time = statistics.median(r["time_per_step_s"] for r in results["allreduce"]) \
+        if "test_accuracy" in base else None
+    header = ["compressor", "test acc %", "vs allreduce (points)", "bytes/rank/step",
+              "compression ratio", "time/step ms", "time vs allreduce"]
+    rows = []
+    for name, runs in results.items():
+        first = runs[0]
+        if "error" in first:
+            rows.append([name, "FAILED"] + [""] * (len(header) - 2))
+            continue
+        acc = 100 * first["test_accuracy"]
+        t = statistics.median(r["time_per_step_s"] for r in runs)
+        rows.append([
+            name, f"{acc:.2f}",
+            f"{acc - 100 * base['test_accuracy']:+.2f}" if "test_accuracy" in base else "",
+            f"{first['last_epoch']['bytes_sent_per_step']:,.0f}",
+            f"{first['last_epoch']['compression_ratio']:.2f}",
+            f"{1e3 * t:.2f}",
+            f"{t / base_time:.2f}x" if base_time else ""])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w)
+                                           for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+    rule = "|" + "|".join("-" * (w + 1) + (":" if i else "-") for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(header), rule] + [line(r) for r in rows])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    results: dict[str, list[dict]] = {name: [] for name in args.compressors}
+    total, done = len(args.compressors) * args.repeats, 0
+    for _ in range(args.repeats):
+        for name in args.compressors:
+            done += 1
+            start = time.perf_counter()
+            print(f"[{done}/{total}] {name} on {args.ranks} ranks ...", end=" ", file=sys.stderr, flush=True)
+            summary = run_once(name, args.ranks, args.example_args, args.timeout)
+            results[name].append(summary)
+            status = summary["error"] if "error" in summary else f"{100 * summary['test_accuracy']:.2f} %"
+            print(f"{time.perf_counter() - start:.1f} s, {status}", file=sys.stderr, flush=True)
+    first = next((r for runs in results.values() for r in runs if "steps" in r), {})
+    print(f"\nDigits MLP (examples/numpy_mlp.py) on {args.ranks} ranks"
+          + (f": {first['epochs']} epochs, {first['steps']} steps, batch {first['batch_size_per_rank']}"
+             f" per rank, lr {first['lr']}, seed {first['seed']}, bucket cap {first['bucket_cap_mb']} MB"
+             if first else "")
+          + f"; time/step: median over steps, then over {args.repeats} run(s)\n")
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    failed = [n for n, runs in results.items() if any("error" in r for r in runs)]
+    unequal = [n for n, runs in results.items()
+               if len({r.get("test_accuracy") for r in runs}) > 1 or not all(r.get("weights_identical", 1) for r in runs)]
+    if unequal:
+        print(f"\nnot deterministic across repeats or ranks: {', '.join(unequal)}", file=sys.stderr)
+    return 1 if failed or unequal else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
