@@ -11,11 +11,13 @@ from .comm import (CollectiveError, Communicator, CommunicatorBroken, MPICommuni
                    default_communicator)
 from .compressors import (BF16, FP16, REGISTRY, Allgather, Allreduce, Compressor,
                           QuantizePerChannel, QuantizePerTensor, make, register)
+from .compressors.powersgd import BatchedPowerSGD, PowerSGD
+from .schedule import Schedule
 from .gradients import allreduce_gradients
 
 __version__ = "0.1.0"
 
 __all__ = ["Bucket", "Communicator", "MPICommunicator", "CollectiveError", "CommunicatorBroken",
            "default_communicator", "Compressor", "Allreduce", "Allgather", "FP16", "BF16",
-           "QuantizePerTensor", "QuantizePerChannel", "REGISTRY", "make", "register",
-           "allreduce_gradients"]
+           "QuantizePerTensor", "QuantizePerChannel", "PowerSGD", "BatchedPowerSGD", "Schedule",
+           "REGISTRY", "make", "register", "allreduce_gradients"]

@@ -11,6 +11,7 @@ from .allgather import Allgather
 from .allreduce import Allreduce
 from .base import Compressor, agree
 from .cast import BF16, FP16, Cast
+from .powersgd import BatchedPowerSGD, PowerSGD
 from .quantize import QuantizePerChannel, QuantizePerTensor
 
 #: name -> factory building a compressor with the defaults a user would start from.
@@ -37,6 +38,12 @@ register("fp16", lambda: FP16(Allreduce()))
 register("bf16", lambda: BF16(Allreduce()))
 register("quantize-tensor", QuantizePerTensor)
 register("quantize-channel", QuantizePerChannel)
+# PowerSGD: rank 2 after a 10-step warm-up (one epoch of the 4-rank digits demo).
+register("powersgd", lambda: PowerSGD(rank=2, start_iter=10))
+register("fp16-powersgd", lambda: FP16(PowerSGD(rank=2, start_iter=10)))
+register("powersgd-noef", lambda: PowerSGD(rank=2, start_iter=10, error_feedback=False))
+register("powersgd-1round", lambda: PowerSGD(rank=2, start_iter=10, rounds=1))
+register("batched-powersgd", lambda: BatchedPowerSGD(rank=1, start_iter=10))
 
 __all__ = ["Compressor", "Allreduce", "Allgather", "Cast", "FP16", "BF16", "QuantizePerTensor",
-           "QuantizePerChannel", "REGISTRY", "register", "make", "agree"]
+           "QuantizePerChannel", "PowerSGD", "BatchedPowerSGD", "REGISTRY", "register", "make", "agree"]
