@@ -119,7 +119,8 @@ class QuantizePerChannel(Compressor):
                 params[0, c], params[1, c] = lo[0], scale[0]
                 for b in range(start, stop, block):
                     e = min(b + block, stop)
-                    self._encode(x[b:e].reshape(1, -1), codes[b:e].reshape(1, -1), lo, inv, scratch)
+                    self._encode(x[b:e].reshape(1, -1), codes[b:e].reshape(1, -1), lo, scale, inv,
+                                 scratch)
             return
         rows_per_block = block // width
         for r0 in range(0, rows, rows_per_block):
@@ -137,15 +138,15 @@ class QuantizePerChannel(Compressor):
         scale, inv = self._scale(np, lo, hi)
         params[0] = lo
         params[1] = scale
-        self._encode(part, out, lo, inv, scratch)
+        self._encode(part, out, lo, scale, inv, scratch)
 
-    def _encode(self, part, out, lo, inv, scratch):
-        """codes of a (chunks, width) block with per-chunk ``lo`` and ``inv`` (1/scale)."""
+    def _encode(self, part, out, lo, scale, inv, scratch):
+        """codes of a (chunks, width) block with per-chunk ``lo``, ``scale`` and ``inv`` = 1/scale."""
         q = scratch[:part.size].reshape(part.shape)
-        np.subtract(part, lo[:, None], out=q)
         with np.errstate(invalid="ignore", over="ignore"):
-            finite = np.isfinite(lo).all() and np.isfinite(inv).all() and np.isfinite(lo + inv).all()
-        if not finite:  # a chunk with NaN/Inf (or a subnormal range): the reference sequence
+            np.subtract(part, lo[:, None], out=q)
+        finite = np.isfinite(lo).all() and np.isfinite(scale).all() and np.isfinite(inv).all()
+        if not finite:  # a chunk with NaN/Inf, an overflowing or subnormal range: the reference sequence
             self._finish_codes(np, q, inv)
             out[...] = q
             return

@@ -1,0 +1,256 @@
+"""Benchmarks and the kernels they measure: correctness only, never a wall-clock threshold.
+
+* ``gradcomp.halfcast`` (behind ``arrays.cast``) is bit-identical to NumPy's float16 casts.
+* The blocked NumPy quantization kernels are bit-identical to the documented reference sequence.
+* ``python -m gradcomp bench`` on a tiny model, 1 and 2 real ranks, writes JSON, CSV and PNGs whose
+  numbers make sense (bytes per rank, errors).
+* ``bench/capped.sh`` really puts ranks in their own namespaces and cleans up, also on failure
+  (skipped without root or without iproute2).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gradcomp import halfcast
+from gradcomp.arrays import cast
+from gradcomp.compressors import QuantizePerChannel, QuantizePerTensor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CAPPED = os.path.join(ROOT, "bench", "capped.sh")
+
+
+# -- float16 kernels --------------------------------------------------------------------------------
+def _awkward_float32_bits() -> np.ndarray:
+    """Every float16 value as float32, the rounding midpoints between neighbours and the values one
+    ulp either side, plus random bit patterns (NaN payloads, subnormals, huge values)."""
+    h = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+    h = h.astype(np.int64)
+    near = [h + d for d in (0, 1, -1, 1 << 12, (1 << 12) - 1, (1 << 12) + 1, 1 << 13, (1 << 13) - 1,
+                            (1 << 13) + 1)]
+    rng = np.random.default_rng(0)
+    random_bits = rng.integers(0, 1 << 32, 1 << 20, dtype=np.int64)
+    special = np.array([0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0x7F802000, 0x7F801FFF,
+                        0x477FEFFF, 0x477FF000, 0x477FF001, 0x47800000, 0x33000000, 0x33000001,
+                        0x387FC000, 0x387FE000, 0x00000001, 0x80000000], dtype=np.int64)
+    return (np.concatenate(near + [random_bits, special]) % (1 << 32)).astype(np.uint32)
+
+
+def test_float32_to_float16_is_numpy_bit_for_bit():
+    x = _awkward_float32_bits().view(np.float32)
+    with np.errstate(all="ignore"):
+        expected = x.astype(np.float16).view(np.uint16)
+    got = halfcast.float32_to_float16(x).view(np.uint16)
+    bad = np.flatnonzero(got != expected)
+    assert bad.size == 0, [(hex(int(x.view(np.uint32)[i])), hex(int(expected[i])), hex(int(got[i])))
+                           for i in bad[:5]]
+
+
+def test_float16_to_float32_is_numpy_bit_for_bit():
+    every_half = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    expected = every_half.astype(np.float32).view(np.uint32)
+    assert np.array_equal(halfcast.float16_to_float32(every_half).view(np.uint32), expected)
+
+
+@pytest.mark.parametrize("shape", [(0,), (5,), (halfcast.MIN_SIZE,), (3 * halfcast.CHUNK + 7,),
+                                   (300, 257)])
+def test_cast_dispatch_keeps_shape_and_values(shape):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_t(3, size=shape) * 1e-3).astype(np.float32)
+    h = cast(x, np.float16)
+    assert h.dtype == np.float16 and h.shape == x.shape
+    assert np.array_equal(h.view(np.uint16), x.astype(np.float16).view(np.uint16))
+    back = cast(h, "float32")
+    assert back.dtype == np.float32 and back.shape == x.shape
+    assert np.array_equal(back.view(np.uint32), h.astype(np.float32).view(np.uint32))
+    assert x.flags.writeable and np.shares_memory(h, x) is False
+
+
+def test_cast_of_a_strided_view_still_works():
+    x = np.arange(200000, dtype=np.float32)[::2]
+    assert np.array_equal(cast(x, np.float16), x.astype(np.float16))
+
+
+# -- quantization kernels -----------------------------------------------------------------------------
+def _reference_quantize(x, bits, width):
+    """The documented semantics, written plainly: per chunk offset = min, scale = (max-min)/levels,
+    codes = clip(rint((x - offset) / scale)) with 1/scale computed once; non-finite -> code 0."""
+    levels = (1 << bits) - 1
+    n = x.shape[0]
+    width = width or max(n, 1)
+    starts = list(range(0, n, width))
+    params = np.empty((2, len(starts)), np.float32)
+    codes = np.empty(n, np.uint8)
+    with np.errstate(all="ignore"):
+        for c, s in enumerate(starts):
+            part = x[s:s + width]
+            lo, hi = part.min(), part.max()
+            scale = (hi - lo) / np.float32(levels)
+            inv = np.float32(1.0) / (scale if scale > 0 else np.float32(1.0))
+            q = (part - lo) * inv
+            q = np.clip(np.rint(q), 0, levels)
+            q[~np.isfinite(q)] = 0
+            codes[s:s + width] = q
+            params[:, c] = lo, scale
+    return params, codes
+
+
+def _reference_dequantize_add(acc, params, codes, width):
+    n = acc.shape[0]
+    width = width or max(n, 1)
+    with np.errstate(all="ignore"):
+        for c, s in enumerate(range(0, n, width)):
+            lo, scale = params[0, c], params[1, c]
+            a = acc[s:s + width]
+            a += codes[s:s + width] * scale
+            a += lo
+            if not (np.isfinite(lo) and np.isfinite(scale)):
+                a[...] = np.nan
+
+
+def _quantize_cases():
+    rng = np.random.default_rng(2)
+    cases = {f"t2-{n}": rng.standard_t(2, n).astype(np.float32) for n in (1, 7, 511, 512, 513, 70001)}
+    x = rng.standard_t(2, 140000).astype(np.float32)
+    x[[10, 5000, 90000]] = [np.nan, np.inf, -np.inf]
+    cases["non-finite"] = x
+    x = np.zeros(3000, np.float32)
+    x[3] = 1e-40  # a subnormal range: 1/scale overflows
+    cases["subnormal-range"] = x
+    x = rng.standard_t(2, 3000).astype(np.float32)
+    x[7], x[8] = 3e38, -3e38  # the range overflows
+    cases["overflowing-range"] = x
+    base = np.float32(1.0) + np.arange(4096, dtype=np.float32) * np.float32(2.0 ** -23)
+    cases["few-ulp-ranges"] = rng.permutation(np.repeat(base, 3))  # ranges of a few ulp
+    cases["constant"] = np.full(2000, 0.25, np.float32)
+    return cases
+
+
+@pytest.mark.parametrize("bits,width", [(8, 512), (4, 512), (1, 512), (8, 3), (8, 100000), (8, None)])
+def test_quantize_kernels_match_the_reference_bit_for_bit(bits, width):
+    q = QuantizePerTensor(bits) if width is None else QuantizePerChannel(bits, width)
+    for name, x in _quantize_cases().items():
+        params, codes = q.quantize(x)
+        ref_params, ref_codes = _reference_quantize(x, bits, width)
+        assert np.array_equal(params.view(np.uint32), ref_params.view(np.uint32)), name
+        assert np.array_equal(codes, ref_codes), name
+        acc = np.random.default_rng(3).standard_normal(x.size).astype(np.float32)
+        ref = acc.copy()
+        q.dequantize_add(acc, params, codes)
+        _reference_dequantize_add(ref, ref_params, ref_codes, width)
+        assert np.array_equal(acc.view(np.uint32), ref.view(np.uint32)), name
+
+
+# -- the bench CLI, on real ranks ------------------------------------------------------------------------
+def test_bench_cli_writes_json_csv_and_figures(tmp_path):
+    out = tmp_path / "results"
+    methods = "allreduce,fp16,allgather,quantize-channel,powersgd-r1"
+    cmd = [sys.executable, "-m", "gradcomp", "bench", "--models", "tiny", "--ranks", "1,2",
+           "--methods", methods, "--torch", "off", "--repeats", "2", "--warmup", "3",
+           "--kernel-mb", "1", "--repeats", "2", "--quiet", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    data = json.loads((out / "results.json").read_text())
+    assert sorted(j["ranks"] for j in data["jobs"]) == [1, 2]
+    two = next(j for j in data["jobs"] if j["ranks"] == 2)
+    by = {r["method"]: r for r in two["results"]}
+    assert set(by) == {"memcpy"} | set(methods.split(","))
+    n = two["numel"]
+    assert by["allreduce"]["bytes_per_rank"] == pytest.approx(2 * (2 - 1) / 2 * 4 * n)
+    assert by["fp16"]["bytes_per_rank"] == pytest.approx(by["allreduce"]["bytes_per_rank"] / 2)
+    assert by["allgather"]["bytes_per_rank"] == pytest.approx(4 * n)
+    assert by["allreduce"]["rel_error"] < 1e-6
+    assert 1e-5 < by["fp16"]["rel_error"] < 1e-2
+    assert by["powersgd-r1"]["compression_ratio"] > 2
+    for r in two["results"]:
+        assert r["time_s"] > 0 and len(r["times_s"]) == 2
+    one = next(j for j in data["jobs"] if j["ranks"] == 1)
+    assert all(r["bytes_per_rank"] == 0 for r in one["results"])
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert len(rows) == 2 * (1 + len(methods.split(",")))
+    kernels = list(csv.DictReader((out / "kernels.csv").open()))
+    assert kernels[0]["kernel"] == "memcpy" and float(kernels[0]["vs_memcpy"]) == 1.0
+    for png in ("time_vs_bandwidth-tiny.png", "error_vs_ratio-tiny.png", "bytes_vs_ranks-tiny.png",
+                "kernels.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    assert "| allreduce |" in (out / "summary.md").read_text()
+
+
+# -- bench/capped.sh ------------------------------------------------------------------------------------
+def _capped_available():
+    if os.geteuid() != 0:
+        return "bench/capped.sh needs root"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "bench/capped.sh needs iproute2 (ip, tc)"
+    probe = subprocess.run(["ip", "netns", "add", "gcbprobe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", "gcbprobe"], capture_output=True)
+    if probe.returncode != 0:
+        return "network namespaces are not permitted here"
+    return None
+
+
+def _our_namespaces():
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.startswith("gcb")]
+
+
+RANK_PROGRAM = r"""
+import os, sys
+import numpy as np
+from mpi4py import MPI
+w = MPI.COMM_WORLD
+addr = open('/proc/net/fib_trie').read()
+assert '10.77.0.%d' % (w.rank + 1) in addr, 'rank %d is not in its own namespace' % w.rank
+assert os.environ['GRADCOMP_NETWORK'] == '200mbit'
+x = np.full(1000, w.rank + 1.0)
+w.Allreduce(MPI.IN_PLACE, x)
+assert (x == w.size * (w.size + 1) / 2).all()
+sys.stdout.write('rank %d ok\n' % w.rank); sys.stdout.flush()
+sys.exit(int(os.environ.get('FAIL_WITH', '0')))
+"""
+
+
+def test_capped_runs_ranks_in_their_own_namespaces_and_cleans_up():
+    why = _capped_available()
+    if why:
+        pytest.skip(why)
+    before = _our_namespaces()
+    done = subprocess.run([CAPPED, "200mbit", "2", sys.executable, "-c", RANK_PROGRAM],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "rank 0 ok" in done.stdout and "rank 1 ok" in done.stdout
+    assert "rank 1 sent" in done.stderr
+    assert _our_namespaces() == before
+
+
+def test_capped_cleans_up_when_the_program_fails():
+    why = _capped_available()
+    if why:
+        pytest.skip(why)
+    before = _our_namespaces()
+    done = subprocess.run([CAPPED, "200mbit", "2", sys.executable, "-c", RANK_PROGRAM],
+                          capture_output=True, text=True, timeout=180, env=dict(os.environ, FAIL_WITH="3"))
+    assert done.returncode != 0
+    assert _our_namespaces() == before
+
+
+def test_capped_rejects_bad_arguments():
+    done = subprocess.run([CAPPED, "1gbit", "zero", "true"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "NRANKS must be a number" in done.stderr
+
+
+def test_capped_skips_clearly_without_root():
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() == 0 and not setpriv:
+        pytest.skip("running as root and no setpriv to drop privileges")
+    prefix = [] if os.geteuid() != 0 else [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+    done = subprocess.run(prefix + [CAPPED, "1gbit", "2", "true"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 77
+    assert "skipped: needs root" in done.stderr
