@@ -221,6 +221,15 @@ def _t(a):
     return a.swapaxes(-1, -2)
 
 
+def _decompress(xp, out, p, q) -> None:
+    """``out = P Q^T``. At rank 1 an outer product by broadcasting: BLAS GEMM with an inner
+    dimension of 1 is many times slower than the single multiply per element it amounts to."""
+    if p.shape[-1] == 1:
+        xp.multiply(p, _t(q), out=out)
+    else:
+        xp.matmul(p, _t(q), out=out)
+
+
 @dataclass
 class _BucketState:
     """Memory of one bucket index: reset whenever that index arrives with another layout."""
@@ -420,12 +429,15 @@ class PowerSGD(Compressor):
         g = bucket.buffer
         n = bucket.numel
 
-        # 1. x = gradient + residual, in the error dtype (fresh array: the input stays untouched)
+        # 1. x = gradient + residual, in the error dtype, written over the old residual (which is
+        #    ours) or into a new array: the input stays untouched
         if self.error_feedback:
             ef = storage if self.error_dtype is None else _dtype(self.error_dtype, xp)
-            x = cast(g, ef)
-            if st.error is not None:
-                x += _on(xp, st.error)
+            if st.error is None:
+                x = cast(g, ef)
+            else:
+                x, st.error = _on(xp, st.error), None
+                xp.add(g, x, out=x)
         else:
             x = g
         mx = x if x.dtype == compute else cast(x, compute)
@@ -541,7 +553,7 @@ class PowerSGD(Compressor):
             xp.matmul(_t(m), pp, out=qq)
         q = self._allreduce_mean(q_local, comm, storage, compute)
         for o, pp, qq in plan.views(out, p, q):
-            xp.matmul(pp, _t(qq), out=o)
+            _decompress(xp, o, pp, qq)
         st.q = q  # P is recomputed from Q every step: only Q is memory here
         return p, q
 
@@ -570,7 +582,7 @@ class PowerSGD(Compressor):
         new = summed[plan.n_unc:]
         p, q = (new, basis) if st.phase == 0 else (basis, new)
         for o, pp, qq in plan.views(out, p, q):
-            xp.matmul(pp, _t(qq), out=o)
+            _decompress(xp, o, pp, qq)
         st.p, st.q, st.phase = p, q, 1 - st.phase
         return p, q
 
