@@ -381,7 +381,22 @@ def rank_dtypes():
             assert err < tol, f"{np.dtype(dtype).name} step {step}: {err:.3g}"
 
 
-@pytest.mark.parametrize("check", ["rank_zero_gradients", "rank_exact_cases", "rank_batched_low_rank",
+def rank_batch_same_shape():
+    """Fusing consecutive same-shape products (LAYOUT_B's two 16x20 tensors) changes nothing."""
+    comm = gc.MPICommunicator()
+    rng = np.random.default_rng([8, comm.rank])
+    plain = gc.PowerSGD(rank=2, start_iter=2)
+    fused = gc.PowerSGD(rank=2, start_iter=2, batch_same_shape=True)
+    assert any(b[1] == 2 for b in _Plan(LAYOUT_B, numel(LAYOUT_B), 2, 2, False, True).batches)
+    for step in range(6):
+        for index, layout, last, g in step_buckets(rng):
+            a = plain.reduce(gc.Bucket(g, index, layout, last), comm).result()
+            b = fused.reduce(gc.Bucket(g, index, layout, last), comm).result()
+            assert np.allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(a).max()), f"step {step}"
+            assert same_everywhere(comm, b)
+
+
+@pytest.mark.parametrize("check", ["rank_zero_gradients", "rank_batch_same_shape", "rank_exact_cases", "rank_batched_low_rank",
                                    "rank_non_finite_recovers", "rank_layout_change_resets",
                                    "rank_dtypes"])
 @pytest.mark.parametrize("nranks", [1, 3])
