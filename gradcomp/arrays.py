@@ -62,6 +62,29 @@ def cast(array, dtype):
     return array.astype(dtype)
 
 
+def _numpy_half_vector(array) -> bool:
+    return (type(array) is np.ndarray and array.dtype == np.float16 and array.ndim == 1
+            and array.flags.c_contiguous and array.size >= _halfcast.MIN_SIZE)
+
+
+def divide(array, divisor):
+    """``array / divisor`` in the array's own dtype (a new array). NumPy float16 goes through
+    ``gradcomp.halfcast`` (same bits as NumPy's float16 division, which is emulated and slow)."""
+    if _numpy_half_vector(array):
+        return _halfcast.divide(array, divisor)
+    return array / array.dtype.type(divisor)
+
+
+def add_into(acc, other):
+    """``acc += other`` in ``acc``'s dtype; NumPy float16 goes through ``gradcomp.halfcast``
+    (same bits as NumPy's emulated float16 add, computed with SIMD float32 kernels)."""
+    if (_numpy_half_vector(acc) and type(other) is np.ndarray and other.dtype == np.float16
+            and other.shape == acc.shape and other.flags.c_contiguous):
+        return _halfcast.add_into(acc, other)
+    acc += other
+    return acc
+
+
 def to_host(array) -> np.ndarray:
     """A NumPy view/copy of ``array`` (synchronous for CuPy)."""
     if is_device_array(array):

@@ -20,7 +20,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
-from .arrays import array_module, synchronize
+from .arrays import add_into, array_module, synchronize
 
 
 class CollectiveError(ValueError):
@@ -347,7 +347,7 @@ def sum_by_alltoall(comm: Communicator, array):
     blocks = comm.alltoall(padded)
     total = blocks[0].copy()
     for r in range(1, size):
-        total += blocks[r]
+        add_into(total, blocks[r])
     return comm.allgather(total).reshape(-1)[:n]
 
 

@@ -110,3 +110,41 @@ def float16_to_float32(h: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
                 v[m] |= _F32_INF  # Inf/NaN: all exponent bits set, mantissa kept
             np.bitwise_or(v, s, out=result[start:start + k])
     return out
+
+
+def _binary(op, a: np.ndarray, b, out: np.ndarray) -> np.ndarray:
+    """``out = op(a, b)`` for contiguous 1-D float16 ``a`` (and ``b``: same-length float16 array or
+    a Python/NumPy scalar), computed in float32 and rounded once to float16, chunk by chunk.
+
+    This is what NumPy's own float16 loops compute (convert, operate in float32, round), so the
+    bits are the same; and since float32 carries more than twice float16's 11 significant bits
+    plus two, the result is also the correctly rounded float16 result of +, -, *, / (no double
+    rounding error), as native float16 hardware would give.
+    """
+    n = a.shape[0]
+    size = min(CHUNK, n)
+    fa = np.empty(size, np.float32)
+    fb = np.empty(size, np.float32) if isinstance(b, np.ndarray) else None
+    scalar = None if fb is not None else np.float32(np.float16(b))
+    with np.errstate(all="ignore"):
+        for start in range(0, n, CHUNK):
+            stop = min(start + CHUNK, n)
+            k = stop - start
+            float16_to_float32(a[start:stop], fa[:k])
+            if fb is not None:
+                float16_to_float32(b[start:stop], fb[:k])
+                op(fa[:k], fb[:k], out=fa[:k])
+            else:
+                op(fa[:k], scalar, out=fa[:k])
+            float32_to_float16(fa[:k], out[start:stop])
+    return out
+
+
+def add_into(acc: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """``acc += other`` for contiguous 1-D float16 arrays, bit-identical to NumPy's float16 add."""
+    return _binary(np.add, acc, other, acc)
+
+
+def divide(a: np.ndarray, divisor) -> np.ndarray:
+    """``a / divisor`` (a new float16 array), bit-identical to NumPy's float16 division."""
+    return _binary(np.true_divide, a, divisor, np.empty(a.shape[0], np.float16))

@@ -78,6 +78,29 @@ def test_cast_of_a_strided_view_still_works():
     assert np.array_equal(cast(x, np.float16), x.astype(np.float16))
 
 
+def _same_or_both_nan(a, b):
+    """Bit-identical, except that which NaN payload survives a NaN + NaN is not specified."""
+    return bool(np.all((a.view(np.uint16) == b.view(np.uint16)) | (np.isnan(a) & np.isnan(b))))
+
+
+def test_half_divide_and_add_are_numpy_bit_for_bit():
+    from gradcomp.arrays import add_into, divide
+
+    every_half = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    rng = np.random.default_rng(4)
+    with np.errstate(all="ignore"):
+        for d in (2, 3, 4, 7, 1024):
+            assert _same_or_both_nan(divide(every_half, d), every_half / np.float16(d)), d
+        a = rng.integers(0, 1 << 16, 1 << 20, dtype=np.uint16).view(np.float16)
+        b = rng.integers(0, 1 << 16, 1 << 20, dtype=np.uint16).view(np.float16)
+        expected = a + b
+        acc = a.copy()
+        assert add_into(acc, b) is acc
+        assert _same_or_both_nan(acc, expected)
+        small = np.ones(10, np.float16)  # below MIN_SIZE: plain NumPy
+        assert np.array_equal(add_into(small, small), np.full(10, 2, np.float16))
+
+
 # -- quantization kernels -----------------------------------------------------------------------------
 def _reference_quantize(x, bits, width):
     """The documented semantics, written plainly: per chunk offset = min, scale = (max-min)/levels,

@@ -1,6 +1,7 @@
 """Plain averaging allreduce: the exact baseline every other method is measured against."""
 from __future__ import annotations
 
+from ..arrays import divide
 from .base import Compressor
 
 
@@ -17,5 +18,5 @@ class Allreduce(Compressor):
     """
 
     def run(self, bucket, comm):
-        x = bucket.buffer / bucket.dtype.type(comm.size) if comm.size > 1 else bucket.buffer
+        x = divide(bucket.buffer, comm.size) if comm.size > 1 else bucket.buffer
         return comm.allreduce(x)
