@@ -27,7 +27,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-mb", type=float, default=100.0, help="buffer size of the kernel figures")
     p.add_argument("--kernel-methods", default="gradcomp", help="methods in the kernel figure")
     p.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True, help="write PNG figures")
-    p.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
+    p.add_argument("--out", default="results/bench", help="output folder (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     bench = sub.add_parser("bench", help="run the benchmarks")
     _bench_args(bench)
     rep = sub.add_parser("report", help="summary, CSV and figures from the JSON files in a folder")
-    rep.add_argument("folder", nargs="?", default="bench-results")
+    rep.add_argument("folder", nargs="?", default="results/bench")
     rep.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args(argv)
 

@@ -64,8 +64,8 @@ def float32_to_float16(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
             np.subtract(s, _HALF_SUBNORMAL_MAGIC, out=s)
             np.less(a, _SMALLEST_NORMAL_HALF, out=m)
             np.copyto(r, s, where=m)
-            np.greater_equal(a, _OVERFLOW, out=m)
-            if m.any():
+            if a.max() >= _OVERFLOW:  # one reduction; the mask only when needed (rare)
+                np.greater_equal(a, _OVERFLOW, out=m)
                 _inf_and_nan(a, r, m)
             np.right_shift(b, 16, out=s)
             np.bitwise_and(s, 0x8000, out=s)
@@ -103,10 +103,12 @@ def float16_to_float32(h: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
             np.bitwise_and(v, 0x8000 << 13, out=s)
             np.left_shift(s, 3, out=s)
             np.bitwise_and(v, 0x7FFF << 13, out=v)
-            np.greater_equal(v, np.uint32(0x7C00 << 13), out=m)
+            special = v.max() >= np.uint32(0x7C00 << 13)  # Inf/NaN present (rare)
+            if special:
+                np.greater_equal(v, np.uint32(0x7C00 << 13), out=m)
             # exponent bias 15 -> 127 and subnormals normalized, by one exact multiply
             np.multiply(v.view(np.float32), _EXP_SCALE, out=v.view(np.float32))
-            if m.any():
+            if special:
                 v[m] |= _F32_INF  # Inf/NaN: all exponent bits set, mantissa kept
             np.bitwise_or(v, s, out=result[start:start + k])
     return out
