@@ -24,6 +24,10 @@ from ..comm import OrderedWorker, _default_grace, wire_bytes
 from .tensors import as_array, as_tensor
 
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class TorchCommunicator:
     """gradcomp's transport over a torch.distributed process group.
 
@@ -141,7 +145,7 @@ class TorchCommunicator:
     def _allgather(self, array):
         tensor, xp = self._to_tensor(array, as_bytes=True)
         out = torch.empty(self.size * tensor.numel(), dtype=torch.uint8, device=tensor.device)
-        dist.all_gather_into_tensor(out, tensor, group=self.group)
+        _all_gather_single(out, tensor, group=self.group)
         self._count("allgather", array.nbytes)
         return self._to_array(out, xp, array.dtype).reshape((self.size,) + tuple(array.shape))
 
