@@ -20,6 +20,7 @@ class Method:
     build: Callable  # gradcomp: () -> Compressor; torch: (world_size) -> (state, hook)
     same_as: str | None = None  # the gradcomp method a torch hook does, or vice versa
     label: str = ""
+    broken: str = ""  # why it is left out of "all" (it still runs when named)
 
 
 def _powersgd(rank, fp16=False, batched=False):
@@ -59,6 +60,11 @@ def _torch_hook(name, **kw):
     return build
 
 
+_GLOO_QUANTIZE = ("PyTorch 2.13 over gloo: on small buckets the hook raises IndexError in "
+                  "quantize_and_allgather (it indexes the all_gather future's value as NCCL returns "
+                  "it); on ResNet-50 buckets gloo aborts the process ('Received data size doesn't "
+                  "match expected size')")
+
 _ALL = [
     Method("allreduce", "gradcomp", Allreduce, "torch-allreduce", "fp32 allreduce"),
     Method("fp16", "gradcomp", lambda: FP16(Allreduce()), "torch-fp16", "fp16 allreduce"),
@@ -76,15 +82,17 @@ _ALL = [
     Method("torch-fp16", "torch", _torch_hook("fp16"), "fp16", "torch fp16_compress_hook"),
     Method("torch-bf16", "torch", _torch_hook("bf16"), "bf16", "torch bf16_compress_hook"),
     Method("torch-quantize-tensor", "torch", _torch_hook("quantize-tensor"), "quantize-tensor",
-           "torch quantization_pertensor_hook"),
+           "torch quantization_pertensor_hook", broken=_GLOO_QUANTIZE),
     Method("torch-quantize-channel", "torch", _torch_hook("quantize-channel"), "quantize-channel",
-           "torch quantization_perchannel_hook"),
+           "torch quantization_perchannel_hook", broken=_GLOO_QUANTIZE),
     Method("torch-powersgd-r1", "torch", _torch_hook("powersgd", rank=1), "powersgd-r1",
            "torch powerSGD_hook rank 1"),
     Method("torch-powersgd-r4", "torch", _torch_hook("powersgd", rank=4), "powersgd-r4",
            "torch powerSGD_hook rank 4"),
     Method("torch-fp16-powersgd-r4", "torch", _torch_hook("fp16-powersgd", rank=4), "fp16-powersgd-r4",
-           "torch fp16_compress_wrapper(powerSGD_hook) rank 4"),
+           "torch fp16_compress_wrapper(powerSGD_hook) rank 4",
+           broken="PyTorch 2.13 on the CPU: torch.bmm of a float and a half tensor raises "
+                  "'expected m1 and m2 to have the same dtype' once compression starts"),
 ]
 
 METHODS = {m.name: m for m in _ALL}
@@ -108,9 +116,10 @@ def torch_available() -> bool:
 
 
 def select(spec: str, with_torch: bool | None = None) -> list[Method]:
-    """Methods named in ``spec`` (comma-separated; ``all`` = every available one; ``gradcomp`` /
-    ``torch`` = every one of that kind). Unavailable ones (no torch, no PowerSGD module) are
-    dropped from ``all`` and rejected when named explicitly."""
+    """Methods named in ``spec`` (comma-separated; ``all`` = every available one that works;
+    ``gradcomp`` / ``torch`` = those of one kind; ``everything`` adds the PyTorch hooks that fail
+    in this PyTorch version, see ``Method.broken``). Unavailable ones (no torch, no PowerSGD
+    module) are dropped from ``all`` and rejected when named explicitly."""
     if with_torch is None:
         with_torch = torch_available()
     have_psgd = powersgd_available()
@@ -120,8 +129,9 @@ def select(spec: str, with_torch: bool | None = None) -> list[Method]:
                                                       or m.kind == "torch")
     out = []
     for part in [p.strip() for p in spec.split(",") if p.strip()]:
-        if part in ("all", "gradcomp", "torch"):
-            out += [m for m in _ALL if usable(m) and part in ("all", m.kind)]
+        if part in ("all", "gradcomp", "torch", "everything"):
+            out += [m for m in _ALL if usable(m) and part in ("all", "everything", m.kind)
+                    and (part == "everything" or not m.broken)]
         elif part in METHODS:
             if not usable(METHODS[part]):
                 raise ValueError(f"method {part!r} is not available here (torch or PowerSGD missing)")
