@@ -44,7 +44,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--compressors", nargs="+", default=list(gradcomp.REGISTRY),
                    help="registry names (default: all of gradcomp.REGISTRY)")
-    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--ranks", "--np", type=int, default=4, help="mpiexec -n (default 4)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--timeout", type=float, default=300, help="seconds per run")
     p.add_argument("--json", metavar="PATH", help="also write every run's summary here")
