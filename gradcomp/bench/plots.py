@@ -32,6 +32,7 @@ def _timed(rows):
 def time_vs_bandwidth(job: dict, capped: list[dict], path: str) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 5.5))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)
     gbits = np.logspace(-1, 2, 60)
     colors = {}
     for r in _timed(job["results"]):
@@ -74,6 +75,7 @@ def _rate_gbit(text: str):
 def error_vs_ratio(job: dict, path: str) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 5))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)
     for r in _timed(job["results"]):
         if not r.get("compression_ratio"):
             continue
@@ -95,6 +97,7 @@ def error_vs_ratio(job: dict, path: str) -> None:
 def bytes_vs_ranks(jobs: list[dict], model: str, path: str) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 5))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)
     series: dict[str, list[tuple[int, float]]] = {}
     for job in sorted((j for j in jobs if j["model"] == model), key=lambda j: j["ranks"]):
         for r in _timed(job["results"]):

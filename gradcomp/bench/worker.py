@@ -9,7 +9,10 @@ exact mean (a float64 MPI allreduce of everyone's data) on the first timed step.
 
 gradcomp methods talk over mpi4py (``MPICommunicator``); PyTorch's hooks over a gloo process group
 started from the same MPI job (``gradcomp.torch.init_process_group``), on the same buckets, each
-bucket handed to the hook as a GradBucket look-alike (buffer, index, is_last, gradients). Bytes on
+bucket handed to the hook as a GradBucket look-alike (buffer, index, is_last, gradients); the
+single-collective hooks get every bucket at once (as DDP gives them), PowerSGD one bucket at a time
+(see ``run``: its callback-launched rounds would otherwise interleave differently on different
+ranks). gradcomp's communicator runs buckets one after another on its worker anyway. Bytes on
 the wire: gradcomp's communicator counts them; for the hooks, the torch.distributed collectives
 they call are counted with the same bandwidth-optimal formulas (``gradcomp.comm.wire_bytes``).
 torch runs one thread per rank, like gradcomp's BLAS (ranks share the cores).
@@ -197,9 +200,17 @@ def run(args) -> dict:
                     t.copy_(o)
                     d.set_buffer(t)
 
-            def step(state=state, hook=hook):
-                futures = [hook(state, d) for d in ducks]
-                return [f.wait().numpy() for f in futures]
+            if "powersgd" in m.name or "quantize" in m.name:
+                # Multi-round hooks launch their later collectives from completion callbacks on
+                # gloo's threads; with several buckets in flight the ranks can then issue them in
+                # different orders (gloo aborts: "Received data size doesn't match"). One bucket
+                # at a time keeps every rank's order the same.
+                def step(state=state, hook=hook):
+                    return [hook(state, d).wait().numpy() for d in ducks]
+            else:  # one collective per call, issued here: all buckets in flight, as DDP does
+                def step(state=state, hook=hook):
+                    futures = [hook(state, d) for d in ducks]
+                    return [f.wait().numpy() for f in futures]
             try:
                 for _ in range(args.warmup):
                     restore()
