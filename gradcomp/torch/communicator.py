@@ -62,6 +62,8 @@ class TorchCommunicator:
         self.size = dist.get_world_size(process_group)
         self.backend = str(dist.get_backend(process_group))
         self._global_ranks = dist.get_process_group_ranks(process_group)
+        # the worker thread does not inherit the caller's current CUDA device: remember it here
+        self._cuda_index = torch.cuda.current_device() if self.backend == "nccl" else None
         self.bytes_sent = 0.0
         self.collectives = 0
         grace = _default_grace() if abort_grace_s is None else abort_grace_s
@@ -90,8 +92,8 @@ class TorchCommunicator:
 
     # -- buffers -----------------------------------------------------------------------------
     def _device(self) -> torch.device:
-        if self.backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
+        if self._cuda_index is not None:
+            return torch.device("cuda", self._cuda_index)
         return torch.device("cpu")
 
     def _to_tensor(self, array, as_bytes: bool = False) -> tuple[torch.Tensor, object]:

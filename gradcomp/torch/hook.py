@@ -51,6 +51,19 @@ class HookState:
         self.compressor = compressor
         self.comm = comm
         self.buckets_reduced = 0
+        self._worker_devices: set[int] = set()
+
+    def use_device_on_worker(self, array) -> None:
+        """Make the communicator's worker thread work on ``array``'s GPU.
+
+        The current CUDA device is per thread and a new thread starts on device 0; a rank driving
+        GPU 1 would otherwise run its compressor's CuPy kernels on the wrong device. Queued like a
+        reduction, so it runs before the next one; done once per device.
+        """
+        device = array.device.id
+        if device not in self._worker_devices:
+            self.comm.submit(array.device.use)
+            self._worker_devices.add(device)
 
     def __repr__(self):
         return f"HookState({self.compressor!r}, {self.comm!r})"
@@ -63,15 +76,21 @@ def gradcomp_hook(state: HookState, bucket):
     """
     tensor = bucket.buffer()
     future = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
+    # DDP reads the Future from C++; Future.set_exception only stores the exception as a value for
+    # Python's wait() to raise, which DDP would report as "Unable to cast ... to Tensor". A then()
+    # callback that re-raises turns it into a real error carrying the original type and message.
+    result = future.then(_value)
     try:
         array = as_array(tensor)
         shapes = [tuple(g.shape) for g in bucket.gradients()]
         wrapped = Bucket(array, bucket.index(), shapes, bucket.is_last())
-        wait_for_torch(tensor)  # the worker thread (and MPI) must see finished gradients
+        if tensor.is_cuda:
+            wait_for_torch(tensor)  # the worker thread (and MPI) must see finished gradients
+            state.use_device_on_worker(array)
         pending = state.compressor.reduce(wrapped, state.comm)
     except BaseException as exc:  # surfaces from backward(), like an error inside the compressor
-        future.set_exception(exc)
-        return future
+        _fail(future, exc)
+        return result
     state.buckets_reduced += 1
 
     def write_back(done):
@@ -81,10 +100,21 @@ def gradcomp_hook(state: HookState, bucket):
                 synchronize(array)  # the copy must be finished before DDP reads the buffer
             future.set_result(tensor)
         except BaseException as exc:
-            future.set_exception(exc)
+            _fail(future, exc)
 
     pending.add_done_callback(write_back)
-    return future
+    return result
+
+
+def _value(done):
+    return done.value()
+
+
+def _fail(future, exc: BaseException) -> None:
+    """Fail ``future`` with ``exc`` (torch Futures take Exceptions only, so wrap the others)."""
+    if not isinstance(exc, Exception):
+        exc = RuntimeError(f"gradcomp: reduction interrupted by {exc!r}")
+    future.set_exception(exc)
 
 
 def comm_hook(compressor, comm: Communicator | None = None) -> tuple[HookState, object]:
