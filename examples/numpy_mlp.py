@@ -128,7 +128,7 @@ def main(argv=None) -> dict:
     say(f"{args.compressor}: {compressor!r} on {comm.size} ranks, {len(x)} training samples per rank, "
         f"{steps_per_epoch} steps per epoch")
 
-    step, step_times, epoch_losses, last_epoch_start = 0, [], [], compressor.stats()
+    step_times, epoch_losses, last_epoch_start = [], [], compressor.stats()
     for epoch in range(args.epochs):
         if epoch == args.epochs - 1:
             last_epoch_start = compressor.stats()
@@ -139,6 +139,7 @@ def main(argv=None) -> dict:
             batch = order[b * args.batch_size:(b + 1) * args.batch_size]
             loss, grads = loss_and_grads(params, x[batch], y[batch])
             gradcomp.allreduce_gradients(grads, compressor, comm, bucket_cap_mb=args.bucket_cap_mb)
+            step = epoch * steps_per_epoch + b
             lr = np.float32(args.lr * 0.5 * (1 + np.cos(np.pi * step / total_steps)))
             for p, v, g in zip(params, velocity, grads):
                 v *= np.float32(args.momentum)
@@ -146,7 +147,6 @@ def main(argv=None) -> dict:
                 p -= lr * v
             step_times.append(time.perf_counter() - t0)
             losses.append(loss)
-            step += 1
         mean_loss = float(comm.allreduce(np.array([np.mean(losses)]))[0] / comm.size)
         epoch_losses.append(mean_loss)
         say(f"epoch {epoch + 1:3d}  loss {mean_loss:.4f}")
