@@ -414,7 +414,7 @@ def rank_torch_collectives():
     import ml_dtypes
 
     e = env()
-    before = e.tcomm.collectives
+    issued = e.tcomm.collectives
     rng = np.random.default_rng(e.rank)
     n = 7 * e.size
     for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
@@ -432,7 +432,7 @@ def rank_torch_collectives():
         assert (np.abs(s_t.astype(np.float64) - exact) <= tol + 1e-30).all(), dtype
         assert s_t.dtype == x.dtype and (x.view(np.uint8) == before.view(np.uint8)).all()
         e.same_on_all_ranks(s_t, f"TorchCommunicator.allreduce {dtype}")
-    assert e.tcomm.bytes_sent > 0 and e.tcomm.collectives - before == 16
+    assert e.tcomm.bytes_sent > 0 and e.tcomm.collectives - issued == 16
 
 
 # ---------------------------------------------------------------------------------------------
