@@ -56,13 +56,33 @@ def numel(shapes) -> int:
     return sum(math.prod(s) for s in shapes)
 
 
-def heavy_tailed(shapes, seed: int) -> list[np.ndarray]:
-    """float32 fake gradients: Student-t (3 degrees of freedom: finite variance, heavy tails, as
-    measured gradients are) times a per-layer scale spread over three decades, so that layers have
-    very different magnitudes, as in a real network."""
+#: Layer structure shared by every rank (as the true gradient is), seeded apart from the noise.
+STRUCTURE_SEED = 12345
+
+
+def heavy_tailed(shapes, seed: int, low_rank: int = 4, noise: float = 0.25) -> list[np.ndarray]:
+    """float32 fake gradients for one rank: per layer a scale spread over three decades (layers of
+    a real network differ that much); for matrices (and convolutions seen as ``out x rest``, as
+    PowerSGD sees them) a rank-``low_rank`` part with decaying singular values that every rank
+    shares, the signal that PowerSGD is built to find (measured gradients are close to low rank);
+    plus per-rank Student-t noise (3 degrees of freedom: finite variance, heavy tails, the
+    outliers that hurt per-tensor quantization) at ``noise`` times the signal's typical size."""
+    shared = np.random.default_rng(STRUCTURE_SEED)
     rng = np.random.default_rng(seed)
     out = []
     for s in shapes:
-        scale = 10.0 ** rng.uniform(-4, -1)
-        out.append((rng.standard_t(3, size=s) * scale).astype(np.float32))
+        scale = 10.0 ** shared.uniform(-4, -1)
+        g = rng.standard_t(3, size=s).astype(np.float32)
+        g *= np.float32(noise)
+        if len(s) >= 2 and low_rank > 0:
+            rows, cols = s[0], math.prod(s[1:])
+            k = min(low_rank, rows, cols)
+            u = shared.standard_normal((rows, k)).astype(np.float32)
+            v = shared.standard_normal((k, cols)).astype(np.float32)
+            u *= 0.5 ** np.arange(k, dtype=np.float32)
+            g.reshape(rows, cols)[...] += u @ v
+        else:
+            g += np.float32(shared.standard_normal())  # a vector: a shared offset
+        g *= np.float32(scale)
+        out.append(g)
     return out
