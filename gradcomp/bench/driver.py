@@ -145,9 +145,67 @@ def _fmt(v, spec):
     return "" if v is None else format(v, spec)
 
 
+def capped_table(capped) -> str:
+    """One markdown table, a column group per capped run: step ms and the ratios."""
+    runs = sorted(capped, key=lambda c: -(_rate(c.get("network", "")) or 0))
+    if not runs:
+        return ""
+    head = "| method |" + "".join(f" {c['network']} x{c['ranks']}: step ms | / fp32 | / fp16 | / torch same |"
+                                  for c in runs)
+    lines = [head, "|---|" + "---|---|---|---|" * len(runs)]
+    names = []
+    for c in runs:
+        for r in c["results"]:
+            if r["method"] != "memcpy" and r["method"] not in names:
+                names.append(r["method"])
+    for name in names:
+        cells = []
+        for c in runs:
+            r = next((r for r in c["results"] if r["method"] == name), None)
+            if r is None or "time_s" not in r:
+                cells.append(" fails | | | |" if r is not None else " | | | |")
+                continue
+            cells.append(f" {r['time_s'] * 1e3:.0f} | {_fmt(r.get('time_vs_allreduce'), '.3f')} | "
+                         f"{_fmt(r.get('time_vs_fp16'), '.3f')} | {_fmt(r.get('time_vs_same_method'), '.2f')} |")
+        lines.append(f"| {name} |" + "".join(cells))
+    return "\n".join(lines) + "\n"
+
+
+def bytes_table(jobs, model) -> str:
+    """MiB each rank sends per step, one column per number of ranks."""
+    mine = sorted((j for j in jobs if j["model"] == model), key=lambda j: j["ranks"])
+    if not mine:
+        return ""
+    lines = ["| method |" + "".join(f" {j['ranks']} ranks |" for j in mine) + " ratio at the most ranks |",
+             "|---|" + "---|" * (len(mine) + 1)]
+    names = [r["method"] for r in mine[-1]["results"] if r["method"] != "memcpy"]
+    for name in names:
+        cells = []
+        last = None
+        for j in mine:
+            r = next((r for r in j["results"] if r["method"] == name and "bytes_per_rank" in r), None)
+            cells.append(f" {r['bytes_per_rank'] / 2**20:.2f} |" if r else " |")
+            last = r or last
+        ratio = _fmt(last.get("compression_ratio") if last else None, ".1f")
+        lines.append(f"| {name} |" + "".join(cells) + f" {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def _rate(text):
+    from .plots import _rate_gbit
+
+    return _rate_gbit(text)
+
+
 def summarize(jobs, kernel_rows, capped) -> str:
     """Markdown tables: one per job (and per capped run), plus the kernel table."""
     out = []
+    if capped:
+        out.append("### capped network, side by side\n")
+        out.append(capped_table(capped))
+    for model in sorted({j["model"] for j in jobs}):
+        out.append(f"### {model}: MiB sent per rank per step\n")
+        out.append(bytes_table(jobs, model))
     for job in jobs + capped:
         net = f", network {job['network']}" if job.get("network") else ", shared memory (one host)"
         out.append(f"### {job['model']} ({job['numel']:,} floats, {job['buckets']} buckets), "
