@@ -407,6 +407,11 @@ def rank_units():
     # gloo collectives on a 2-rank job are checked by the DDP tests; the hook also accepts names
     _, params, state = e.train(e.hook("allreduce", None), iters=2)
     assert isinstance(state.comm, gc.MPICommunicator), "under mpiexec the default transport is MPI"
+    # the example's training function end to end (two epochs, one rank)
+    from examples.torch_ddp import train
+
+    result = train("fp16", epochs=2, launch=e.launch)
+    assert result["test_accuracy"] > 80, result
 
 
 def rank_torch_collectives():
