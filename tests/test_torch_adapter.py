@@ -83,7 +83,8 @@ class _Env:
         return self.DigitsCNN()
 
     def flat(self, tensors) -> np.ndarray:
-        return self.torch.cat([t.detach().reshape(-1) for t in tensors]).numpy().copy()
+        """One float32 vector (bfloat16 values convert exactly)."""
+        return self.torch.cat([t.detach().reshape(-1).float() for t in tensors]).numpy().copy()
 
     def same_on_all_ranks(self, array: np.ndarray, what: str) -> None:
         rows = np.empty((self.size, array.nbytes), dtype=np.uint8)
@@ -91,7 +92,7 @@ class _Env:
         for r in range(self.size):
             assert (rows[r] == rows[0]).all(), f"{what}: rank {r} differs from rank 0"
 
-    def train(self, setup=None, iters=ITERS, accumulate=False, lr=0.1, **ddp_kwargs):
+    def train(self, setup=None, iters=ITERS, accumulate=False, lr=0.1, dtype=None, **ddp_kwargs):
         """DDP training; ``setup(model)`` registers a hook (None: DDP's own allreduce).
 
         Returns (averaged gradients of every synced iteration, final parameters, hook state).
@@ -100,12 +101,14 @@ class _Env:
         torch = self.torch
         F = torch.nn.functional
         ddp_kwargs.setdefault("bucket_cap_mb", BUCKET_CAP_MB)
-        model = torch.nn.parallel.DistributedDataParallel(self.fresh_model(), **ddp_kwargs)
+        net = self.fresh_model() if dtype is None else self.fresh_model().to(dtype)
+        model = torch.nn.parallel.DistributedDataParallel(net, **ddp_kwargs)
         state = setup(model) if setup is not None else None
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         grads = []
         for it in range(iters):
             x, y = self.batch(it)
+            x = x if dtype is None else x.to(dtype)
             if accumulate and it % 2 == 0:
                 with model.no_sync():
                     F.cross_entropy(model(x), y).backward()
@@ -206,6 +209,19 @@ def rank_allreduce_parity():
             assert_close(fp16_m, torch_fp16, what, 2e-3, 2e-2 * top)
 
 
+def check_bfloat16_model(e):
+    """A bfloat16 model: its buckets reach the compressor as ml_dtypes bfloat16 NumPy views."""
+    torch, gc = e.torch, e.gc
+    plain, _, _ = e.train(dtype=torch.bfloat16, iters=4)
+    for comm in (e.tcomm, e.mpi):
+        ours, params, _ = e.train(e.hook(gc.Allreduce(), comm), dtype=torch.bfloat16, iters=4)
+        e.same_on_all_ranks(params, f"bfloat16 params over {comm}")
+        if e.size == 2:  # halving is exact and two bfloat16 addends round alike everywhere
+            assert_bitwise(ours, plain, f"bfloat16 model, Allreduce over {comm} vs DDP")
+        else:
+            assert_close(ours[:1], plain[:1], f"bfloat16 model over {comm}", 2e-2, 1e-3)
+
+
 def rank_buckets_and_quantizers():
     """What the hook hands the compressor (index, is_last, layout, before and after DDP's bucket
     rebuild), and the 8-bit quantizers over gloo and MPI within their analytic error."""
@@ -262,6 +278,7 @@ def rank_buckets_and_quantizers():
             assert np.isfinite(params).all()
             e.same_on_all_ranks(params, f"params, {name} over {comm}")
             assert state.compressor.stats()["bytes_sent"] > 0
+    check_bfloat16_model(e)
     rank_torch_collectives()
 
 
