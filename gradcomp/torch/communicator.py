@@ -68,6 +68,8 @@ class TorchCommunicator:
         self.collectives = 0
         grace = _default_grace() if abort_grace_s is None else abort_grace_s
         self._worker = OrderedWorker("gradcomp-torch", self.abort, grace)
+        if self._cuda_index is not None:  # put the worker on that device before anything else runs
+            self._worker.submit(torch.cuda.set_device, self._cuda_index)
 
     def __repr__(self):
         return f"TorchCommunicator(rank={self.rank}, size={self.size}, backend={self.backend!r})"
@@ -103,13 +105,16 @@ class TorchCommunicator:
         if xp is not np:
             synchronize(array)  # the CuPy kernels that produced ``array`` must have finished
         device = self._device()
-        if device.type == "cpu" and xp is not np:
-            copy = xp.asnumpy(array)
+        moves = (device.type == "cpu") != (xp is np)
+        if moves and xp is not np:
+            source = xp.asnumpy(array)  # device -> host: already a copy
+        elif moves:
+            source = np.ascontiguousarray(array)  # host -> device: .to() below copies
         else:
-            copy = xp.array(array, copy=True, order="C")
+            source = xp.array(array, copy=True, order="C")
         if as_bytes:
-            copy = copy.reshape(-1).view(xp.uint8)
-        tensor = as_tensor(copy)
+            source = source.reshape(-1).view(array_module(source).uint8)
+        tensor = as_tensor(source)
         if tensor.device != device:
             tensor = tensor.to(device)
         return tensor, xp
@@ -154,12 +159,16 @@ class TorchCommunicator:
     def alltoall(self, array):
         """Split ``array`` (length divisible by size) into ``size`` blocks, block r to rank r.
         Returns ``(size, n/size)``: row r is the block rank r sent here."""
+        self._check_alltoall(array)  # before queueing: bad arguments must not break the worker
         return self._worker.call(self._alltoall, array)
 
-    def _alltoall(self, array):
+    def _check_alltoall(self, array):
         if array.ndim != 1 or array.shape[0] % self.size:
             raise ValueError(f"alltoall needs a 1-D array with a length divisible by {self.size}, "
                              f"got shape {tuple(array.shape)}")
+
+    def _alltoall(self, array):
+        self._check_alltoall(array)
         tensor, xp = self._to_tensor(array, as_bytes=True)
         out = torch.empty_like(tensor)
         dist.all_to_all_single(out, tensor, group=self.group)
@@ -184,6 +193,7 @@ class TorchCommunicator:
         return self.submit(self._allgather, array)
 
     def ialltoall(self, array) -> Future:
+        self._check_alltoall(array)
         return self.submit(self._alltoall, array)
 
     def ibroadcast(self, array, root: int = 0) -> Future:
