@@ -283,8 +283,9 @@ def rank_buckets_and_quantizers():
 
 
 def rank_no_sync_every_compressor():
-    """no_sync() on even iterations, a synced step on odd ones, for every registered compressor,
-    against a single-process run on all ranks' samples."""
+    """For every registered compressor: no_sync() on even iterations and a synced step on odd ones,
+    against a single-process run on all ranks' samples; and the hook's transparency (past the
+    registered PowerSGD variants' warm-up), see ``check_hook_is_transparent``."""
     e = env()
     gc = e.gc
     ref = e.reference(iters=6, accumulate=True)
@@ -302,10 +303,61 @@ def rank_no_sync_every_compressor():
         assert err <= tol, f"{name} over {comm}: relative error {err:.3g} > {tol} vs the single-process run"
         if e.rank == 0:
             print(f"no_sync {name}: relative error {err:.3g}", flush=True)
+    for i, name in enumerate(sorted(gc.REGISTRY)):
+        check_hook_is_transparent(e, name, (e.tcomm, e.mpi)[i % 2])
     # the same with gradients as bucket views (the accumulation then happens in DDP's buckets)
     _, params, _ = e.train(e.hook(gc.Allreduce(), e.mpi), iters=6, accumulate=True,
                            gradient_as_bucket_view=True)
     assert np.abs(params - ref).max() / scale <= 1e-4
+
+
+def check_hook_is_transparent(e, name: str, comm, iters: int = 12):
+    """Whatever a compressor does, the hook must hand it DDP's buckets unchanged and put exactly its
+    output into the gradients. Record every bucket and result during DDP training (``Tap``), replay
+    the same buckets into a fresh compressor outside DDP, and compare bit for bit; then compare each
+    step's gradients with that step's results (as multisets of values: placement within a bucket is
+    DDP's own business)."""
+    gc = e.gc
+    log = []
+
+    class Tap(gc.Compressor):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __repr__(self):
+            return f"Tap({self.inner!r})"
+
+        def run(self, bucket, comm):
+            out = self.inner.run(bucket, comm)
+            log.append((bucket.buffer.copy(), bucket.index, bucket.shapes, bucket.is_last, out.copy()))
+            return out
+
+    step_grads = []
+    torch = e.torch
+    F = torch.nn.functional
+    model = torch.nn.parallel.DistributedDataParallel(e.fresh_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    e.gt.register(model, Tap(gc.make(name)), comm)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for it in range(iters):
+        x, y = e.batch(it)
+        F.cross_entropy(model(x), y).backward()
+        step_grads.append(e.flat(p.grad for p in model.parameters()))
+        opt.step()
+        opt.zero_grad()
+    fresh = gc.make(name)
+    outs, step = [], 0
+    for buf, index, shapes, is_last, out in log:
+        again = fresh.reduce(gc.Bucket(buf, index, shapes, is_last), comm).result()
+        assert_bitwise([again], [out], f"{name}: replay of bucket {index} outside DDP")
+        outs.append(out)
+        if is_last:
+            got = np.sort(step_grads[step])
+            want = np.sort(np.concatenate(outs).astype(np.float32))
+            assert np.array_equal(got, want), \
+                f"{name}: step {step}: gradients differ from the compressor's output"
+            outs, step = [], step + 1
+    assert step == iters
 
 
 def rank_powersgd_parity():
@@ -471,7 +523,7 @@ def test_buckets_quantizers_collectives(n):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_no_sync_accumulation_every_compressor(n):
+def test_every_compressor_no_sync_and_replay(n):
     run_ranks(n, "tests.test_torch_adapter:rank_no_sync_every_compressor", timeout=240)
 
 
