@@ -106,6 +106,7 @@ def bytes_vs_ranks(jobs: list[dict], model: str, path: str) -> None:
         xs, ys = zip(*pts)
         ax.plot(xs, ys, marker="o", label=name, linestyle="--" if name.startswith("torch") else "-")
     ax.set_yscale("log")
+    ax.set_xticks(sorted({n for pts in series.values() for n, _ in pts}))
     ax.set_xlabel("ranks")
     ax.set_ylabel("MiB sent per rank per step")
     ax.set_title(f"{model}: allgather-based methods grow with ranks, allreduce-based do not", fontsize=10)
