@@ -60,7 +60,7 @@ def run(args) -> dict:
     methods = select(args.methods, with_torch)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
-    total = len(models) * len(ranks) * (len(methods) + 1)
+    total = len(models) * len(ranks) * (len(methods) + 2)
     if args.kernels:
         from .kernels import count
         total += count(args.kernel_methods)

@@ -4,7 +4,8 @@ Every rank fills the layers of a model with its own heavy-tailed gradients, pack
 ~25 MB buckets, and runs each method for whole training steps (all buckets submitted, then all
 awaited, as DDP does). A step's time is the slowest rank's, after a barrier; the reported time is
 the median over ``--repeats`` steps that follow ``--warmup`` untimed ones (PowerSGD compresses from
-its third step on, so the timed steps are compressed). The relative error is measured against the
+its third step on, so the timed steps are compressed). The timed steps go round-robin over the
+methods, so that a burst of load from other processes slows every method alike. The relative error is measured against the
 exact mean (a float64 MPI allreduce of everyone's data) on the first timed step.
 
 gradcomp methods talk over mpi4py (``MPICommunicator``); PyTorch's hooks over a gloo process group
@@ -87,6 +88,7 @@ class _TorchBytes:
 
     def __enter__(self):
         d = self.dist
+        self._saved = {}
         for name, kind in (("all_reduce", "allreduce"), ("all_gather", "allgather"),
                            ("all_gather_into_tensor", "allgather")):
             real = getattr(d, name)
@@ -107,33 +109,103 @@ class _TorchBytes:
             setattr(self.dist, name, real)
 
 
-def _time_steps(world, step, warmup, repeats, before=None):
-    """(per-step times: slowest rank, first timed step's outputs)."""
-    for _ in range(warmup):
-        if before:
-            before()
-        step()
-    times, first = [], None
-    for i in range(repeats):
-        if before:
-            before()
-        world.Barrier()
-        t0 = time.perf_counter()
-        outs = step()
-        times.append(time.perf_counter() - t0)
-        if i == 0:
-            first = outs
-    from mpi4py import MPI
-
-    slowest = np.array(times)
-    world.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
-    return slowest.tolist(), first
-
-
 def _rel_error(outs, exact):
     num = sum(float(np.sum((np.asarray(o, dtype=np.float64) - e) ** 2)) for o, e in zip(outs, exact))
     den = sum(float(np.sum(e ** 2)) for e in exact)
     return float(np.sqrt(num / den)) if den > 0 else 0.0
+
+
+class _Case:
+    """One method ready to step: ``run_step()`` reduces every bucket once and returns the means."""
+
+    def __init__(self, name, kind, label, same_as, step, before=None):
+        self.name, self.kind, self.label, self.same_as = name, kind, label, same_as
+        self._step, self._before = step, before
+
+    def run_step(self, timed=False):
+        if self._before:
+            self._before()
+        return self._step()
+
+    def begin(self):
+        """Called once before the timed steps (traffic counters start here)."""
+
+    def traffic(self, steps):
+        return 0.0, 0.0
+
+
+class _GradcompCase(_Case):
+    def __init__(self, m, comp, step):
+        super().__init__(m.name, m.kind, repr(comp), m.same_as, step)
+        self.comp = comp
+
+    def begin(self):
+        self._s0 = self.comp.stats()
+
+    def traffic(self, steps):
+        s1 = self.comp.stats()
+        n = max(s1["steps"] - self._s0["steps"], 1)
+        return ((s1["bytes_sent"] - self._s0["bytes_sent"]) / n,
+                (s1["rounds"] - self._s0["rounds"]) / n)
+
+
+def _gradcomp_case(m, buckets, comm):
+    comp = m.build()
+
+    def step():
+        futures = [comp.reduce(b, comm) for b in buckets]
+        return [f.result() for f in futures]
+    return _GradcompCase(m, comp, step)
+
+
+class _TorchCase(_Case):
+    def __init__(self, m, step, before, size):
+        super().__init__(m.name, m.kind, m.label, m.same_as, step, before)
+        self.counter = _TorchBytes(size)
+
+    def run_step(self, timed=False):
+        self._before()  # restoring the gradients is not timed: done before the clock starts
+        if not timed:
+            return self._step()
+        with self.counter:
+            return self._step()
+
+    def traffic(self, steps):
+        return self.counter.bytes / steps, self.counter.calls / steps
+
+
+def _torch_case(m, buckets, size, shared):
+    import torch
+
+    if not shared:
+        from ..torch import init_process_group
+
+        torch.set_num_threads(1)
+        init_process_group("gloo")
+        # one set of bucket tensors for every hook: each step starts from the same gradients
+        shared["tensors"] = [torch.from_numpy(b.buffer.copy()) for b in buckets]
+        shared["originals"] = [torch.from_numpy(b.buffer) for b in buckets]
+    tensors, originals = shared["tensors"], shared["originals"]
+    state, hook = m.build(size)
+    ducks = [_DuckBucket(t, b.index, b.shapes, b.is_last) for t, b in zip(tensors, buckets)]
+
+    def restore():  # the hooks write into the bucket
+        for d, t, o in zip(ducks, tensors, originals):
+            t.copy_(o)
+            d.set_buffer(t)
+
+    if "powersgd" in m.name or "quantize" in m.name:
+        # Multi-round hooks launch their later collectives from completion callbacks on gloo's
+        # threads; with several buckets in flight the ranks can then issue them in different
+        # orders (gloo aborts: "Received data size doesn't match"). One bucket at a time keeps
+        # every rank's order the same.
+        def step():
+            return [hook(state, d).wait().numpy() for d in ducks]
+    else:  # one collective per call, issued here: all buckets in flight, as DDP does
+        def step():
+            futures = [hook(state, d) for d in ducks]
+            return [f.wait().numpy() for f in futures]
+    return _TorchCase(m, step, restore, size)
 
 
 def run(args) -> dict:
@@ -153,83 +225,53 @@ def run(args) -> dict:
         world.Allreduce(MPI.IN_PLACE, e, op=MPI.SUM)
         e /= size
         exact.append(e)
-    total = len(methods) + 1
+    # Phase 1, per method: build it and run the warm-up steps (the progress bar follows this).
+    # Phase 2: the timed steps, round-robin over the methods (repeat 1 of every method, then
+    # repeat 2 ...), so that load from other processes on a shared machine hits every method alike.
+    total = len(methods) + 2
     _progress(rank, 0, total, "memcpy")
-
-    def memcpy_step():
-        return [b.buffer.copy() for b in buckets]
-    memcpy_times, _ = _time_steps(world, memcpy_step, args.warmup, args.repeats)
-    results = [dict(method="memcpy", kind="baseline", label="memcpy of the buckets",
-                    times_s=memcpy_times, time_s=float(np.median(memcpy_times)),
-                    bytes_per_rank=0.0, rel_error=0.0, same_as=None)]
-    _progress(rank, 1, total, "memcpy")
-
-    torch_ready = False
+    cases = [_Case("memcpy", "baseline", "memcpy of the buckets", None,
+                   lambda: [b.buffer.copy() for b in buckets])]
+    results = []
+    torch_state = {}
     for i, m in enumerate(methods):
-        if m.kind == "gradcomp":
-            comp = m.build()
-
-            def step(comp=comp):
-                futures = [comp.reduce(b, comm) for b in buckets]
-                return [f.result() for f in futures]
+        try:
+            case = (_gradcomp_case(m, buckets, comm) if m.kind == "gradcomp"
+                    else _torch_case(m, buckets, size, torch_state))
             for _ in range(args.warmup):
-                step()
-            s0 = comp.stats()
-            times, first = _time_steps(world, step, 0, args.repeats)
-            s1 = comp.stats()
-            steps = max(s1["steps"] - s0["steps"], 1)
-            nbytes = (s1["bytes_sent"] - s0["bytes_sent"]) / steps
-            rounds = (s1["rounds"] - s0["rounds"]) / steps
-            label = repr(comp)
-        else:
-            import torch
-
-            if not torch_ready:
-                from ..torch import init_process_group
-
-                torch.set_num_threads(1)
-                init_process_group("gloo")
-                torch_ready = True
-            state, hook = m.build(size)
-            tensors = [torch.from_numpy(b.buffer.copy()) for b in buckets]
-            originals = [torch.from_numpy(b.buffer) for b in buckets]
-            ducks = [_DuckBucket(t, b.index, b.shapes, b.is_last) for t, b in zip(tensors, buckets)]
-
-            def restore():  # the hooks write into the bucket: give each step the same gradients
-                for d, t, o in zip(ducks, tensors, originals):
-                    t.copy_(o)
-                    d.set_buffer(t)
-
-            if "powersgd" in m.name or "quantize" in m.name:
-                # Multi-round hooks launch their later collectives from completion callbacks on
-                # gloo's threads; with several buckets in flight the ranks can then issue them in
-                # different orders (gloo aborts: "Received data size doesn't match"). One bucket
-                # at a time keeps every rank's order the same.
-                def step(state=state, hook=hook):
-                    return [hook(state, d).wait().numpy() for d in ducks]
-            else:  # one collective per call, issued here: all buckets in flight, as DDP does
-                def step(state=state, hook=hook):
-                    futures = [hook(state, d) for d in ducks]
-                    return [f.wait().numpy() for f in futures]
-            try:
-                for _ in range(args.warmup):
-                    restore()
-                    step()
-                with _TorchBytes(size) as counter:
-                    times, first = _time_steps(world, step, 0, args.repeats, before=restore)
-            except Exception as exc:  # the same on every rank: the hook's own arithmetic fails
-                world.Barrier()
-                results.append(dict(method=m.name, kind=m.kind, label=m.label, same_as=m.same_as,
-                                    error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"))
-                _progress(rank, i + 2, total, m.name)
-                continue
-            nbytes = counter.bytes / args.repeats
-            rounds = counter.calls / args.repeats
-            label = m.label
-        results.append(dict(method=m.name, kind=m.kind, label=label, same_as=m.same_as,
-                            times_s=times, time_s=float(np.median(times)), bytes_per_rank=nbytes,
-                            rounds_per_step=rounds, rel_error=_rel_error(first, exact)))
-        _progress(rank, i + 2, total, m.name)
+                case.run_step()
+            cases.append(case)
+        except Exception as exc:  # a PyTorch hook whose own arithmetic fails (the same on every rank)
+            if m.kind == "gradcomp":
+                raise
+            world.Barrier()
+            results.append(dict(method=m.name, kind=m.kind, label=m.label, same_as=m.same_as,
+                                error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"))
+        _progress(rank, i + 1, total, m.name)
+    for case in cases:
+        case.begin()
+    times = {c.name: [] for c in cases}
+    firsts = {}
+    for rep in range(args.repeats):
+        for case in cases:
+            world.Barrier()
+            t0 = time.perf_counter()
+            outs = case.run_step(timed=True)
+            times[case.name].append(time.perf_counter() - t0)
+            if rep == 0:  # copied after the clock: a hook's result may be the shared bucket tensor
+                firsts[case.name] = [np.array(o, copy=True) for o in outs]
+    _progress(rank, total - 1, total, "timed steps")
+    for case in cases:
+        slowest = np.array(times[case.name])
+        world.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
+        nbytes, rounds = case.traffic(args.repeats)
+        err = 0.0 if case.kind == "baseline" else _rel_error(firsts[case.name], exact)
+        results.append(dict(method=case.name, kind=case.kind, label=case.label, same_as=case.same_as,
+                            times_s=slowest.tolist(), time_s=float(np.median(slowest)),
+                            bytes_per_rank=nbytes, rounds_per_step=rounds, rel_error=err))
+    order = ["memcpy"] + [m.name for m in methods]
+    results.sort(key=lambda r: order.index(r["method"]))
+    _progress(rank, total, total, "done")
     comm.close()
     return dict(model=args.model, ranks=size, numel=numel(shapes), buckets=len(buckets),
                 bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup,
