@@ -182,4 +182,8 @@ def all_figures(jobs: list[dict], kernel_rows: list[dict], capped: list[dict], o
         p = os.path.join(outdir, "capped.png")
         capped_bars(capped, p)
         paths.append(p)
+        for c in capped:
+            p = os.path.join(outdir, f"error_vs_ratio-capped-{c.get('network') or 'run'}.png")
+            error_vs_ratio(c, p)
+            paths.append(p)
     return paths
