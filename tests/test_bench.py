@@ -274,6 +274,18 @@ def test_capped_skips_clearly_without_root():
     if os.geteuid() == 0 and not setpriv:
         pytest.skip("running as root and no setpriv to drop privileges")
     prefix = [] if os.geteuid() != 0 else [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
-    done = subprocess.run(prefix + [CAPPED, "1gbit", "2", "true"], capture_output=True, text=True, timeout=30)
+    # a copy the unprivileged user can read, whatever the permissions of the checkout's folders
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="gcb-")
+    try:
+        os.chmod(folder, 0o755)
+        script = os.path.join(folder, "capped.sh")
+        shutil.copy(CAPPED, script)
+        os.chmod(script, 0o755)
+        done = subprocess.run(prefix + [script, "1gbit", "2", "true"], capture_output=True, text=True,
+                              timeout=30, cwd=folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     assert done.returncode == 77
     assert "skipped: needs root" in done.stderr
