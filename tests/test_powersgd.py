@@ -154,15 +154,15 @@ def rank_torch_parity(configs, steps):
         assert ours.stats()["compressed_steps"] == steps - 2
         if comm.rank == 0:
             print(f"parity {cfg} fp16={fp16}: worst relative difference {worst:.2e}", flush=True)
-    dist.destroy_process_group()
+    assert dist.is_initialized()
     leave_before_torch_teardown(comm)
 
 
 def leave_before_torch_teardown(comm):
-    """End the rank now that every check passed. PyTorch 2.13 sometimes aborts at interpreter exit
-    after powerSGD_hook ran on gloo ("terminate called ... Resource deadlock avoided": a thread
-    joining itself while the hook's future chain is torn down; seen in about 1 run in 10-20, also in
-    a script without gradcomp or MPI). Finalize MPI properly, then skip that teardown."""
+    """End the rank now that every check passed. PyTorch 2.13 sometimes aborts in
+    destroy_process_group() or at interpreter exit after powerSGD_hook ran on gloo ("terminate
+    called ... Resource deadlock avoided": a thread joining itself; seen in about 1 run in 10-20,
+    also in a script without gradcomp or MPI). Finalize MPI properly, then skip that teardown."""
     from mpi4py import MPI
 
     comm.close()
