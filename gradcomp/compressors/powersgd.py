@@ -237,7 +237,7 @@ class _BucketState:
     shape_key: int         # the layout without the dtype (matches through FP16/BF16 wrappers)
     plan: _Plan | None = None
     error: object = None   # residual of the last compressed step, in the error dtype
-    p: object = None       # orthonormal P of the last step (used by the one-round variant)
+    p: object = None       # P of the last step (one-round variant only: P is its memory too)
     q: object = None       # mean Q of the last step (the warm start)
     phase: int = 0         # one-round variant: 0 = this step computes P, 1 = computes Q
 
@@ -259,6 +259,7 @@ class PowerSGD(Compressor):
         compression; start at 1 and double until accuracy is satisfactory (1-4 is typical).
     ``start_iter`` [start_powerSGD_iter]: steps of plain averaging before compression starts.
         Early training is sensitive to gradient error; 10% of the steps is a good first guess.
+        (The built-in case of ``Schedule([(0, Allreduce()), (start_iter, ...)])``.)
         Must be > 1 when ``error_feedback`` or ``warm_start`` is on: PyTorch's DDP rebuilds its
         buckets after the first step, and memory kept for the old buckets would not fit the new.
     ``min_compression_rate``: a tensor is compressed only when ``(n + m) * r *
@@ -292,7 +293,7 @@ class PowerSGD(Compressor):
 
     Differences from PyTorch, on purpose: every part of the message is divided by the world size
     before the sum (PyTorch divides Q and the uncompressed tensors after it), which keeps half
-    precision from overflowing and is bit-for-bit the same at 1, 2 and 4 ranks; the residual of
+    precision from overflowing and is bit-for-bit the same at power-of-two world sizes; the residual of
     uncompressed tensors is zero (PyTorch stores ``local - mean`` for them, whose mean over ranks is
     zero, so it only carries rounding noise); ``batched`` works past the warm-up and does not keep
     a residual for the padding.
