@@ -19,7 +19,8 @@ What DDP's hook contract asks for, and how it is met here (so users never meet i
   and resets that state (PowerSGD does) instead of applying iteration 0's state to a new bucket.
 
 Errors: if the compressor raises on one rank, the torch Future fails and ``loss.backward()`` raises
-on that rank (DDP wraps the message in a RuntimeError). Its peers may be blocked in a collective
+a RuntimeError on that rank whose message carries the original exception's type and message
+("Got the following error when running the callback: ArithmeticError: ..."). Its peers may be blocked in a collective
 that rank will never join; the communicator then ends the whole job after ``abort_grace_s`` seconds
 (``GRADCOMP_ABORT_GRACE_S``, default 10) unless the failing process exits first, so no rank hangs.
 Errors that every rank detects together (``CollectiveError``: mismatched buckets or compressors)
