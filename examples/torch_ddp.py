@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
