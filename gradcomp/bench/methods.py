@@ -21,6 +21,7 @@ class Method:
     same_as: str | None = None  # the gradcomp method a torch hook does, or vice versa
     label: str = ""
     broken: str = ""  # why it is left out of "all" (it still runs when named)
+    transport: str = "mpi"  # gradcomp methods: "mpi" (MPICommunicator) or "gloo" (TorchCommunicator)
 
 
 def _powersgd(rank, fp16=False, batched=False):
@@ -78,6 +79,14 @@ _ALL = [
     Method("powersgd-r4", "gradcomp", _powersgd(4), "torch-powersgd-r4", "PowerSGD rank 4"),
     Method("fp16-powersgd-r4", "gradcomp", _powersgd(4, fp16=True), "torch-fp16-powersgd-r4",
            "fp16 PowerSGD rank 4"),
+    # gradcomp over torch.distributed (gloo): the same transport as PyTorch's hooks, so the
+    # comparison with them isolates the compressor from MPI-versus-gloo
+    Method("gloo-allreduce", "gradcomp", Allreduce, "torch-allreduce", "fp32 allreduce over gloo",
+           transport="gloo"),
+    Method("gloo-fp16", "gradcomp", lambda: FP16(Allreduce()), "torch-fp16", "fp16 allreduce over gloo",
+           transport="gloo"),
+    Method("gloo-powersgd-r4", "gradcomp", _powersgd(4), "torch-powersgd-r4", "PowerSGD rank 4 over gloo",
+           transport="gloo"),
     Method("torch-allreduce", "torch", _torch_hook("allreduce"), "allreduce", "torch allreduce_hook"),
     Method("torch-fp16", "torch", _torch_hook("fp16"), "fp16", "torch fp16_compress_hook"),
     Method("torch-bf16", "torch", _torch_hook("bf16"), "bf16", "torch bf16_compress_hook"),
@@ -125,7 +134,7 @@ def select(spec: str, with_torch: bool | None = None) -> list[Method]:
     have_psgd = powersgd_available()
 
     def usable(m):
-        return (m.kind != "torch" or with_torch) and ("powersgd" not in m.name or have_psgd
+        return (m.kind != "torch" and m.transport != "gloo" or with_torch) and ("powersgd" not in m.name or have_psgd
                                                       or m.kind == "torch")
     out = []
     for part in [p.strip() for p in spec.split(",") if p.strip()]:

@@ -174,7 +174,7 @@ class _TorchCase(_Case):
         return self.counter.bytes / steps, self.counter.calls / steps
 
 
-def _torch_case(m, buckets, size, shared):
+def _torch_setup(buckets, shared):
     import torch
 
     if not shared:
@@ -185,6 +185,10 @@ def _torch_case(m, buckets, size, shared):
         # one set of bucket tensors for every hook: each step starts from the same gradients
         shared["tensors"] = [torch.from_numpy(b.buffer.copy()) for b in buckets]
         shared["originals"] = [torch.from_numpy(b.buffer) for b in buckets]
+
+
+def _torch_case(m, buckets, size, shared):
+    _torch_setup(buckets, shared)
     tensors, originals = shared["tensors"], shared["originals"]
     state, hook = m.build(size)
     ducks = [_DuckBucket(t, b.index, b.shapes, b.is_last) for t, b in zip(tensors, buckets)]
@@ -236,8 +240,17 @@ def run(args) -> dict:
     torch_state = {}
     for i, m in enumerate(methods):
         try:
-            case = (_gradcomp_case(m, buckets, comm) if m.kind == "gradcomp"
-                    else _torch_case(m, buckets, size, torch_state))
+            if m.kind == "gradcomp" and m.transport == "gloo":
+                _torch_setup(buckets, torch_state)
+                if "comm" not in torch_state:
+                    from ..torch import TorchCommunicator
+
+                    torch_state["comm"] = TorchCommunicator()
+                case = _gradcomp_case(m, buckets, torch_state["comm"])
+            elif m.kind == "gradcomp":
+                case = _gradcomp_case(m, buckets, comm)
+            else:
+                case = _torch_case(m, buckets, size, torch_state)
             for _ in range(args.warmup):
                 case.run_step()
             cases.append(case)
@@ -273,6 +286,8 @@ def run(args) -> dict:
     results.sort(key=lambda r: order.index(r["method"]))
     _progress(rank, total, total, "done")
     comm.close()
+    if "comm" in torch_state:
+        torch_state["comm"].close()
     return dict(model=args.model, ranks=size, numel=numel(shapes), buckets=len(buckets),
                 bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup,
                 host=platform.node(), cpus=os.cpu_count(), network=os.environ.get("GRADCOMP_NETWORK", ""),
