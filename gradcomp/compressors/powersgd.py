@@ -681,7 +681,8 @@ class BatchedPowerSGD(PowerSGD):
 
     Ignores the layout: the flat bucket of length L becomes a ``ceil(sqrt(L))``-sided square. Less
     computation than per-layer PowerSGD, but the square mixes unrelated layers and destroys their
-    low-rank structure, so it is usually much less accurate unless ``rank`` is 1 (PyTorch's advice).
+    low-rank structure. PyTorch advises rank 1; on the digits examples rank 1 lost 9 (NumPy MLP) to
+    80 (CNN) points of test accuracy while rank 8 stayed within 0.3 of plain allreduce, so measure.
     Unlike PyTorch 2.13, whose batched hook fails as soon as compression starts, it works past the
     warm-up. Same parameters as ``PowerSGD`` (``batched`` is implied).
     """
