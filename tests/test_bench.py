@@ -140,7 +140,7 @@ def _reference_dequantize_add(acc, params, codes, width):
 
 def _quantize_cases():
     rng = np.random.default_rng(2)
-    cases = {f"t2-{n}": rng.standard_t(2, n).astype(np.float32) for n in (1, 7, 511, 512, 513, 70001)}
+    cases = {f"t2-{n}": rng.standard_t(2, n).astype(np.float32) for n in (1, 7, 511, 512, 513, 70001, 600001)}
     x = rng.standard_t(2, 140000).astype(np.float32)
     x[[10, 5000, 90000]] = [np.nan, np.inf, -np.inf]
     cases["non-finite"] = x
