@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.gradcomp-installed
 NP     ?= 4
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench bench-capped clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,3 +28,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# ResNet-50-sized step times on a tbf-capped network (needs root; see bench/capped.sh).
+bench-capped: $(STAMP)
+	bench/capped_steps.sh results/bench
