@@ -121,7 +121,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     comm = gc.MPICommunicator(blas_threads=args.threads)
     threadpool_limits(args.threads)
-    dist = start_gloo()
+    start_gloo()
 
     shapes = list(reversed(resnet50_shapes()))  # DDP buckets gradients in reverse order
     rng = np.random.default_rng(0)

@@ -1,7 +1,6 @@
 """Transport, buckets, allreduce_gradients and the core compressors' specific promises."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 

@@ -115,7 +115,6 @@ def count(methods: str = "gradcomp") -> int:
 def main(argv=None) -> int:
     import argparse
     import json
-    import sys
 
     p = argparse.ArgumentParser(prog="python -m gradcomp.bench.kernels",
                                 description="kernel throughput as a multiple of memcpy (one process)")

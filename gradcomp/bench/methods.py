@@ -107,14 +107,6 @@ _ALL = [
 METHODS = {m.name: m for m in _ALL}
 
 
-def powersgd_available() -> bool:
-    try:
-        from ..compressors import powersgd  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def torch_available() -> bool:
     try:
         import torch  # noqa: F401
@@ -127,15 +119,13 @@ def torch_available() -> bool:
 def select(spec: str, with_torch: bool | None = None) -> list[Method]:
     """Methods named in ``spec`` (comma-separated; ``all`` = every available one that works;
     ``gradcomp`` / ``torch`` = those of one kind; ``everything`` adds the PyTorch hooks that fail
-    in this PyTorch version, see ``Method.broken``). Unavailable ones (no torch, no PowerSGD
-    module) are dropped from ``all`` and rejected when named explicitly."""
+    in this PyTorch version, see ``Method.broken``). Methods that need torch, where it is missing,
+    are dropped from ``all`` and rejected when named explicitly."""
     if with_torch is None:
         with_torch = torch_available()
-    have_psgd = powersgd_available()
 
     def usable(m):
-        return (m.kind != "torch" and m.transport != "gloo" or with_torch) and ("powersgd" not in m.name or have_psgd
-                                                      or m.kind == "torch")
+        return (m.kind != "torch" and m.transport != "gloo") or with_torch
     out = []
     for part in [p.strip() for p in spec.split(",") if p.strip()]:
         if part in ("all", "gradcomp", "torch", "everything"):
@@ -143,7 +133,7 @@ def select(spec: str, with_torch: bool | None = None) -> list[Method]:
                     and (part == "everything" or not m.broken)]
         elif part in METHODS:
             if not usable(METHODS[part]):
-                raise ValueError(f"method {part!r} is not available here (torch or PowerSGD missing)")
+                raise ValueError(f"method {part!r} is not available here (needs torch)")
             out.append(METHODS[part])
         else:
             raise ValueError(f"unknown method {part!r}; known: {', '.join(METHODS)}")

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from ..arrays import FLOAT_DTYPES, dtype_name, synchronize
+from ..arrays import FLOAT_DTYPES, dtype_name, is_device_array, synchronize
 from ..bucket import Bucket, buffer_problem
 from ..comm import Communicator, CollectiveError, default_communicator
 
@@ -74,6 +74,13 @@ def _raise_on_disagreement(table: np.ndarray, my_problem: str | None, my_rank: i
             raise CollectiveError(f"gradcomp: bucket {_FIELDS[col]} differs across ranks ({per_rank})")
 
 
+def _on_device(device, fn, *args):
+    """Run ``fn`` with ``device`` current on this (worker) thread. Left current afterwards, so that
+    done-callbacks, which run on this thread right after ``fn``, copy on the same GPU."""
+    device.use()
+    return fn(*args)
+
+
 class Compressor:
     """Base class: subclasses implement ``run`` (and, if stateful, the state-dict pair).
 
@@ -90,10 +97,15 @@ class Compressor:
         """Average ``bucket`` (a ``Bucket`` or a 1-D array) over the ranks of ``comm``.
 
         Queued on the communicator's ordered worker; returns at once. On the GPU, the caller's
-        current CUDA stream is synchronized first, so the worker sees finished values.
+        current CUDA stream is synchronized first, so the worker sees finished values, and the
+        worker runs on the buffer's device (the current device is per thread, and a new thread
+        starts on device 0: a rank driving GPU 1 would otherwise compute on the wrong GPU).
         """
         comm = comm if comm is not None else default_communicator()
-        synchronize(getattr(bucket, "buffer", bucket))
+        buffer = getattr(bucket, "buffer", bucket)
+        synchronize(buffer)
+        if is_device_array(buffer):
+            return comm.submit(_on_device, buffer.device, self.checked_run, bucket, comm)
         return comm.submit(self.checked_run, bucket, comm)
 
     def checked_run(self, bucket, comm: Communicator):

@@ -52,19 +52,6 @@ class HookState:
         self.compressor = compressor
         self.comm = comm
         self.buckets_reduced = 0
-        self._worker_devices: set[int] = set()
-
-    def use_device_on_worker(self, array) -> None:
-        """Make the communicator's worker thread work on ``array``'s GPU.
-
-        The current CUDA device is per thread and a new thread starts on device 0; a rank driving
-        GPU 1 would otherwise run its compressor's CuPy kernels on the wrong device. Queued like a
-        reduction, so it runs before the next one; done once per device.
-        """
-        device = array.device.id
-        if device not in self._worker_devices:
-            self.comm.submit(array.device.use)
-            self._worker_devices.add(device)
 
     def __repr__(self):
         return f"HookState({self.compressor!r}, {self.comm!r})"
@@ -87,7 +74,6 @@ def gradcomp_hook(state: HookState, bucket):
         wrapped = Bucket(array, bucket.index(), shapes, bucket.is_last())
         if tensor.is_cuda:
             wait_for_torch(tensor)  # the worker thread (and MPI) must see finished gradients
-            state.use_device_on_worker(array)
         pending = state.compressor.reduce(wrapped, state.comm)
     except BaseException as exc:  # surfaces from backward(), like an error inside the compressor
         _fail(future, exc)
