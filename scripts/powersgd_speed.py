@@ -52,29 +52,6 @@ def resnet50_shapes() -> list[tuple[int, ...]]:
     return shapes
 
 
-class TorchBucket:
-    """The part of ``dist.GradBucket`` that powerSGD_hook uses."""
-
-    def __init__(self, buffer, index, shapes, is_last):
-        self._buffer, self._index, self._shapes, self._is_last = buffer, index, shapes, is_last
-
-    def buffer(self):
-        return self._buffer
-
-    def index(self):
-        return self._index
-
-    def is_last(self):
-        return self._is_last
-
-    def gradients(self):
-        out, off = [], 0
-        for s in self._shapes:
-            out.append(self._buffer[off:off + math.prod(s)].view(s))
-            off += math.prod(s)
-        return out
-
-
 def start_gloo():
     import torch.distributed as dist
 
@@ -116,6 +93,8 @@ def main(argv=None):
 
     import torch
     from threadpoolctl import threadpool_limits
+
+    from gradcomp.torch.tensors import HookBucket
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
     torch.set_num_threads(args.threads)
@@ -140,7 +119,7 @@ def main(argv=None):
             w.copy_(s)  # the hook overwrites its input; refill before the clock starts
         t0 = time.perf_counter()
         for b, w in zip(buckets, work):
-            powerSGD_hook(state, TorchBucket(w, b.index, b.shapes, b.is_last)).wait()
+            powerSGD_hook(state, HookBucket(w, b.index, b.shapes, b.is_last)).wait()
         return time.perf_counter() - t0
 
     print(f"ResNet-50: {sum(b.numel for b in buckets):,} gradients in {len(buckets)} buckets of "

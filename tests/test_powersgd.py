@@ -75,32 +75,6 @@ class TorchSeededPowerSGD(PowerSGD):
         return out
 
 
-class TorchBucket:
-    """What powerSGD_hook and fp16_compress_wrapper call on a ``dist.GradBucket``."""
-
-    def __init__(self, buffer, index, shapes, is_last):
-        self._buffer, self._index, self._shapes, self._is_last = buffer, index, shapes, is_last
-
-    def buffer(self):
-        return self._buffer
-
-    def set_buffer(self, buffer):
-        self._buffer = buffer
-
-    def index(self):
-        return self._index
-
-    def is_last(self):
-        return self._is_last
-
-    def gradients(self):
-        out, off = [], 0
-        for s in self._shapes:
-            out.append(self._buffer[off:off + math.prod(s)].view(s))
-            off += math.prod(s)
-        return out
-
-
 def init_gloo(comm):
     """torch.distributed on gloo with MPI's rank and size; rank 0 picks a free port."""
     import torch.distributed as dist
@@ -118,6 +92,8 @@ def init_gloo(comm):
 
 def rank_torch_parity(configs, steps):
     import torch
+
+    from gradcomp.torch.tensors import HookBucket
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDState,
                                                                            powerSGD_hook)
@@ -140,7 +116,7 @@ def rank_torch_parity(configs, steps):
         worst = 0.0
         for step in range(steps):
             for index, layout, is_last, g in step_buckets(rng):
-                tb = TorchBucket(torch.from_numpy(g.copy()), index, layout, is_last)
+                tb = HookBucket(torch.from_numpy(g.copy()), index, layout, is_last)
                 ref = hook(state, tb).wait().to(torch.float32).numpy()
                 got = comp.reduce(gc.Bucket(g, index, layout, is_last), comm).result()
                 assert got.dtype == np.float32 and same_everywhere(comm, got)

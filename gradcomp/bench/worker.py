@@ -43,39 +43,6 @@ def _progress(rank, done, total, name):
         print(f"@progress {done} {total} {name}", flush=True)
 
 
-class _DuckBucket:
-    """What PyTorch's hooks read from a ``dist.GradBucket`` (which Python cannot construct)."""
-
-    def __init__(self, tensor, index, shapes, is_last):
-        self._tensor = tensor
-        self._index = index
-        self._is_last = is_last
-        self._views = []
-        off = 0
-        for s in shapes:
-            n = int(np.prod(s))
-            self._views.append(tensor[off:off + n].view(s))
-            off += n
-
-    def buffer(self):
-        return self._tensor
-
-    def set_buffer(self, tensor):
-        self._tensor = tensor
-
-    def index(self):
-        return self._index
-
-    def is_last(self):
-        return self._is_last
-
-    def gradients(self):
-        return self._views
-
-    def parameters(self):
-        return self._views
-
-
 class _TorchBytes:
     """Counts what the hooks hand to torch.distributed collectives (bandwidth-optimal bytes), by
     wrapping the module functions they call; the real collectives still run."""
@@ -188,10 +155,12 @@ def _torch_setup(buckets, shared):
 
 
 def _torch_case(m, buckets, size, shared):
+    from ..torch.tensors import HookBucket
+
     _torch_setup(buckets, shared)
     tensors, originals = shared["tensors"], shared["originals"]
     state, hook = m.build(size)
-    ducks = [_DuckBucket(t, b.index, b.shapes, b.is_last) for t, b in zip(tensors, buckets)]
+    ducks = [HookBucket(t, b.index, b.shapes, b.is_last) for t, b in zip(tensors, buckets)]
 
     def restore():  # the hooks write into the bucket
         for d, t, o in zip(ducks, tensors, originals):
