@@ -191,7 +191,84 @@ def pin_blas_threads(threads: int | None) -> None:
     threadpool_limits(limits=threads, user_api="blas")
 
 
-class MPICommunicator:
+class OrderedCommunicator:
+    """What every Communicator implementation shares: the ordered worker, the traffic counters,
+    and the public blocking and nonblocking forms of each collective.
+
+    A subclass sets ``rank`` and ``size``, calls ``_start_worker``, and implements ``abort`` and the
+    worker-side ``_allreduce``, ``_allgather``, ``_alltoall`` and ``_broadcast`` (which call
+    ``_count`` once per collective). Blocking calls made off the worker are queued behind the work
+    already submitted, so nothing overtakes it; arguments are checked before queueing, because an
+    exception on the worker counts as a failure halfway through a reduction.
+    """
+
+    rank: int
+    size: int
+
+    def _start_worker(self, name: str, abort_grace_s: float | None) -> None:
+        self.bytes_sent = 0.0
+        self.collectives = 0
+        grace = _default_grace() if abort_grace_s is None else abort_grace_s
+        self._worker = OrderedWorker(name, self.abort, grace)
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        self.collectives += 1
+        self.bytes_sent += wire_bytes(kind, nbytes, self.size)
+
+    def abort(self, code: int = 1) -> None:
+        raise NotImplementedError
+
+    # -- ordering ---------------------------------------------------------------------------
+    def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        """Queue ``fn(*args, **kwargs)`` on the ordered worker."""
+        return self._worker.submit(fn, *args, **kwargs)
+
+    def fail(self, exc: BaseException) -> None:
+        self._worker.fail(exc)
+
+    def close(self) -> None:
+        self._worker.shutdown()
+
+    # -- blocking collectives ----------------------------------------------------------------
+    def allreduce(self, array):
+        """Element-wise sum over ranks, in the array's own dtype."""
+        return self._worker.call(self._allreduce, array)
+
+    def allgather(self, array):
+        """Every rank's ``array`` (same shape everywhere), stacked: shape ``(size,) + shape``."""
+        return self._worker.call(self._allgather, array)
+
+    def alltoall(self, array):
+        """Split ``array`` (length divisible by size) into ``size`` blocks, block r to rank r.
+        Returns ``(size, n/size)``: row r is the block rank r sent here."""
+        self._check_alltoall(array)
+        return self._worker.call(self._alltoall, array)
+
+    def broadcast(self, array, root: int = 0):
+        """``root``'s array, on every rank (a new array; the input is not modified)."""
+        return self._worker.call(self._broadcast, array, root)
+
+    def _check_alltoall(self, array):
+        if array.ndim != 1 or array.shape[0] % self.size:
+            raise ValueError(f"alltoall needs a 1-D array with a length divisible by {self.size}, "
+                             f"got shape {tuple(array.shape)}")
+
+    # -- nonblocking forms -------------------------------------------------------------------
+    def iallreduce(self, array) -> Future:
+        return self.submit(self._allreduce, array)
+
+    def iallgather(self, array) -> Future:
+        return self.submit(self._allgather, array)
+
+    def ialltoall(self, array) -> Future:
+        self._check_alltoall(array)
+        return self.submit(self._alltoall, array)
+
+    def ibroadcast(self, array, root: int = 0) -> Future:
+        return self.submit(self._broadcast, array, root)
+
+
+class MPICommunicator(OrderedCommunicator):
     """The Communicator protocol over an mpi4py communicator (default ``COMM_WORLD``).
 
     ``comm`` is duplicated, so gradcomp's traffic never mixes with collectives the application runs
@@ -213,29 +290,15 @@ class MPICommunicator:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.cuda_aware = detect_cuda_aware(cuda_aware)
-        self.bytes_sent = 0.0
-        self.collectives = 0
         self._half_ops = {}
         pin_blas_threads(blas_threads)
-        grace = _default_grace() if abort_grace_s is None else abort_grace_s
-        self._worker = OrderedWorker("gradcomp-mpi", self.abort, grace)
+        self._start_worker("gradcomp-mpi", abort_grace_s)
 
     def __repr__(self):
         return f"MPICommunicator(rank={self.rank}, size={self.size}, cuda_aware={self.cuda_aware})"
 
-    # -- ordering ---------------------------------------------------------------------------
-    def submit(self, fn: Callable, *args, **kwargs) -> Future:
-        """Queue ``fn(*args, **kwargs)`` on the ordered worker."""
-        return self._worker.submit(fn, *args, **kwargs)
-
-    def fail(self, exc: BaseException) -> None:
-        self._worker.fail(exc)
-
     def abort(self, code: int = 1) -> None:
         self.comm.Abort(code)
-
-    def close(self) -> None:
-        self._worker.shutdown()
 
     # -- buffers -----------------------------------------------------------------------------
     def _prepare(self, array):
@@ -258,15 +321,12 @@ class MPICommunicator:
         (not reducing it) bytes are all MPI needs."""
         return [a.reshape(-1).view(array_module(a).uint8), self._MPI.BYTE]
 
-    # -- blocking collectives (queued behind submitted work when called off the worker) ------
-    def allreduce(self, array):
-        """Element-wise sum over ranks. float32/float64 use MPI's own reduction. float16 and
-        bfloat16, which MPI cannot add, use a user-defined MPI operation on host buffers (so MPI's
-        own allreduce algorithms carry half the bytes) and ``sum_by_alltoall`` on device buffers,
-        where a Python operation cannot read the memory."""
-        return self._worker.call(self._allreduce, array)
-
+    # -- the collectives, on the worker --------------------------------------------------------
     def _allreduce(self, array):
+        """float32/float64 use MPI's own reduction. float16 and bfloat16, which MPI cannot add, use
+        a user-defined MPI operation on host buffers (so MPI's own allreduce algorithms carry half
+        the bytes) and ``sum_by_alltoall`` on device buffers given to a CUDA-aware MPI, where a
+        Python operation cannot read the memory."""
         name = dtype_name(array.dtype)
         if name not in ("float32", "float64"):
             if is_device_array(array) and self.cuda_aware:
@@ -281,8 +341,7 @@ class MPICommunicator:
         out = array_module(buf).empty_like(buf)
         self.comm.Allreduce([buf, mpitype], [out, mpitype], op=op)
         out = out if name in ("float32", "float64") else out.view(array.dtype)
-        self.collectives += 1
-        self.bytes_sent += wire_bytes("allreduce", buf.nbytes, self.size)
+        self._count("allreduce", buf.nbytes)
         return self._finish(out, xp)
 
     def _half_sum(self, dtype):
@@ -301,57 +360,26 @@ class MPICommunicator:
             self._half_ops[key] = self._MPI.Op.Create(add, commute=True)
         return self._half_ops[key]
 
-    def allgather(self, array):
-        """Every rank's ``array`` (same length everywhere), stacked: shape ``(size,) + shape``."""
-        return self._worker.call(self._allgather, array)
-
     def _allgather(self, array):
         buf, xp = self._prepare(array)
         out = array_module(buf).empty((self.size,) + buf.shape, dtype=buf.dtype)
         self.comm.Allgather(self._bytes(buf), self._bytes(out))
-        self.collectives += 1
-        self.bytes_sent += wire_bytes("allgather", buf.nbytes, self.size)
+        self._count("allgather", buf.nbytes)
         return self._finish(out, xp)
 
-    def alltoall(self, array):
-        """Split ``array`` (length divisible by size) into ``size`` blocks, block r to rank r.
-        Returns ``(size, n/size)``: row r is the block rank r sent here."""
-        return self._worker.call(self._alltoall, array)
-
     def _alltoall(self, array):
-        if array.shape[0] % self.size:
-            raise ValueError(f"alltoall needs a length divisible by {self.size}, got {array.shape[0]}")
         buf, xp = self._prepare(array)
         out = array_module(buf).empty_like(buf)
         self.comm.Alltoall(self._bytes(buf), self._bytes(out))
-        self.collectives += 1
-        self.bytes_sent += wire_bytes("alltoall", buf.nbytes, self.size)
+        self._count("alltoall", buf.nbytes)
         return self._finish(out.reshape(self.size, -1), xp)
-
-    def broadcast(self, array, root: int = 0):
-        """``root``'s array, on every rank (a new array; the input is not modified)."""
-        return self._worker.call(self._broadcast, array, root)
 
     def _broadcast(self, array, root):
         buf, xp = self._prepare(array)
         out = buf.copy()
         self.comm.Bcast(self._bytes(out), root=root)
-        self.collectives += 1
-        self.bytes_sent += wire_bytes("broadcast", buf.nbytes, self.size)
+        self._count("broadcast", buf.nbytes)
         return self._finish(out, xp)
-
-    # -- nonblocking forms -------------------------------------------------------------------
-    def iallreduce(self, array) -> Future:
-        return self.submit(self._allreduce, array)
-
-    def iallgather(self, array) -> Future:
-        return self.submit(self._allgather, array)
-
-    def ialltoall(self, array) -> Future:
-        return self.submit(self._alltoall, array)
-
-    def ibroadcast(self, array, root: int = 0) -> Future:
-        return self.submit(self._broadcast, array, root)
 
 
 def sum_by_alltoall(comm: Communicator, array):

@@ -117,6 +117,9 @@ def rank_collectives():
     sent = np.repeat(np.arange(n, dtype=np.float64) + 100 * r, 3)  # block j goes to rank j
     got = comm.alltoall(sent)
     assert got.shape == (n, 3) and (got == (r + 100 * np.arange(n))[:, None]).all()
+    if n > 1:  # refused before it reaches the worker, which stays usable
+        with pytest.raises(ValueError, match="divisible"):
+            comm.ialltoall(np.ones(3 * n + 1))
     b = comm.broadcast(np.full(4, r, np.float32), root=n - 1)
     assert (b == n - 1).all()
     # float16 / bfloat16 sums: exact for small integers, bit-identical on every rank

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import os
 import sys
-from concurrent.futures import Future
-from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..arrays import array_module, synchronize
-from ..comm import OrderedWorker, _default_grace, wire_bytes
+from ..comm import OrderedCommunicator
 from .tensors import as_array, as_tensor
 
 
@@ -28,7 +26,7 @@ from .tensors import as_array, as_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class TorchCommunicator:
+class TorchCommunicator(OrderedCommunicator):
     """gradcomp's transport over a torch.distributed process group.
 
     ``process_group=None`` creates a dedicated group over every rank of the default group (a
@@ -64,23 +62,12 @@ class TorchCommunicator:
         self._global_ranks = dist.get_process_group_ranks(process_group)
         # the worker thread does not inherit the caller's current CUDA device: remember it here
         self._cuda_index = torch.cuda.current_device() if self.backend == "nccl" else None
-        self.bytes_sent = 0.0
-        self.collectives = 0
-        grace = _default_grace() if abort_grace_s is None else abort_grace_s
-        self._worker = OrderedWorker("gradcomp-torch", self.abort, grace)
+        self._start_worker("gradcomp-torch", abort_grace_s)
         if self._cuda_index is not None:  # put the worker on that device before anything else runs
             self._worker.submit(torch.cuda.set_device, self._cuda_index)
 
     def __repr__(self):
         return f"TorchCommunicator(rank={self.rank}, size={self.size}, backend={self.backend!r})"
-
-    # -- ordering ---------------------------------------------------------------------------
-    def submit(self, fn: Callable, *args, **kwargs) -> Future:
-        """Queue ``fn(*args, **kwargs)`` on the ordered worker."""
-        return self._worker.submit(fn, *args, **kwargs)
-
-    def fail(self, exc: BaseException) -> None:
-        self._worker.fail(exc)
 
     def abort(self, code: int = 1) -> None:
         mpi = sys.modules.get("mpi4py.MPI")
@@ -88,9 +75,6 @@ class TorchCommunicator:
             mpi.COMM_WORLD.Abort(code)
         sys.stderr.flush()
         os._exit(code)
-
-    def close(self) -> None:
-        self._worker.shutdown()
 
     # -- buffers -----------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -130,24 +114,12 @@ class TorchCommunicator:
             out = xp.asarray(as_array(tensor))
         return out if like_dtype is None else out.view(like_dtype)
 
-    def _count(self, kind: str, nbytes: int) -> None:
-        self.collectives += 1
-        self.bytes_sent += wire_bytes(kind, nbytes, self.size)
-
-    # -- blocking collectives (queued behind submitted work when called off the worker) ------
-    def allreduce(self, array):
-        """Element-wise sum over ranks, in the array's own dtype (the backend's reduction)."""
-        return self._worker.call(self._allreduce, array)
-
+    # -- the collectives, on the worker --------------------------------------------------------
     def _allreduce(self, array):
         tensor, xp = self._to_tensor(array)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         self._count("allreduce", array.nbytes)
         return self._to_array(tensor, xp)
-
-    def allgather(self, array):
-        """Every rank's ``array`` (same shape everywhere), stacked: shape ``(size,) + shape``."""
-        return self._worker.call(self._allgather, array)
 
     def _allgather(self, array):
         tensor, xp = self._to_tensor(array, as_bytes=True)
@@ -156,45 +128,15 @@ class TorchCommunicator:
         self._count("allgather", array.nbytes)
         return self._to_array(out, xp, array.dtype).reshape((self.size,) + tuple(array.shape))
 
-    def alltoall(self, array):
-        """Split ``array`` (length divisible by size) into ``size`` blocks, block r to rank r.
-        Returns ``(size, n/size)``: row r is the block rank r sent here."""
-        self._check_alltoall(array)  # before queueing: bad arguments must not break the worker
-        return self._worker.call(self._alltoall, array)
-
-    def _check_alltoall(self, array):
-        if array.ndim != 1 or array.shape[0] % self.size:
-            raise ValueError(f"alltoall needs a 1-D array with a length divisible by {self.size}, "
-                             f"got shape {tuple(array.shape)}")
-
     def _alltoall(self, array):
-        self._check_alltoall(array)
         tensor, xp = self._to_tensor(array, as_bytes=True)
         out = torch.empty_like(tensor)
         dist.all_to_all_single(out, tensor, group=self.group)
         self._count("alltoall", array.nbytes)
         return self._to_array(out, xp, array.dtype).reshape(self.size, -1)
 
-    def broadcast(self, array, root: int = 0):
-        """``root``'s array, on every rank (a new array; the input is not modified)."""
-        return self._worker.call(self._broadcast, array, root)
-
     def _broadcast(self, array, root):
         tensor, xp = self._to_tensor(array, as_bytes=True)
         dist.broadcast(tensor, src=self._global_ranks[root], group=self.group)
         self._count("broadcast", array.nbytes)
         return self._to_array(tensor, xp, array.dtype).reshape(array.shape)
-
-    # -- nonblocking forms -------------------------------------------------------------------
-    def iallreduce(self, array) -> Future:
-        return self.submit(self._allreduce, array)
-
-    def iallgather(self, array) -> Future:
-        return self.submit(self._allgather, array)
-
-    def ialltoall(self, array) -> Future:
-        self._check_alltoall(array)
-        return self.submit(self._alltoall, array)
-
-    def ibroadcast(self, array, root: int = 0) -> Future:
-        return self.submit(self._broadcast, array, root)
