@@ -122,6 +122,8 @@ def main(argv=None) -> int:
              if first else "")
           + f"; time/step: median over steps, then over {args.repeats} run(s)\n")
     print(table(results))
+    print("\nMeasured numbers, with the commands behind them: BENCHMARKS.md (kernels, bytes per rank, "
+          "step times on a capped network: `make bench`, `make bench-capped`).")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     failed = [n for n, runs in results.items() if any("error" in r for r in runs)]
