@@ -74,7 +74,8 @@ class QuantizePerChannel(Compressor):
             sl = slice(0, rows) if i == 0 else slice(rows, rows + 1)
             lo = part.min(axis=1)
             hi = part.max(axis=1)
-            scale, inv = self._scale(xp, lo, hi)
+            scale = self._scale(xp, lo, hi)
+            inv = self._inverse(xp, scale)
             q = part - lo[:, None]
             self._finish_codes(xp, q, inv)
             out[...] = q
@@ -83,11 +84,15 @@ class QuantizePerChannel(Compressor):
         return params, codes
 
     def _scale(self, xp, lo, hi):
-        """Per-chunk scale = (max - min) / levels, and the factor that maps values to codes."""
+        """Per-chunk scale = (max - min) / levels."""
+        with np.errstate(invalid="ignore", over="ignore"):
+            return (hi - lo) / xp.float32(self.levels)
+
+    @staticmethod
+    def _inverse(xp, scale):
+        """The factor that maps (value - offset) to codes; 1 where the chunk is constant."""
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            scale = (hi - lo) / xp.float32(self.levels)
-            safe = xp.where(scale > 0, scale, xp.float32(1.0))
-            return scale, xp.float32(1.0) / safe
+            return xp.float32(1.0) / xp.where(scale > 0, scale, xp.float32(1.0))
 
     def _finish_codes(self, xp, q, inv):
         """q = (x - offset) in place -> rint((x - offset) / scale) clipped to the levels; codes of
@@ -104,44 +109,43 @@ class QuantizePerChannel(Compressor):
     _BLOCK = 1 << 18  # values per block (1 MiB of float32 scratch: fewer Python round trips)
     _ROUND_MAGIC = np.float32(2.0 ** 23)
 
-    def _quantize_blocked(self, x, params, codes, rows, width):
-        n = x.shape[0]
-        block = max(1, self._BLOCK // width) * width if width <= self._BLOCK else self._BLOCK
-        scratch = np.empty(min(block, n), np.float32)
-        if rows == 0 or width > self._BLOCK:  # one chunk per row too long for a block: params first
-            segments = [(r * width, (r + 1) * width) for r in range(rows)]
+    def _pieces(self, n, rows, width):
+        """The blocks the NumPy kernels work on, as (start, stop, chunk slice): runs of whole
+        chunks of about ``_BLOCK`` values (the tail chunk on its own), or, for chunks longer than a
+        block (per tensor, say), block-sized parts that share their chunk's slice."""
+        if width <= self._BLOCK:
+            per = self._BLOCK // width
+            for r0 in range(0, rows, per):
+                r1 = min(r0 + per, rows)
+                yield r0 * width, r1 * width, slice(r0, r1)
             if n > rows * width:
-                segments.append((rows * width, n))
-            for c, (start, stop) in enumerate(segments):
-                part = x[start:stop]
-                lo, hi = part.min(keepdims=True), part.max(keepdims=True)
-                scale, inv = self._scale(np, lo, hi)
-                params[0, c], params[1, c] = lo[0], scale[0]
-                for b in range(start, stop, block):
-                    e = min(b + block, stop)
-                    self._encode(x[b:e].reshape(1, -1), codes[b:e].reshape(1, -1), lo, scale, inv,
-                                 scratch)
+                yield rows * width, n, slice(rows, rows + 1)
             return
-        rows_per_block = block // width
-        for r0 in range(0, rows, rows_per_block):
-            r1 = min(r0 + rows_per_block, rows)
-            part = x[r0 * width:r1 * width].reshape(r1 - r0, width)
-            self._encode_rows(part, codes[r0 * width:r1 * width].reshape(r1 - r0, width),
-                              params[:, r0:r1], scratch)
-        if n > rows * width:
-            self._encode_rows(x[rows * width:].reshape(1, -1), codes[rows * width:].reshape(1, -1),
-                              params[:, rows:rows + 1], scratch)
+        for c, start in enumerate(range(0, n, width)):
+            stop = min(start + width, n)
+            for b in range(start, stop, self._BLOCK):
+                yield b, min(b + self._BLOCK, stop), slice(c, c + 1)
 
-    def _encode_rows(self, part, out, params, scratch):
-        lo = part.min(axis=1)
-        hi = part.max(axis=1)
-        scale, inv = self._scale(np, lo, hi)
-        params[0] = lo
-        params[1] = scale
-        self._encode(part, out, lo, scale, inv, scratch)
+    def _quantize_blocked(self, x, params, codes, rows, width):
+        scratch = np.empty(min(self._BLOCK, x.shape[0]), np.float32)
+        whole_chunks = width <= self._BLOCK  # else each chunk's parameters come first, in one pass
+        if not whole_chunks:
+            for c, start in enumerate(range(0, x.shape[0], width)):
+                part = x[start:start + width]
+                lo, hi = part.min(keepdims=True), part.max(keepdims=True)
+                params[0, c:c + 1] = lo
+                params[1, c:c + 1] = self._scale(np, lo, hi)
+        for start, stop, chunks in self._pieces(x.shape[0], rows, width):
+            k = chunks.stop - chunks.start
+            part, out = x[start:stop].reshape(k, -1), codes[start:stop].reshape(k, -1)
+            if whole_chunks:
+                params[0, chunks] = part.min(axis=1)
+                params[1, chunks] = self._scale(np, params[0, chunks], part.max(axis=1))
+            self._encode(part, out, params[0, chunks], params[1, chunks], scratch)
 
-    def _encode(self, part, out, lo, scale, inv, scratch):
-        """codes of a (chunks, width) block with per-chunk ``lo``, ``scale`` and ``inv`` = 1/scale."""
+    def _encode(self, part, out, lo, scale, scratch):
+        """codes of a (chunks, width) block with per-chunk ``lo`` and ``scale``."""
+        inv = self._inverse(np, scale)
         q = scratch[:part.size].reshape(part.shape)
         with np.errstate(invalid="ignore", over="ignore"):
             np.subtract(part, lo[:, None], out=q)
@@ -188,29 +192,11 @@ class QuantizePerChannel(Compressor):
             a[bad] = xp.nan
 
     def _dequantize_add_blocked(self, acc, params, codes, rows, width):
-        n = acc.shape[0]
-        block = max(1, self._BLOCK // width) * width if width <= self._BLOCK else self._BLOCK
-        scratch = np.empty(min(block, n), np.float32)
-        if rows == 0 or width > self._BLOCK:
-            segments = [(r * width, (r + 1) * width) for r in range(rows)]
-            if n > rows * width:
-                segments.append((rows * width, n))
-            for c, (start, stop) in enumerate(segments):
-                lo, scale = params[0, c:c + 1], params[1, c:c + 1]
-                for b in range(start, stop, block):
-                    e = min(b + block, stop)
-                    self._decode_add(np, acc[b:e].reshape(1, -1), codes[b:e].reshape(1, -1), lo, scale,
-                                     scratch)
-            return
-        rows_per_block = block // width
-        for r0 in range(0, rows, rows_per_block):
-            r1 = min(r0 + rows_per_block, rows)
-            sl = slice(r0 * width, r1 * width)
-            self._decode_add(np, acc[sl].reshape(r1 - r0, width), codes[sl].reshape(r1 - r0, width),
-                             params[0, r0:r1], params[1, r0:r1], scratch)
-        if n > rows * width:
-            self._decode_add(np, acc[rows * width:].reshape(1, -1), codes[rows * width:].reshape(1, -1),
-                             params[0, rows:rows + 1], params[1, rows:rows + 1], scratch)
+        scratch = np.empty(min(self._BLOCK, acc.shape[0]), np.float32)
+        for start, stop, chunks in self._pieces(acc.shape[0], rows, width):
+            k = chunks.stop - chunks.start
+            self._decode_add(np, acc[start:stop].reshape(k, -1), codes[start:stop].reshape(k, -1),
+                             params[0, chunks], params[1, chunks], scratch)
 
     # -- the reduction -----------------------------------------------------------------------------
     def run(self, bucket, comm):
