@@ -240,27 +240,22 @@ sys.exit(int(os.environ.get('FAIL_WITH', '0')))
 """
 
 
-def test_capped_runs_ranks_in_their_own_namespaces_and_cleans_up():
+@pytest.mark.parametrize("fail_with", [0, 3])
+def test_capped_runs_ranks_in_their_own_namespaces_and_cleans_up(fail_with):
+    """Each rank runs inside its namespace over TCP; namespaces go away on success and on failure."""
     why = _capped_available()
     if why:
         pytest.skip(why)
     before = _our_namespaces()
     done = subprocess.run([CAPPED, "200mbit", "2", sys.executable, "-c", RANK_PROGRAM],
-                          capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "rank 0 ok" in done.stdout and "rank 1 ok" in done.stdout
-    assert "rank 1 sent" in done.stderr
-    assert _our_namespaces() == before
-
-
-def test_capped_cleans_up_when_the_program_fails():
-    why = _capped_available()
-    if why:
-        pytest.skip(why)
-    before = _our_namespaces()
-    done = subprocess.run([CAPPED, "200mbit", "2", sys.executable, "-c", RANK_PROGRAM],
-                          capture_output=True, text=True, timeout=180, env=dict(os.environ, FAIL_WITH="3"))
-    assert done.returncode != 0
+                          capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, FAIL_WITH=str(fail_with)))
+    if fail_with:
+        assert done.returncode != 0
+    else:
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "rank 0 ok" in done.stdout and "rank 1 ok" in done.stdout
+        assert "rank 1 sent" in done.stderr
     assert _our_namespaces() == before
 
 
