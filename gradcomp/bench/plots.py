@@ -25,6 +25,13 @@ def _plt():
     return plt
 
 
+
+def _save(fig, path: str) -> None:
+    """Write ``fig`` as a PNG and free it (figures are made in loops; pyplot keeps them alive)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+
 def _timed(rows):
     return [r for r in rows if "time_s" in r and r["method"] != "memcpy"]
 
@@ -55,9 +62,7 @@ def time_vs_bandwidth(job: dict, capped: list[dict], path: str) -> None:
                  "\n(dots: measured on a tc-capped link)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _rate_gbit(text: str):
@@ -89,9 +94,7 @@ def error_vs_ratio(job: dict, path: str) -> None:
     ax.set_ylabel("relative error of one step (L2)")
     ax.set_title(f"{job['model']}, {job['ranks']} ranks, heavy-tailed gradients", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def bytes_vs_ranks(jobs: list[dict], model: str, path: str) -> None:
@@ -112,9 +115,7 @@ def bytes_vs_ranks(jobs: list[dict], model: str, path: str) -> None:
     ax.set_title(f"{model}: allgather-based methods grow with ranks, allreduce-based do not", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def kernels(rows: list[dict], path: str) -> None:
@@ -127,9 +128,7 @@ def kernels(rows: list[dict], path: str) -> None:
     ax.set_xlabel("time / memcpy of the same buffer")
     ax.set_title(f"kernel cost, {rows[0].get('mb', '?'):g} MB float32 buffer, one process", fontsize=10)
     ax.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def capped_bars(capped: list[dict], path: str) -> None:
@@ -154,9 +153,7 @@ def capped_bars(capped: list[dict], path: str) -> None:
     ax.set_title("measured on a tc-capped network, ResNet-50-sized gradient", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def all_figures(jobs: list[dict], kernel_rows: list[dict], capped: list[dict], outdir: str) -> list[str]:
