@@ -19,7 +19,7 @@ import numpy as np
 
 from ..arrays import FLOAT_DTYPES, dtype_name, is_device_array, synchronize
 from ..bucket import Bucket, buffer_problem
-from ..comm import Communicator, CollectiveError, default_communicator
+from ..comm import Communicator, CollectiveError, default_communicator, wire_bytes
 
 _FIELDS = ("unusable buffer", "length", "dtype", "layout", "compressor", "bucket index", "is_last")
 
@@ -119,8 +119,7 @@ class Compressor:
         s["input_bytes"] += bucket.buffer.nbytes
         s["bytes_sent"] += comm.bytes_sent - before_bytes
         s["rounds"] += getattr(comm, "collectives", 0) - before_calls
-        if comm.size > 1:
-            s["reference_bytes"] += 2.0 * (comm.size - 1) / comm.size * bucket.buffer.nbytes
+        s["reference_bytes"] += wire_bytes("allreduce", bucket.buffer.nbytes, comm.size)
         return out
 
     def run(self, bucket: Bucket, comm: Communicator):
