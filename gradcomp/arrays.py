@@ -44,44 +44,117 @@ def half_dtype(name: str, xp=np):
     raise ValueError(f"unknown half dtype {name!r}; expected 'float16' or 'bfloat16'")
 
 
+def _numpy_vector(array) -> bool:
+    return type(array) is np.ndarray and array.flags.c_contiguous
+
+
+def _half_name(dtype):
+    name = np.dtype(dtype).name
+    return name if name in ("float16", "bfloat16") else None
+
+
+#: Below this many values a compiled kernel call costs more than NumPy's own loop.
+_JIT_MIN = 256
+
+
+_jit = None
+
+
+def _kernels():
+    """``gradcomp.jit`` when its compiled kernels work here, else None. Imported on first need
+    only: numba takes a good fraction of a second to import, which processes that never touch a
+    half-precision array should not pay."""
+    global _jit
+    if _jit is None:
+        from . import jit
+
+        _jit = jit if jit.available() else False
+    return _jit or None
+
+
+def _use_jit(array) -> bool:
+    return _numpy_vector(array) and array.size >= _JIT_MIN and _kernels() is not None
+
+
 def cast(array, dtype):
     """``array`` converted to ``dtype`` (a new array). The one place every dtype conversion of
     gradcomp goes through, so the fastest available kernel is chosen once for all methods.
 
-    NumPy float32 <-> float16 of contiguous arrays goes through ``gradcomp.halfcast`` (SIMD
-    bit-manipulation kernels, bit-identical to ``astype`` and several times faster, see there);
-    everything else is ``astype``.
+    Contiguous NumPy float32 <-> float16/bfloat16 use the compiled kernels of ``gradcomp.jit``
+    (hardware conversion, about a memory pass); without numba, float32 <-> float16 uses
+    ``gradcomp.halfcast`` (SIMD bit manipulation, several times faster than ``astype``). Both give
+    ``astype``'s bits; everything else is ``astype``.
     """
-    if (type(array) is np.ndarray and array.size >= _halfcast.MIN_SIZE
-            and array.flags.c_contiguous):
-        target = np.dtype(dtype)
-        if array.dtype == np.float32 and target == np.float16:
+    target = np.dtype(dtype)
+    source = getattr(array, "dtype", None)
+    if source == target or not (_half_name(source) or _half_name(target)):
+        return array.astype(dtype)
+    if _use_jit(array):
+        if source == np.float32 and _half_name(target):
+            out = np.empty(array.shape, target)
+            _jit.encode(array.reshape(-1), out.reshape(-1).view(np.uint16),
+                        target.name == "bfloat16")
+            return out
+        if _half_name(source) and target == np.float32:
+            out = np.empty(array.shape, np.float32)
+            _jit.decode(array.reshape(-1).view(np.uint16), out.reshape(-1),
+                        source.name == "bfloat16")
+            return out
+    elif _numpy_vector(array) and array.size >= _halfcast.MIN_SIZE:
+        if source == np.float32 and target == np.float16:
             return _halfcast.float32_to_float16(array.reshape(-1)).reshape(array.shape)
-        if array.dtype == np.float16 and target == np.float32:
+        if source == np.float16 and target == np.float32:
             return _halfcast.float16_to_float32(array.reshape(-1)).reshape(array.shape)
     return array.astype(dtype)
 
 
-def _numpy_half_vector(array) -> bool:
-    return (type(array) is np.ndarray and array.dtype == np.float16 and array.ndim == 1
-            and array.flags.c_contiguous and array.size >= _halfcast.MIN_SIZE)
+def _half_operands(acc, other):
+    """The half kind ('float16'/'bfloat16') when ``acc`` and ``other`` are same-shape contiguous
+    NumPy arrays of it, big enough for a kernel; else None."""
+    kind = _half_name(acc.dtype) if type(acc) is np.ndarray else None
+    if (kind and type(other) is np.ndarray and other.dtype == acc.dtype
+            and other.shape == acc.shape and other.flags.c_contiguous
+            and _numpy_vector(acc) and acc.size >= _JIT_MIN):
+        return kind
+    return None
 
 
 def divide(array, divisor):
-    """``array / divisor`` in the array's own dtype (a new array). NumPy float16 goes through
-    ``gradcomp.halfcast`` (same bits as NumPy's float16 division, which is emulated and slow)."""
-    if _numpy_half_vector(array):
+    """``array / divisor`` in the array's own dtype (a new array). NumPy half arrays go through a
+    kernel (same bits as NumPy's emulated float16 / ml_dtypes' bfloat16 division)."""
+    kind = _half_name(array.dtype) if type(array) is np.ndarray else None
+    if kind and _use_jit(array):
+        out = np.empty(array.shape, array.dtype)
+        _jit.divide(array.reshape(-1).view(np.uint16), np.float32(array.dtype.type(divisor)),
+                    out.reshape(-1).view(np.uint16), kind == "bfloat16")
+        return out
+    if kind == "float16" and _numpy_vector(array) and array.ndim == 1 and array.size >= _halfcast.MIN_SIZE:
         return _halfcast.divide(array, divisor)
     return array / array.dtype.type(divisor)
 
 
 def add_into(acc, other):
-    """``acc += other`` in ``acc``'s dtype; NumPy float16 goes through ``gradcomp.halfcast``
-    (same bits as NumPy's emulated float16 add, computed with SIMD float32 kernels)."""
-    if (_numpy_half_vector(acc) and type(other) is np.ndarray and other.dtype == np.float16
-            and other.shape == acc.shape and other.flags.c_contiguous):
+    """``acc += other`` in ``acc``'s dtype; NumPy float16/bfloat16 through a kernel (same bits as
+    NumPy's emulated float16 add / ml_dtypes' bfloat16 add)."""
+    kind = _half_operands(acc, other)
+    if kind and _kernels():
+        _jit.add_into(acc.reshape(-1).view(np.uint16), other.reshape(-1).view(np.uint16),
+                      kind == "bfloat16")
+        return acc
+    if kind == "float16" and acc.ndim == 1 and acc.size >= _halfcast.MIN_SIZE:
         return _halfcast.add_into(acc, other)
     acc += other
+    return acc
+
+
+def subtract_into(acc, other):
+    """``acc -= other`` in ``acc``'s dtype, with the same kernels as ``add_into``."""
+    kind = _half_operands(acc, other)
+    if kind and _kernels():
+        _jit.subtract_into(acc.reshape(-1).view(np.uint16), other.reshape(-1).view(np.uint16),
+                           kind == "bfloat16")
+        return acc
+    acc -= other
     return acc
 
 

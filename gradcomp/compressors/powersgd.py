@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..arrays import array_module, cast, dtype_name, half_dtype, to_host
+from ..arrays import add_into, array_module, cast, dtype_name, half_dtype, subtract_into, to_host
 from ..bucket import Bucket
 from ..comm import Communicator
 from .base import Compressor
@@ -438,7 +438,7 @@ class PowerSGD(Compressor):
                 x = cast(g, ef)
             else:
                 x, st.error = _on(xp, st.error), None
-                xp.add(g, x, out=x)
+                add_into(x, g)
         else:
             x = g
         mx = x if x.dtype == compute else cast(x, compute)
@@ -464,7 +464,7 @@ class PowerSGD(Compressor):
             st.error, st.p, st.q, st.phase = None, None, None, 0
             return result
         if self.error_feedback:
-            xp.subtract(x, result, out=x)
+            subtract_into(x, result)
             for a, b in plan.runs:
                 x[a:b] = 0
             st.error = x
