@@ -17,8 +17,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import array_module
+from ..arrays import _kernels, array_module
 from .base import Compressor
+
+
+def _compiled(*arrays):
+    """``gradcomp.jit`` when its compiled quantize kernels can take ``arrays`` (contiguous NumPy
+    arrays, numba present and enabled), else None: then the NumPy kernels below are used."""
+    if all(type(a) is np.ndarray and a.flags.c_contiguous for a in arrays):
+        return _kernels()
+    return None
+
+
+def _runs(flags):
+    """(first, stop) of each run of consecutive True values in a bool vector."""
+    idx = np.flatnonzero(flags)
+    for run in np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1):
+        if run.size:
+            yield int(run[0]), int(run[-1]) + 1
 
 
 class QuantizePerChannel(Compressor):
@@ -65,7 +81,11 @@ class QuantizePerChannel(Compressor):
         codes = xp.empty(n, dtype=xp.uint8)
         params = xp.empty((2, rows + (tail > 0)), dtype=xp.float32)
         if xp is np:
-            self._quantize_blocked(x, params, codes, rows, width)
+            jit = _compiled(x) if x.dtype == np.float32 else None
+            if jit is not None:
+                self._quantize_compiled(jit, x, params, codes, rows, width)
+            else:
+                self._quantize_blocked(x, params, codes, rows, width)
             return params, codes
         parts = zip(self._chunks(x, rows, width), self._chunks(codes, rows, width))
         for i, (part, out) in enumerate(parts):
@@ -126,6 +146,19 @@ class QuantizePerChannel(Compressor):
             for b in range(start, stop, self._BLOCK):
                 yield b, min(b + self._BLOCK, stop), slice(c, c + 1)
 
+    def _quantize_compiled(self, jit, x, params, codes, rows, width):
+        """The compiled kernel: min, max, scale and codes of each chunk in one pass over it while
+        it is in the L1 cache (the NumPy kernels make about ten passes over each block), then the
+        NumPy kernels for the chunks it leaves to them (non-finite values, ranges whose scale or
+        inverse is not finite, a +0/-0 tie at an extreme), a run of adjacent chunks at a time, so
+        every bit is the NumPy path's."""
+        redo = np.zeros(params.shape[1], bool)
+        if jit.quantize_chunks(x, x.view(np.int32), width, self.levels, params, codes, redo):
+            for c0, c1 in _runs(redo):
+                start, stop = c0 * width, min(c1 * width, x.shape[0])
+                self._quantize_blocked(x[start:stop], params[:, c0:c1], codes[start:stop],
+                                       max(min(c1, rows) - c0, 0), width)
+
     def _quantize_blocked(self, x, params, codes, rows, width):
         scratch = np.empty(min(self._BLOCK, x.shape[0]), np.float32)
         whole_chunks = width <= self._BLOCK  # else each chunk's parameters come first, in one pass
@@ -167,7 +200,11 @@ class QuantizePerChannel(Compressor):
         xp = array_module(acc)
         rows, width, tail = self._split(acc.shape[0])
         if xp is np:
-            self._dequantize_add_blocked(acc, params, codes, rows, width)
+            jit = _compiled(acc, params, codes) if acc.dtype == np.float32 else None
+            if jit is not None:  # the same two float32 adds per value, in one pass
+                jit.dequantize_add_chunks(acc, params, codes, width)
+            else:
+                self._dequantize_add_blocked(acc, params, codes, rows, width)
             return
         for i, (a, c) in enumerate(zip(self._chunks(acc, rows, width), self._chunks(codes, rows, width))):
             if a.size == 0:
