@@ -4,8 +4,10 @@ Every rank fills the layers of a model with its own heavy-tailed gradients, pack
 ~25 MB buckets, and runs each method for whole training steps (all buckets submitted, then all
 awaited, as DDP does). A step's time is the slowest rank's, after a barrier; the reported time is
 the median over ``--repeats`` steps that follow ``--warmup`` untimed ones (PowerSGD compresses from
-its third step on, so the timed steps are compressed). The timed steps go round-robin over the
-methods, so that a burst of load from other processes slows every method alike. The relative error is measured against the
+its third step on, so the timed steps are compressed). By default the timed steps go round-robin
+over the methods, so that a burst of load from other processes slows every method alike;
+``--order blocks`` times each method's steps together instead, as a training run repeats one method
+(on a VM, fresh pages from another method's allocations can cost a method hundreds of ms a step). The relative error is measured against the
 exact mean (a float64 MPI allreduce of everyone's data) on the first timed step.
 
 gradcomp methods talk over mpi4py (``MPICommunicator``); PyTorch's hooks over a gloo process group
@@ -234,14 +236,19 @@ def run(args) -> dict:
         case.begin()
     times = {c.name: [] for c in cases}
     firsts = {}
-    for rep in range(args.repeats):
-        for case in cases:
-            world.Barrier()
-            t0 = time.perf_counter()
-            outs = case.run_step(timed=True)
-            times[case.name].append(time.perf_counter() - t0)
-            if rep == 0:  # copied after the clock: a hook's result may be the shared bucket tensor
-                firsts[case.name] = [np.array(o, copy=True) for o in outs]
+    if args.order == "blocks":
+        schedule = [(case, rep) for case in cases for rep in range(args.repeats)]
+    else:
+        schedule = [(case, rep) for rep in range(args.repeats) for case in cases]
+    for case, rep in schedule:
+        if args.order == "blocks" and rep == 0:
+            case.run_step()  # one more untimed step: the previous method's memory churn settles
+        world.Barrier()
+        t0 = time.perf_counter()
+        outs = case.run_step(timed=True)
+        times[case.name].append(time.perf_counter() - t0)
+        if rep == 0:  # copied after the clock: a hook's result may be the shared bucket tensor
+            firsts[case.name] = [np.array(o, copy=True) for o in outs]
     _progress(rank, total - 1, total, "timed steps")
     for case in cases:
         slowest = np.array(times[case.name])
@@ -258,7 +265,7 @@ def run(args) -> dict:
     if "comm" in torch_state:
         torch_state["comm"].close()
     return dict(model=args.model, ranks=size, numel=numel(shapes), buckets=len(buckets),
-                bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup,
+                bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup, order=args.order,
                 host=platform.node(), cpus=os.cpu_count(), network=os.environ.get("GRADCOMP_NETWORK", ""),
                 results=_with_ratios(results, numel(shapes), size))
 
@@ -290,6 +297,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 2 for PowerSGD)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--order", choices=("round-robin", "blocks"), default="round-robin",
+                   help="timed steps round-robin over the methods (spreads load from other "
+                        "processes over all methods alike) or each method's steps in one block "
+                        "(steady state, as in training: no allocation churn from the other "
+                        "methods between steps)")
     p.add_argument("--torch", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--out", required=True, help="JSON file rank 0 writes")
     return p
