@@ -99,6 +99,7 @@ ip -n "$BRNS" link set br0 up
 ip -n "$BRNS" link set lo up
 
 TBF="tbf rate $RATE burst 64kb latency 100ms"
+RPS_CPUS=$(printf '%x' $(( (1 << $(nproc)) - 1 )))
 for ((r = 0; r < NRANKS; r++)); do
     ns="$PREFIX-$r"
     ip netns add "$ns" || fail "cannot create namespace $ns"
@@ -111,6 +112,12 @@ for ((r = 0; r < NRANKS; r++)); do
     ip -n "$BRNS" link set "v$r" up
     tc -n "$ns" qdisc add dev eth0 root $TBF || fail "tc rejected rate '$RATE' (use tc units: 1gbit, 500mbit)"
     tc -n "$BRNS" qdisc add dev "v$r" root $TBF || fail "tc rejected rate '$RATE' on v$r"
+    # A veth hands each packet to the receiving side on whichever CPU the sender happens to run;
+    # when the sender moves between CPUs, one TCP flow's packets are processed on two CPUs and
+    # arrive out of order (thousands of spurious fast retransmits per training step, seen here).
+    # RPS steers each flow to one CPU by its hash, so a flow stays in order, as on a real link.
+    ip netns exec "$ns" sh -c "echo $RPS_CPUS > /sys/class/net/eth0/queues/rx-0/rps_cpus" || true
+    ip netns exec "$BRNS" sh -c "echo $RPS_CPUS > /sys/class/net/v$r/queues/rx-0/rps_cpus" || true
 done
 
 echo "capped.sh: $NRANKS ranks on 10.77.0.1-$NRANKS, $TBF both directions, namespaces $PREFIX-*" >&2
