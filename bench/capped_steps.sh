@@ -6,8 +6,8 @@
 # every gradcomp compressor against the fp32 and fp16 allreduce and PyTorch's own hooks over gloo,
 # all on the same capped link (bench/capped.sh). Results: OUT/capped-RATE.json (default OUT:
 # results/bench), then the summary, CSV and figures are rebuilt with `python -m gradcomp report`.
-# Needs root (exits 77 without, like capped.sh). REPEATS / WARMUP / METHODS / ORDER (default
-# blocks: each method's steps together, as in training; or round-robin) override the defaults;
+# Needs root (exits 77 without, like capped.sh). REPEATS / WARMUP / METHODS / ORDER (round-robin,
+# the default, or blocks: each method's steps together, as in training) override the defaults;
 # MODEL=bert-base runs BERT-base's parameter shapes instead (give it its own OUT folder).
 set -eu
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -21,7 +21,7 @@ mkdir -p "$OUT"
 for rate in $RATES; do
     echo "== $rate x $NRANKS ranks ==" >&2
     "$HERE/capped.sh" "$rate" "$NRANKS" "$PY" -m gradcomp.bench.worker --model "${MODEL:-resnet50}" \
-        --methods "${METHODS:-all}" --repeats "${REPEATS:-5}" --warmup "${WARMUP:-3}" --order "${ORDER:-blocks}" \
+        --methods "${METHODS:-all}" --repeats "${REPEATS:-5}" --warmup "${WARMUP:-3}" --order "${ORDER:-round-robin}" \
         --out "$OUT/capped-$rate.json"
 done
 "$PY" -m gradcomp report "$OUT"
