@@ -119,18 +119,21 @@ def _half_operands(acc, other):
     return None
 
 
-def divide(array, divisor):
-    """``array / divisor`` in the array's own dtype (a new array). NumPy half arrays go through a
-    kernel (same bits as NumPy's emulated float16 / ml_dtypes' bfloat16 division)."""
+def divide(array, divisor, out=None):
+    """``array / divisor`` in the array's own dtype, into ``out`` (``array`` itself is allowed)
+    or a new array. NumPy half arrays go through a kernel (same bits as NumPy's emulated float16
+    / ml_dtypes' bfloat16 division)."""
     kind = _half_name(array.dtype) if type(array) is np.ndarray else None
     if kind and _use_jit(array):
-        out = np.empty(array.shape, array.dtype)
+        out = np.empty(array.shape, array.dtype) if out is None else out
         _jit.divide(array.reshape(-1).view(np.uint16), np.float32(array.dtype.type(divisor)),
                     out.reshape(-1).view(np.uint16), kind == "bfloat16")
         return out
     if kind == "float16" and _numpy_vector(array) and array.ndim == 1 and array.size >= _halfcast.MIN_SIZE:
-        return _halfcast.divide(array, divisor)
-    return array / array.dtype.type(divisor)
+        return _halfcast.divide(array, divisor, out)
+    if out is None:
+        return array / array.dtype.type(divisor)
+    return array_module(array).divide(array, array.dtype.type(divisor), out=out)
 
 
 def add_into(acc, other):

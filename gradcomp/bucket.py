@@ -32,13 +32,15 @@ class Bucket:
     ``buffer``: 1-D, contiguous, float16/bfloat16/float32/float64, NumPy or CuPy.
     ``index``: which bucket of the step this is; compressors key their state by it.
     ``shapes``: the shapes of the tensors packed back to back in ``buffer`` (default: one
-    vector spanning it). ``is_last``: True for the last bucket of a step.
+    vector spanning it). ``is_last``: True for the last bucket of a step. ``scratch``: the buffer
+    is a temporary of gradcomp's own (a wrapper's cast copy), which the inner compressor may
+    overwrite; a caller's buffer never is (invariant 5).
     """
 
-    __slots__ = ("buffer", "index", "shapes", "is_last")
+    __slots__ = ("buffer", "index", "shapes", "is_last", "scratch")
 
     def __init__(self, buffer, index: int = 0, shapes: Sequence[Sequence[int]] | None = None,
-                 is_last: bool = True):
+                 is_last: bool = True, scratch: bool = False):
         problem = buffer_problem(buffer)
         if problem:
             raise ValueError(problem)
@@ -54,6 +56,7 @@ class Bucket:
         self.index = int(index)
         self.shapes = shapes
         self.is_last = bool(is_last)
+        self.scratch = bool(scratch)
 
     def __repr__(self):
         return (f"Bucket(numel={self.numel}, dtype={dtype_name(self.dtype)}, index={self.index}, "
@@ -85,9 +88,9 @@ class Bucket:
         text = repr((self.numel, dtype_name(self.dtype), self.shapes)).encode()
         return zlib.crc32(text) | (zlib.adler32(text) << 31)
 
-    def with_buffer(self, buffer) -> "Bucket":
-        """The same layout over another buffer (a cast copy, say)."""
-        return Bucket(buffer, self.index, self.shapes, self.is_last)
+    def with_buffer(self, buffer, scratch: bool = False) -> "Bucket":
+        """The same layout over another buffer (a cast copy, say; ``scratch``: see the class)."""
+        return Bucket(buffer, self.index, self.shapes, self.is_last, scratch)
 
 
 def pack(arrays: Sequence, bucket_cap_mb: float = 25.0) -> list[tuple[Bucket, list[int]]]:

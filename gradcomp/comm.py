@@ -59,7 +59,7 @@ class Communicator(Protocol):
 
     def submit(self, fn: Callable, *args, **kwargs) -> Future: ...
 
-    def allreduce(self, array): ...  # element-wise sum over ranks
+    def allreduce(self, array, overwrite: bool = False): ...  # element-wise sum over ranks
 
     def allgather(self, array): ...  # (size, n) stack of every rank's array
 
@@ -230,9 +230,11 @@ class OrderedCommunicator:
         self._worker.shutdown()
 
     # -- blocking collectives ----------------------------------------------------------------
-    def allreduce(self, array):
-        """Element-wise sum over ranks, in the array's own dtype."""
-        return self._worker.call(self._allreduce, array)
+    def allreduce(self, array, overwrite: bool = False):
+        """Element-wise sum over ranks, in the array's own dtype. ``overwrite=True``: ``array`` is
+        the caller's scratch, and the sum may be written into it (and returned) instead of into
+        a new array; a compressor's own temporaries then cost no second buffer per bucket."""
+        return self._worker.call(self._allreduce, array, overwrite)
 
     def allgather(self, array):
         """Every rank's ``array`` (same shape everywhere), stacked: shape ``(size,) + shape``."""
@@ -254,8 +256,8 @@ class OrderedCommunicator:
                              f"got shape {tuple(array.shape)}")
 
     # -- nonblocking forms -------------------------------------------------------------------
-    def iallreduce(self, array) -> Future:
-        return self.submit(self._allreduce, array)
+    def iallreduce(self, array, overwrite: bool = False) -> Future:
+        return self.submit(self._allreduce, array, overwrite)
 
     def iallgather(self, array) -> Future:
         return self.submit(self._allgather, array)
@@ -322,7 +324,7 @@ class MPICommunicator(OrderedCommunicator):
         return [a.reshape(-1).view(array_module(a).uint8), self._MPI.BYTE]
 
     # -- the collectives, on the worker --------------------------------------------------------
-    def _allreduce(self, array):
+    def _allreduce(self, array, overwrite=False):
         """float32/float64 use MPI's own reduction. float16 and bfloat16, which MPI cannot add, use
         a user-defined MPI operation on host buffers (so MPI's own allreduce algorithms carry half
         the bytes) and ``sum_by_alltoall`` on device buffers given to a CUDA-aware MPI, where a
@@ -332,14 +334,20 @@ class MPICommunicator(OrderedCommunicator):
             if is_device_array(array) and self.cuda_aware:
                 return sum_by_alltoall(self, array)
             buf, xp = self._prepare(array)
+            scratch = overwrite or buf is not array  # the caller's scratch, or our own copy
             mpitype, op = self._MPI.UINT16_T, self._half_sum(buf.dtype)
             buf = buf.view(np.uint16)
         else:
             buf, xp = self._prepare(array)
+            scratch = overwrite or buf is not array
             mpitype = self._MPI.FLOAT if name == "float32" else self._MPI.DOUBLE
             op = self._MPI.SUM
-        out = array_module(buf).empty_like(buf)
-        self.comm.Allreduce([buf, mpitype], [out, mpitype], op=op)
+        if scratch:
+            self.comm.Allreduce(self._MPI.IN_PLACE, [buf, mpitype], op=op)
+            out = buf
+        else:
+            out = array_module(buf).empty_like(buf)
+            self.comm.Allreduce([buf, mpitype], [out, mpitype], op=op)
         out = out if name in ("float32", "float64") else out.view(array.dtype)
         self._count("allreduce", buf.nbytes)
         return self._finish(out, xp)

@@ -151,6 +151,7 @@ def add_into(acc: np.ndarray, other: np.ndarray) -> np.ndarray:
     return _binary(np.add, acc, other, acc)
 
 
-def divide(a: np.ndarray, divisor) -> np.ndarray:
-    """``a / divisor`` (a new float16 array), bit-identical to NumPy's float16 division."""
-    return _binary(np.true_divide, a, divisor, np.empty(a.shape[0], np.float16))
+def divide(a: np.ndarray, divisor, out: np.ndarray | None = None) -> np.ndarray:
+    """``a / divisor`` into ``out`` (may be ``a``) or a new float16 array, bit-identical to NumPy's
+    float16 division."""
+    return _binary(np.true_divide, a, divisor, np.empty(a.shape[0], np.float16) if out is None else out)

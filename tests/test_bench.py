@@ -206,6 +206,32 @@ def test_bench_cli_writes_json_csv_and_figures(tmp_path):
     assert "| allreduce |" in (out / "summary.md").read_text()
 
 
+def test_worker_blocks_order_times_every_method(tmp_path):
+    """``--order blocks`` (what a training run looks like: one method's steps in a row) gives each
+    method its own repeats and the same bytes (and, for stateless methods, errors) as the
+    round-robin order."""
+    from gradcomp.bench.driver import mpiexec
+
+    results = {}
+    for order in ("blocks", "round-robin"):
+        out = tmp_path / f"{order}.json"
+        cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "gradcomp.bench.worker", "--model", "tiny",
+               "--methods", "allreduce,fp16,powersgd-r1", "--torch", "off", "--repeats", "3",
+               "--warmup", "3", "--order", order, "--out", str(out)]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        data = json.loads(out.read_text())
+        assert data["order"] == order
+        results[order] = {r["method"]: r for r in data["results"]}
+    for name, r in results["blocks"].items():
+        assert len(r["times_s"]) == 3 and r["time_s"] > 0, name
+        other = results["round-robin"][name]
+        assert r["bytes_per_rank"] == other["bytes_per_rank"], name
+        if name in ("allreduce", "fp16"):  # stateless: the same first timed step in both orders
+            assert r["rel_error"] == pytest.approx(other["rel_error"], rel=1e-6, abs=1e-12), name
+    assert results["blocks"]["fp16"]["rel_error"] > 1e-5
+
+
 # -- bench/capped.sh ------------------------------------------------------------------------------------
 def _capped_available():
     if os.geteuid() != 0:

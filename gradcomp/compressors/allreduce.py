@@ -18,5 +18,9 @@ class Allreduce(Compressor):
     """
 
     def run(self, bucket, comm):
-        x = divide(bucket.buffer, comm.size) if comm.size > 1 else bucket.buffer
-        return comm.allreduce(x)
+        if comm.size == 1:
+            return comm.allreduce(bucket.buffer)
+        # the quotient is our own array: the sum may overwrite it (one buffer per bucket, not two);
+        # a scratch bucket (a wrapper's cast copy) is divided in place as well
+        x = divide(bucket.buffer, comm.size, out=bucket.buffer if bucket.scratch else None)
+        return comm.allreduce(x, overwrite=True)

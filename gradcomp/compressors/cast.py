@@ -29,7 +29,7 @@ class Cast(Compressor):
     def run(self, bucket, comm):
         xp = array_module(bucket.buffer)
         low = cast(bucket.buffer, half_dtype(self.half, xp))
-        mean = self.inner.run(bucket.with_buffer(low), comm)
+        mean = self.inner.run(bucket.with_buffer(low, scratch=True), comm)
         return cast(mean, bucket.dtype)
 
     def state_dict(self):

@@ -82,9 +82,10 @@ class TorchCommunicator(OrderedCommunicator):
             return torch.device("cuda", self._cuda_index)
         return torch.device("cpu")
 
-    def _to_tensor(self, array, as_bytes: bool = False) -> tuple[torch.Tensor, object]:
+    def _to_tensor(self, array, as_bytes: bool = False, reuse: bool = False) -> tuple[torch.Tensor, object]:
         """A fresh tensor (ours to overwrite) with ``array``'s values on the collective's device,
-        and the array module to return results in."""
+        and the array module to return results in. ``reuse``: ``array`` is the caller's scratch,
+        so a contiguous one already on the right device is wrapped, not copied."""
         xp = array_module(array)
         if xp is not np:
             synchronize(array)  # the CuPy kernels that produced ``array`` must have finished
@@ -94,6 +95,8 @@ class TorchCommunicator(OrderedCommunicator):
             source = xp.asnumpy(array)  # device -> host: already a copy
         elif moves:
             source = np.ascontiguousarray(array)  # host -> device: .to() below copies
+        elif reuse and array.flags.c_contiguous:
+            source = array
         else:
             source = xp.array(array, copy=True, order="C")
         if as_bytes:
@@ -115,8 +118,8 @@ class TorchCommunicator(OrderedCommunicator):
         return out if like_dtype is None else out.view(like_dtype)
 
     # -- the collectives, on the worker --------------------------------------------------------
-    def _allreduce(self, array):
-        tensor, xp = self._to_tensor(array)
+    def _allreduce(self, array, overwrite=False):
+        tensor, xp = self._to_tensor(array, reuse=overwrite)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         self._count("allreduce", array.nbytes)
         return self._to_array(tensor, xp)
