@@ -60,7 +60,7 @@ _JIT_MIN = 256
 _jit = None
 
 
-def _kernels():
+def compiled_kernels():
     """``gradcomp.jit`` when its compiled kernels work here, else None. Imported on first need
     only: numba takes a good fraction of a second to import, which processes that never touch a
     half-precision array should not pay."""
@@ -73,7 +73,7 @@ def _kernels():
 
 
 def _use_jit(array) -> bool:
-    return _numpy_vector(array) and array.size >= _JIT_MIN and _kernels() is not None
+    return _numpy_vector(array) and array.size >= _JIT_MIN and compiled_kernels() is not None
 
 
 def cast(array, dtype):
@@ -140,7 +140,7 @@ def add_into(acc, other):
     """``acc += other`` in ``acc``'s dtype; NumPy float16/bfloat16 through a kernel (same bits as
     NumPy's emulated float16 add / ml_dtypes' bfloat16 add)."""
     kind = _half_operands(acc, other)
-    if kind and _kernels():
+    if kind and compiled_kernels():
         _jit.add_into(acc.reshape(-1).view(np.uint16), other.reshape(-1).view(np.uint16),
                       kind == "bfloat16")
         return acc
@@ -153,7 +153,7 @@ def add_into(acc, other):
 def subtract_into(acc, other):
     """``acc -= other`` in ``acc``'s dtype, with the same kernels as ``add_into``."""
     kind = _half_operands(acc, other)
-    if kind and _kernels():
+    if kind and compiled_kernels():
         _jit.subtract_into(acc.reshape(-1).view(np.uint16), other.reshape(-1).view(np.uint16),
                            kind == "bfloat16")
         return acc

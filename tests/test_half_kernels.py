@@ -102,7 +102,7 @@ def test_add_subtract_divide_match_numpy(backend, name):
 def test_gradcomp_jit_0_switches_the_kernels_off():
     code = ("import numpy as np; from gradcomp import arrays; "
             "arrays.cast(np.ones(4096, np.float32), np.float16); "
-            "print(arrays._kernels() is None, 'numba' in __import__('sys').modules)")
+            "print(arrays.compiled_kernels() is None, 'numba' in __import__('sys').modules)")
     env = dict(os.environ, GRADCOMP_JIT="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split()

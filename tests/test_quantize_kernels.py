@@ -26,7 +26,7 @@ SHAPES = [(8, 512), (4, 512), (1, 512), (8, 3), (8, 100000), (8, 300000), (8, No
 def path(request, monkeypatch):
     """Run a test on one path: 'numpy' hides the compiled kernels from quantize.py."""
     if request.param == "numpy":
-        monkeypatch.setattr(quantize_module, "_kernels", lambda: None)
+        monkeypatch.setattr(quantize_module, "compiled_kernels", lambda: None)
     return request.param
 
 
@@ -98,7 +98,7 @@ def test_compiled_and_numpy_paths_give_the_same_bits(bits, width, monkeypatch):
         acc0 = np.random.default_rng(4).standard_normal(x.size).astype(np.float32)
         acc0[::5] = -0.0
         with monkeypatch.context() as m:
-            m.setattr(quantize_module, "_kernels", lambda: None)
+            m.setattr(quantize_module, "compiled_kernels", lambda: None)
             expected = _round_trip(q, x, acc0)
         got = _round_trip(q, x, acc0)
         for e, g, what in zip(expected, got, ("params", "codes", "acc")):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import _kernels, array_module
+from ..arrays import array_module, compiled_kernels
 from .base import Compressor
 
 
@@ -25,7 +25,7 @@ def _compiled(*arrays):
     """``gradcomp.jit`` when its compiled quantize kernels can take ``arrays`` (contiguous NumPy
     arrays, numba present and enabled), else None: then the NumPy kernels below are used."""
     if all(type(a) is np.ndarray and a.flags.c_contiguous for a in arrays):
-        return _kernels()
+        return compiled_kernels()
     return None
 
 
