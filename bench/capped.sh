@@ -116,8 +116,11 @@ for ((r = 0; r < NRANKS; r++)); do
     # when the sender moves between CPUs, one TCP flow's packets are processed on two CPUs and
     # arrive out of order (thousands of spurious fast retransmits per training step, seen here).
     # RPS steers each flow to one CPU by its hash, so a flow stays in order, as on a real link.
-    ip netns exec "$ns" sh -c "echo $RPS_CPUS > /sys/class/net/eth0/queues/rx-0/rps_cpus" || true
-    ip netns exec "$BRNS" sh -c "echo $RPS_CPUS > /sys/class/net/v$r/queues/rx-0/rps_cpus" || true
+    # (CAPPED_RPS=0 leaves it off, to see the difference.)
+    if [ "${CAPPED_RPS:-1}" != 0 ]; then
+        ip netns exec "$ns" sh -c "echo $RPS_CPUS > /sys/class/net/eth0/queues/rx-0/rps_cpus" || true
+        ip netns exec "$BRNS" sh -c "echo $RPS_CPUS > /sys/class/net/v$r/queues/rx-0/rps_cpus" || true
+    fi
 done
 
 echo "capped.sh: $NRANKS ranks on 10.77.0.1-$NRANKS, $TBF both directions, namespaces $PREFIX-*" >&2
@@ -137,6 +140,8 @@ rc=$?
 MPI_PID=""
 for ((r = 0; r < NRANKS; r++)); do
     tx=$(ip netns exec "$PREFIX-$r" cat /sys/class/net/eth0/statistics/tx_bytes 2>/dev/null || echo "?")
-    echo "capped.sh: rank $r sent $tx bytes on eth0" >&2
+    # TCP segments retransmitted in the rank's namespace: near 0 on a clean emulated link
+    rtx=$(ip netns exec "$PREFIX-$r" awk '/^Tcp:/ { if (!h) { for (i = 1; i <= NF; i++) if ($i == "RetransSegs") c = i; h = 1 } else print $c }' /proc/net/snmp 2>/dev/null || echo "?")
+    echo "capped.sh: rank $r sent $tx bytes on eth0, $rtx TCP segments retransmitted" >&2
 done
 exit "$rc"
