@@ -33,8 +33,9 @@ class Bucket:
     ``index``: which bucket of the step this is; compressors key their state by it.
     ``shapes``: the shapes of the tensors packed back to back in ``buffer`` (default: one
     vector spanning it). ``is_last``: True for the last bucket of a step. ``scratch``: the buffer
-    is a temporary of gradcomp's own (a wrapper's cast copy), which the inner compressor may
-    overwrite; a caller's buffer never is (invariant 5).
+    may be overwritten by the compressor: a temporary of gradcomp's own (a wrapper's cast copy) or
+    a DDP bucket, which DDP lets hooks overwrite (PyTorch's own hooks divide it in place). Buffers
+    passed to ``reduce`` / ``allreduce_gradients`` are never scratch (invariant 5).
     """
 
     __slots__ = ("buffer", "index", "shapes", "is_last", "scratch")

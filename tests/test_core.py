@@ -131,6 +131,22 @@ def rank_collectives():
     before = comm.bytes_sent
     comm.allreduce(np.ones(1000, np.float32))
     assert comm.bytes_sent - before == pytest.approx(wire_bytes("allreduce", 4000, n))
+    # overwrite=True reduces into the caller's scratch; the default never touches the input
+    for dt in (np.float32, np.float16):
+        y = np.full(300, r + 1, dt)
+        s = comm.allreduce(y)
+        assert s is not y and (y == r + 1).all()
+        s = comm.allreduce(y, overwrite=True)
+        assert s.base is y or s is y, "not reduced in place"
+        assert (y == n * (n + 1) / 2).all()
+    # Allreduce divides and reduces a scratch bucket (a DDP bucket, a cast copy) in place, and
+    # leaves anything else alone
+    for scratch in (False, True):
+        buf = np.full(600, 2.0 * n * (r + 1), np.float32)
+        out = gc.Allreduce().reduce(gc.Bucket(buf, scratch=scratch), comm).result()
+        assert np.array_equal(out, np.full(600, n * (n + 1.0), np.float32))
+        assert np.shares_memory(out, buf) == scratch
+        assert scratch or (buf == 2.0 * n * (r + 1)).all()
 
 
 def rank_blas_pinned(expected):

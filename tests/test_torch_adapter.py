@@ -331,8 +331,9 @@ def check_hook_is_transparent(e, name: str, comm, iters: int = 12):
             return f"Tap({self.inner!r})"
 
         def run(self, bucket, comm):
+            given = bucket.buffer.copy()  # before: a DDP bucket is scratch, reduced in place
             out = self.inner.run(bucket, comm)
-            log.append((bucket.buffer.copy(), bucket.index, bucket.shapes, bucket.is_last, out.copy()))
+            log.append((given, bucket.index, bucket.shapes, bucket.is_last, out.copy()))
             return out
 
     step_grads = []

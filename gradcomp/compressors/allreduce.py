@@ -11,7 +11,8 @@ class Allreduce(Compressor):
     Each rank divides its copy by the world size *before* the sum, as PyTorch's ``allreduce_hook``
     and ``fp16_compress_hook`` do: inside a half-precision wrapper this keeps the running sum from
     overflowing, and it gives the same bits as those hooks. float16/bfloat16 buckets are summed by
-    the communicator in their own dtype, in rank order (``comm.sum_by_alltoall``).
+    the communicator in their own dtype (see ``MPICommunicator._allreduce``). The quotient is a
+    new array (or, for a scratch bucket, the bucket itself), which the sum then overwrites.
 
     Non-finite values propagate element-wise, exactly as in a plain allreduce: a NaN at position
     i on any rank makes position i NaN on every rank and touches nothing else.
@@ -19,7 +20,7 @@ class Allreduce(Compressor):
 
     def run(self, bucket, comm):
         if comm.size == 1:
-            return comm.allreduce(bucket.buffer)
+            return comm.allreduce(bucket.buffer, overwrite=bucket.scratch)
         # the quotient is our own array: the sum may overwrite it (one buffer per bucket, not two);
         # a scratch bucket (a wrapper's cast copy) is divided in place as well
         x = divide(bucket.buffer, comm.size, out=bucket.buffer if bucket.scratch else None)

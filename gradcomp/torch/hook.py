@@ -71,7 +71,9 @@ def gradcomp_hook(state: HookState, bucket):
     try:
         array = as_array(tensor)
         shapes = [tuple(g.shape) for g in bucket.gradients()]
-        wrapped = Bucket(array, bucket.index(), shapes, bucket.is_last())
+        # scratch: DDP lets a hook overwrite its bucket (PyTorch's own hooks divide it in place),
+        # so a compressor may reduce into it instead of allocating a second 25 MB per bucket
+        wrapped = Bucket(array, bucket.index(), shapes, bucket.is_last(), scratch=True)
         if tensor.is_cuda:
             wait_for_torch(tensor)  # the worker thread (and MPI) must see finished gradients
         pending = state.compressor.reduce(wrapped, state.comm)
@@ -82,7 +84,9 @@ def gradcomp_hook(state: HookState, bucket):
 
     def write_back(done):
         try:
-            array[...] = done.result()
+            mean = done.result()
+            if mean is not array:  # already in place when the compressor reduced into the bucket
+                array[...] = mean
             if is_device_array(array):
                 synchronize(array)  # the copy must be finished before DDP reads the buffer
             future.set_result(tensor)
