@@ -15,7 +15,9 @@ started from the same MPI job (``gradcomp.torch.init_process_group``), on the sa
 bucket handed to the hook as a GradBucket look-alike (buffer, index, is_last, gradients); the
 single-collective hooks get every bucket at once (as DDP gives them), PowerSGD one bucket at a time
 (see ``run``: its callback-launched rounds would otherwise interleave differently on different
-ranks). gradcomp's communicator runs buckets one after another on its worker anyway. Bytes on
+ranks). gradcomp's communicator runs buckets one after another on its worker anyway. Both sides
+get the buckets as DDP hands them to a hook, theirs to overwrite (gradcomp: ``Bucket.scratch``),
+and both have them restored before each step, outside the clock. Bytes on
 the wire: gradcomp's communicator counts them; for the hooks, the torch.distributed collectives
 they call are counted with the same bandwidth-optimal formulas (``gradcomp.comm.wire_bytes``).
 torch runs one thread per rank, like gradcomp's BLAS (ranks share the cores).
@@ -91,9 +93,12 @@ class _Case:
         self.name, self.kind, self.label, self.same_as = name, kind, label, same_as
         self._step, self._before = step, before
 
-    def run_step(self, timed=False):
+    def prepare(self):
+        """Untimed, before each step: restore the buffers a method overwrites."""
         if self._before:
             self._before()
+
+    def run_step(self, timed=False):
         return self._step()
 
     def begin(self):
@@ -104,8 +109,8 @@ class _Case:
 
 
 class _GradcompCase(_Case):
-    def __init__(self, m, comp, step):
-        super().__init__(m.name, m.kind, repr(comp), m.same_as, step)
+    def __init__(self, m, comp, step, before):
+        super().__init__(m.name, m.kind, repr(comp), m.same_as, step, before)
         self.comp = comp
 
     def begin(self):
@@ -118,13 +123,23 @@ class _GradcompCase(_Case):
                 (s1["rounds"] - self._s0["rounds"]) / n)
 
 
-def _gradcomp_case(m, buckets, comm):
+def _gradcomp_case(m, buckets, comm, shared):
+    """The buckets as DDP hands them to a hook: the hook's to overwrite (``Bucket.scratch``, as
+    PyTorch's hooks overwrite theirs), one set of working copies shared by every gradcomp method
+    and restored before each step, outside the clock."""
     comp = m.build()
+    if "work" not in shared:
+        shared["work"] = [b.with_buffer(b.buffer.copy(), scratch=True) for b in buckets]
+    work = shared["work"]
+
+    def restore():
+        for w, b in zip(work, buckets):
+            np.copyto(w.buffer, b.buffer)
 
     def step():
-        futures = [comp.reduce(b, comm) for b in buckets]
+        futures = [comp.reduce(w, comm) for w in work]
         return [f.result() for f in futures]
-    return _GradcompCase(m, comp, step)
+    return _GradcompCase(m, comp, step, restore)
 
 
 class _TorchCase(_Case):
@@ -133,7 +148,6 @@ class _TorchCase(_Case):
         self.counter = _TorchBytes(size)
 
     def run_step(self, timed=False):
-        self._before()  # restoring the gradients is not timed: done before the clock starts
         if not timed:
             return self._step()
         with self.counter:
@@ -208,7 +222,7 @@ def run(args) -> dict:
     cases = [_Case("memcpy", "baseline", "memcpy of the buckets", None,
                    lambda: [b.buffer.copy() for b in buckets])]
     results = []
-    torch_state = {}
+    torch_state, work_state = {}, {}
     for i, m in enumerate(methods):
         try:
             if m.kind == "gradcomp" and m.transport == "gloo":
@@ -217,12 +231,13 @@ def run(args) -> dict:
                     from ..torch import TorchCommunicator
 
                     torch_state["comm"] = TorchCommunicator()
-                case = _gradcomp_case(m, buckets, torch_state["comm"])
+                case = _gradcomp_case(m, buckets, torch_state["comm"], work_state)
             elif m.kind == "gradcomp":
-                case = _gradcomp_case(m, buckets, comm)
+                case = _gradcomp_case(m, buckets, comm, work_state)
             else:
                 case = _torch_case(m, buckets, size, torch_state)
             for _ in range(args.warmup):
+                case.prepare()
                 case.run_step()
             cases.append(case)
         except Exception as exc:  # a PyTorch hook whose own arithmetic fails (the same on every rank)
@@ -242,7 +257,9 @@ def run(args) -> dict:
         schedule = [(case, rep) for rep in range(args.repeats) for case in cases]
     for case, rep in schedule:
         if args.order == "blocks" and rep == 0:
+            case.prepare()
             case.run_step()  # one more untimed step: the previous method's memory churn settles
+        case.prepare()  # restoring overwritten buckets is not part of the step
         world.Barrier()
         t0 = time.perf_counter()
         outs = case.run_step(timed=True)
