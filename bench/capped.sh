@@ -99,7 +99,7 @@ ip -n "$BRNS" link set br0 up
 ip -n "$BRNS" link set lo up
 
 TBF="tbf rate $RATE burst 64kb latency 100ms"
-RPS_CPUS=$(printf '%x' $(( (1 << $(nproc)) - 1 )))
+NCPU=$(nproc)
 for ((r = 0; r < NRANKS; r++)); do
     ns="$PREFIX-$r"
     ip netns add "$ns" || fail "cannot create namespace $ns"
@@ -115,11 +115,14 @@ for ((r = 0; r < NRANKS; r++)); do
     # A veth hands each packet to the receiving side on whichever CPU the sender happens to run;
     # when the sender moves between CPUs, one TCP flow's packets are processed on two CPUs and
     # arrive out of order (thousands of spurious fast retransmits per training step, seen here).
-    # RPS steers each flow to one CPU by its hash, so a flow stays in order, as on a real link.
-    # (CAPPED_RPS=0 leaves it off, to see the difference.)
+    # RPS pins each veth's receive work to one CPU, so a flow stays in order, as on a real link;
+    # the CPUs are dealt out by rank, not by a hash of the ports (which could pile every flow of
+    # a run onto one core). CAPPED_RPS=0 leaves it off, to see the difference.
     if [ "${CAPPED_RPS:-1}" != 0 ]; then
-        ip netns exec "$ns" sh -c "echo $RPS_CPUS > /sys/class/net/eth0/queues/rx-0/rps_cpus" || true
-        ip netns exec "$BRNS" sh -c "echo $RPS_CPUS > /sys/class/net/v$r/queues/rx-0/rps_cpus" || true
+        cpu_in=$(printf '%x' $(( 1 << (r % NCPU) )))
+        cpu_out=$(printf '%x' $(( 1 << ((r + 1) % NCPU) )))
+        ip netns exec "$ns" sh -c "echo $cpu_in > /sys/class/net/eth0/queues/rx-0/rps_cpus" || true
+        ip netns exec "$BRNS" sh -c "echo $cpu_out > /sys/class/net/v$r/queues/rx-0/rps_cpus" || true
     fi
 done
 
