@@ -76,30 +76,37 @@ def _use_jit(array) -> bool:
     return _numpy_vector(array) and array.size >= _JIT_MIN and compiled_kernels() is not None
 
 
-def cast(array, dtype):
+def cast(array, dtype, out=None):
     """``array`` converted to ``dtype`` (a new array). The one place every dtype conversion of
     gradcomp goes through, so the fastest available kernel is chosen once for all methods.
 
     Contiguous NumPy float32 <-> float16/bfloat16 use the compiled kernels of ``gradcomp.jit``
     (hardware conversion, about a memory pass); without numba, float32 <-> float16 uses
     ``gradcomp.halfcast`` (SIMD bit manipulation, several times faster than ``astype``). Both give
-    ``astype``'s bits; everything else is ``astype``.
+    ``astype``'s bits; everything else is ``astype``. ``out``: a contiguous array of ``dtype`` and
+    ``array``'s shape to write into instead of a new one.
     """
     target = np.dtype(dtype)
     source = getattr(array, "dtype", None)
+    if out is not None:
+        if _use_jit(array) and type(out) is np.ndarray and out.flags.c_contiguous:
+            if source == np.float32 and _half_name(target):
+                _jit.encode(array.reshape(-1), out.reshape(-1).view(np.uint16),
+                            target.name == "bfloat16")
+                return out
+            if _half_name(source) and target == np.float32:
+                _jit.decode(array.reshape(-1).view(np.uint16), out.reshape(-1),
+                            source.name == "bfloat16")
+                return out
+        out[...] = cast(array, dtype)
+        return out
     if source == target or not (_half_name(source) or _half_name(target)):
         return array.astype(dtype)
     if _use_jit(array):
         if source == np.float32 and _half_name(target):
-            out = np.empty(array.shape, target)
-            _jit.encode(array.reshape(-1), out.reshape(-1).view(np.uint16),
-                        target.name == "bfloat16")
-            return out
+            return cast(array, dtype, np.empty(array.shape, target))
         if _half_name(source) and target == np.float32:
-            out = np.empty(array.shape, np.float32)
-            _jit.decode(array.reshape(-1).view(np.uint16), out.reshape(-1),
-                        source.name == "bfloat16")
-            return out
+            return cast(array, dtype, np.empty(array.shape, np.float32))
     elif _numpy_vector(array) and array.size >= _halfcast.MIN_SIZE:
         if source == np.float32 and target == np.float16:
             return _halfcast.float32_to_float16(array.reshape(-1)).reshape(array.shape)

@@ -147,6 +147,10 @@ def rank_collectives():
         assert np.array_equal(out, np.full(600, n * (n + 1.0), np.float32))
         assert np.shares_memory(out, buf) == scratch
         assert scratch or (buf == 2.0 * n * (r + 1)).all()
+        buf = np.full(600, 2.0 * n * (r + 1), np.float32)  # the half wrappers widen into it too
+        out = gc.FP16(gc.Allreduce()).reduce(gc.Bucket(buf, scratch=scratch), comm).result()
+        assert out.dtype == np.float32 and np.array_equal(out, np.full(600, n * (n + 1.0), np.float32))
+        assert np.shares_memory(out, buf) == scratch
 
 
 def rank_blas_pinned(expected):

@@ -30,7 +30,8 @@ class Cast(Compressor):
         xp = array_module(bucket.buffer)
         low = cast(bucket.buffer, half_dtype(self.half, xp))
         mean = self.inner.run(bucket.with_buffer(low, scratch=True), comm)
-        return cast(mean, bucket.dtype)
+        # a scratch bucket (a DDP bucket) takes the widened mean itself: no new array per bucket
+        return cast(mean, bucket.dtype, out=bucket.buffer if bucket.scratch else None)
 
     def state_dict(self):
         return self.inner.state_dict()
