@@ -76,43 +76,48 @@ def _use_jit(array) -> bool:
     return _numpy_vector(array) and array.size >= _JIT_MIN and compiled_kernels() is not None
 
 
+def _cast_kernel(array, source, target):
+    """The fast kernel ``(flat source, flat out)`` for converting ``array`` from ``source`` to
+    ``target``, or None where ``astype`` is the way: compiled kernels for float32 <->
+    float16/bfloat16, else the NumPy float16 kernels of ``gradcomp.halfcast``. Conversions that
+    involve no half type never reach ``_use_jit``, which would import numba."""
+    if source == target or not (_half_name(source) or _half_name(target)):
+        return None
+    if _use_jit(array):
+        if source == np.float32 and _half_name(target):
+            return lambda x, out: _jit.encode(x, out.view(np.uint16), target.name == "bfloat16")
+        if _half_name(source) and target == np.float32:
+            return lambda x, out: _jit.decode(x.view(np.uint16), out, source.name == "bfloat16")
+    elif _numpy_vector(array) and array.size >= _halfcast.MIN_SIZE:
+        if source == np.float32 and target == np.float16:
+            return _halfcast.float32_to_float16
+        if source == np.float16 and target == np.float32:
+            return _halfcast.float16_to_float32
+    return None
+
+
 def cast(array, dtype, out=None):
-    """``array`` converted to ``dtype`` (a new array). The one place every dtype conversion of
-    gradcomp goes through, so the fastest available kernel is chosen once for all methods.
+    """``array`` converted to ``dtype``, in a new array or in ``out`` (same shape, ``dtype``). The
+    one place every dtype conversion of gradcomp goes through, so the fastest available kernel is
+    chosen once for all methods.
 
     Contiguous NumPy float32 <-> float16/bfloat16 use the compiled kernels of ``gradcomp.jit``
     (hardware conversion, about a memory pass); without numba, float32 <-> float16 uses
     ``gradcomp.halfcast`` (SIMD bit manipulation, several times faster than ``astype``). Both give
-    ``astype``'s bits; everything else is ``astype``. ``out``: a contiguous array of ``dtype`` and
-    ``array``'s shape to write into instead of a new one.
+    ``astype``'s bits; everything else is ``astype``.
     """
     target = np.dtype(dtype)
     source = getattr(array, "dtype", None)
-    if out is not None:
-        if _use_jit(array) and type(out) is np.ndarray and out.flags.c_contiguous:
-            if source == np.float32 and _half_name(target):
-                _jit.encode(array.reshape(-1), out.reshape(-1).view(np.uint16),
-                            target.name == "bfloat16")
-                return out
-            if _half_name(source) and target == np.float32:
-                _jit.decode(array.reshape(-1).view(np.uint16), out.reshape(-1),
-                            source.name == "bfloat16")
-                return out
-        out[...] = cast(array, dtype)
+    kernel = _cast_kernel(array, source, target)
+    if kernel is None or (out is not None and not _numpy_vector(out)):
+        if out is None:
+            return array.astype(dtype)
+        out[...] = array.astype(dtype)
         return out
-    if source == target or not (_half_name(source) or _half_name(target)):
-        return array.astype(dtype)
-    if _use_jit(array):
-        if source == np.float32 and _half_name(target):
-            return cast(array, dtype, np.empty(array.shape, target))
-        if _half_name(source) and target == np.float32:
-            return cast(array, dtype, np.empty(array.shape, np.float32))
-    elif _numpy_vector(array) and array.size >= _halfcast.MIN_SIZE:
-        if source == np.float32 and target == np.float16:
-            return _halfcast.float32_to_float16(array.reshape(-1)).reshape(array.shape)
-        if source == np.float16 and target == np.float32:
-            return _halfcast.float16_to_float32(array.reshape(-1)).reshape(array.shape)
-    return array.astype(dtype)
+    if out is None:
+        out = np.empty(array.shape, target)
+    kernel(array.reshape(-1), out.reshape(-1))
+    return out
 
 
 def _half_operands(acc, other):
@@ -149,7 +154,7 @@ def add_into(acc, other):
     kind = _half_operands(acc, other)
     if kind and compiled_kernels():
         _jit.add_into(acc.reshape(-1).view(np.uint16), other.reshape(-1).view(np.uint16),
-                      kind == "bfloat16")
+                      kind == "bfloat16", np.float32(1.0))
         return acc
     if kind == "float16" and acc.ndim == 1 and acc.size >= _halfcast.MIN_SIZE:
         return _halfcast.add_into(acc, other)
@@ -158,11 +163,12 @@ def add_into(acc, other):
 
 
 def subtract_into(acc, other):
-    """``acc -= other`` in ``acc``'s dtype, with the same kernels as ``add_into``."""
+    """``acc -= other`` in ``acc``'s dtype, with the kernel of ``add_into`` (``a - b`` is exactly
+    ``a + (-b)`` in IEEE arithmetic)."""
     kind = _half_operands(acc, other)
     if kind and compiled_kernels():
-        _jit.subtract_into(acc.reshape(-1).view(np.uint16), other.reshape(-1).view(np.uint16),
-                           kind == "bfloat16")
+        _jit.add_into(acc.reshape(-1).view(np.uint16), other.reshape(-1).view(np.uint16),
+                      kind == "bfloat16", np.float32(-1.0))
         return acc
     acc -= other
     return acc

@@ -330,16 +330,15 @@ class MPICommunicator(OrderedCommunicator):
         the bytes) and ``sum_by_alltoall`` on device buffers given to a CUDA-aware MPI, where a
         Python operation cannot read the memory."""
         name = dtype_name(array.dtype)
-        if name not in ("float32", "float64"):
-            if is_device_array(array) and self.cuda_aware:
-                return sum_by_alltoall(self, array)
-            buf, xp = self._prepare(array)
-            scratch = overwrite or buf is not array  # the caller's scratch, or our own copy
+        half = name not in ("float32", "float64")
+        if half and is_device_array(array) and self.cuda_aware:
+            return sum_by_alltoall(self, array)
+        buf, xp = self._prepare(array)
+        scratch = overwrite or buf is not array  # the caller's scratch, or our own copy
+        if half:
             mpitype, op = self._MPI.UINT16_T, self._half_sum(buf.dtype)
             buf = buf.view(np.uint16)
         else:
-            buf, xp = self._prepare(array)
-            scratch = overwrite or buf is not array
             mpitype = self._MPI.FLOAT if name == "float32" else self._MPI.DOUBLE
             op = self._MPI.SUM
         if scratch:
@@ -348,7 +347,7 @@ class MPICommunicator(OrderedCommunicator):
         else:
             out = array_module(buf).empty_like(buf)
             self.comm.Allreduce([buf, mpitype], [out, mpitype], op=op)
-        out = out if name in ("float32", "float64") else out.view(array.dtype)
+        out = out.view(array.dtype) if half else out
         self._count("allreduce", buf.nbytes)
         return self._finish(out, xp)
 

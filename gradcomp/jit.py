@@ -105,24 +105,15 @@ if njit is not None:
                 out[i] = _f16_decode(u[i])
 
     @_kernel
-    def add_into(acc, other, bf16):
-        """``acc += other`` on half bits, each sum computed in float32 and rounded once."""
+    def add_into(acc, other, bf16, sign):
+        """``acc += sign * other`` on half bits (``sign`` = +-1.0, so subtraction too), each result
+        computed in float32 and rounded once."""
         if bf16:
             for i in range(acc.shape[0]):
-                acc[i] = _bf16_encode(_bf16_decode(acc[i]) + _bf16_decode(other[i]))
+                acc[i] = _bf16_encode(_bf16_decode(acc[i]) + sign * _bf16_decode(other[i]))
         else:
             for i in range(acc.shape[0]):
-                acc[i] = _f16_encode(_f16_decode(acc[i]) + _f16_decode(other[i]))
-
-    @_kernel
-    def subtract_into(acc, other, bf16):
-        """``acc -= other`` on half bits, as ``add_into``."""
-        if bf16:
-            for i in range(acc.shape[0]):
-                acc[i] = _bf16_encode(_bf16_decode(acc[i]) - _bf16_decode(other[i]))
-        else:
-            for i in range(acc.shape[0]):
-                acc[i] = _f16_encode(_f16_decode(acc[i]) - _f16_decode(other[i]))
+                acc[i] = _f16_encode(_f16_decode(acc[i]) + sign * _f16_decode(other[i]))
 
     @_kernel
     def divide(u, divisor, out, bf16):
