@@ -19,9 +19,14 @@ class Allreduce(Compressor):
     """
 
     def run(self, bucket, comm):
-        if comm.size == 1:
-            return comm.allreduce(bucket.buffer, overwrite=bucket.scratch)
-        # the quotient is our own array: the sum may overwrite it (one buffer per bucket, not two);
-        # a scratch bucket (a wrapper's cast copy) is divided in place as well
-        x = divide(bucket.buffer, comm.size, out=bucket.buffer if bucket.scratch else None)
-        return comm.allreduce(x, overwrite=True)
+        return mean_allreduce(bucket, comm)
+
+
+def mean_allreduce(bucket, comm):
+    """``Allreduce``'s arithmetic, for the compressors that fall back to it (PowerSGD's warm-up)."""
+    if comm.size == 1:
+        return comm.allreduce(bucket.buffer, overwrite=bucket.scratch)
+    # the quotient is our own array: the sum may overwrite it (one buffer per bucket, not two);
+    # a scratch bucket (a wrapper's cast copy, a DDP bucket) is divided in place as well
+    x = divide(bucket.buffer, comm.size, out=bucket.buffer if bucket.scratch else None)
+    return comm.allreduce(x, overwrite=True)

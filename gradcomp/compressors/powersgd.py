@@ -20,6 +20,7 @@ import numpy as np
 from ..arrays import add_into, array_module, cast, dtype_name, half_dtype, subtract_into, to_host
 from ..bucket import Bucket
 from ..comm import Communicator
+from .allreduce import mean_allreduce
 from .base import Compressor
 
 HALF = ("float16", "bfloat16")
@@ -196,6 +197,9 @@ class _Plan:
             self.batches.append((t.offset, j - i, t.n, t.m, t.r, t.p_off, t.q_off))
             i = j
         self.numel_after = self.n_unc + sum((t.n + t.m) * t.r for t in mats)
+        # the same matrices as rows (offset, n, m, r, p_off, q_off), for gradcomp.lowrank
+        self.table = np.array([(t.offset, t.n, t.m, t.r, t.p_off, t.q_off) for t in mats],
+                              dtype=np.int64).reshape(-1, 6)
 
     @staticmethod
     def _place(mats, order, attr, size_of) -> int:
@@ -228,6 +232,50 @@ def _decompress(xp, out, p, q) -> None:
         xp.multiply(p, _t(q), out=out)
     else:
         xp.matmul(p, _t(q), out=out)
+
+
+class _Products:
+    """The three products of a step, ``P = M Q``, ``Q = M^T P`` and ``OUT = P Q^T``, for every
+    matrix of a plan: the compiled loops of ``gradcomp.lowrank`` on NumPy float32/float64 (one
+    memory pass each, and they fold in adding the gradient and subtracting the approximation),
+    else a matmul per matrix (CuPy, or numba unavailable). ``fused`` says which; ``add`` and
+    ``residual`` may only be passed when it is True."""
+
+    def __init__(self, plan: _Plan, xp, dtype):
+        self.plan = plan
+        self.loops = None
+        if xp is np and dtype in (np.float32, np.float64):
+            from .. import lowrank
+
+            self.loops = lowrank if lowrank.available() else None
+        self.fused = self.loops is not None
+
+    def project(self, m, q, p, add=None):
+        """``P = M Q`` (after ``M += add`` on the matrices' rows, where given)."""
+        if self.fused:
+            self.loops.project(m, q, p, self.plan.table, add)
+            return
+        xp = array_module(m)
+        for mm, pp, qq in self.plan.views(m, p, q):
+            xp.matmul(mm, qq, out=pp)
+
+    def project_t(self, m, p, q, add=None):
+        """``Q = M^T P`` (after ``M += add`` on the matrices' rows, where given)."""
+        if self.fused:
+            self.loops.project_t(m, p, q, self.plan.table, add)
+            return
+        xp = array_module(m)
+        for mm, pp, qq in self.plan.views(m, p, q):
+            xp.matmul(_t(mm), pp, out=qq)
+
+    def reconstruct(self, out, p, q, residual=None):
+        """``OUT = P Q^T`` on the matrices' elements (and ``residual -= OUT`` there, where given)."""
+        if self.fused:
+            self.loops.reconstruct(out, p, q, self.plan.table, residual)
+            return
+        xp = array_module(out)
+        for o, pp, qq in self.plan.views(out, p, q):
+            _decompress(xp, o, pp, qq)
 
 
 @dataclass
@@ -379,17 +427,17 @@ class PowerSGD(Compressor):
     def run(self, bucket: Bucket, comm: Communicator):
         try:
             if self._step < self.start_iter:
-                return self._plain(bucket.buffer, comm)
+                return self._plain(bucket, comm)
             return self._compressed(bucket, comm)
         finally:
             if bucket.is_last:
                 self._step += 1
 
     @staticmethod
-    def _plain(buffer, comm):
-        """The warm-up path: exactly ``Allreduce`` (divide by the world size, then sum)."""
-        x = buffer / buffer.dtype.type(comm.size) if comm.size > 1 else buffer
-        return comm.allreduce(x)
+    def _plain(bucket, comm):
+        """The warm-up path: exactly ``Allreduce`` (divide by the world size, then sum; in place
+        in a scratch bucket)."""
+        return mean_allreduce(bucket, comm)
 
     def _state(self, bucket: Bucket) -> _BucketState:
         key = bucket.layout_key()
@@ -416,7 +464,7 @@ class PowerSGD(Compressor):
         before = getattr(comm, "collectives", 0)
         try:
             if not plan.matrices:  # nothing worth compressing: no memory to keep either
-                return self._plain(bucket.buffer, comm)
+                return self._plain(bucket, comm)
             return self._compress(bucket, st, comm)
         finally:
             self._counts["compressed_rounds"] += getattr(comm, "collectives", 0) - before
@@ -431,14 +479,23 @@ class PowerSGD(Compressor):
         n = bucket.numel
 
         # 1. x = gradient + residual, in the error dtype, written over the old residual (which is
-        #    ours) or into a new array: the input stays untouched
+        #    ours) or into a new array: the input stays untouched. With the compiled products the
+        #    matrices' part of the sum is done inside the first product (``pending``), saving a pass.
+        products = _Products(plan, xp, compute)
+        direct = compute == storage and plan.padded == n  # no cast, no padding: x, g, out alike
+        pending = None
         if self.error_feedback:
             ef = storage if self.error_dtype is None else _dtype(self.error_dtype, xp)
             if st.error is None:
                 x = cast(g, ef)
             else:
                 x, st.error = _on(xp, st.error), None
-                add_into(x, g)
+                if products.fused and direct and x.dtype == compute:
+                    pending = g
+                    for a, b in plan.runs:
+                        add_into(x[a:b], g[a:b])
+                else:
+                    add_into(x, g)
         else:
             x = g
         mx = x if x.dtype == compute else cast(x, compute)
@@ -447,15 +504,17 @@ class PowerSGD(Compressor):
             padded[:n] = mx
             mx = padded
 
-        out = xp.empty(plan.padded, compute)
-        if self.rounds == 2:
-            p, q = self._two_rounds(mx, st, out, comm, storage, compute, half)
-        else:
-            p, q = self._one_round(mx, st, out, comm, storage, compute, half)
+        # 2. the output: a DDP bucket (scratch) takes it itself, no new array and no copy back; the
+        #    bucket is read only by the first product (``pending``) or as ``x`` before any write
+        out = g if bucket.scratch and direct else xp.empty(plan.padded, compute)
+        # 3. the new residual x - output is subtracted inside the last product where it can be
+        fold = self.error_feedback and products.fused and direct and mx is x
+        work = (mx, st, out, comm, storage, compute, half, products, pending, x if fold else None)
+        p, q = self._two_rounds(*work) if self.rounds == 2 else self._one_round(*work)
 
         result = out[:n] if plan.padded != n else out
         if compute != storage:
-            result = cast(result, storage)
+            result = cast(result, storage, out=g if bucket.scratch else None)
         elif plan.padded != n:
             result = result.copy()
 
@@ -464,7 +523,8 @@ class PowerSGD(Compressor):
             st.error, st.p, st.q, st.phase = None, None, None, 0
             return result
         if self.error_feedback:
-            subtract_into(x, result)
+            if not fold:
+                subtract_into(x, result)
             for a, b in plan.runs:
                 x[a:b] = 0
             st.error = x
@@ -534,31 +594,29 @@ class PowerSGD(Compressor):
     def _orthogonalize(self, region, groups, half):
         return orthogonalize(region, groups, use_qr=not half, epsilon=self.orthogonalization_epsilon)
 
-    def _two_rounds(self, mx, st, out, comm, storage, compute, half):
-        """Round 1: uncompressed tensors and P = M Q. Round 2: Q = M^T P. Output P Q^T."""
+    def _two_rounds(self, mx, st, out, comm, storage, compute, half, products, pending, residual):
+        """Round 1: uncompressed tensors and P = M Q. Round 2: Q = M^T P. Output P Q^T (and the
+        residual ``mx - output`` where ``residual`` is given; ``pending`` is added to ``mx``
+        before the first product)."""
         xp = array_module(mx)
         plan = st.plan
         q = self._starting_q(st, plan, xp, compute, storage, half)
         wire = xp.empty(plan.n_unc + plan.p_size, compute)
         self._fill_uncompressed(wire, mx, plan)
-        p_local = wire[plan.n_unc:]
-        for m, p, qq in plan.views(mx, p_local, q):
-            xp.matmul(m, qq, out=p)
+        products.project(mx, q, wire[plan.n_unc:], add=pending)
         summed = self._allreduce_mean(wire, comm, storage, compute)
         self._scatter_uncompressed(out, summed, plan)
         p = summed[plan.n_unc:]
         self._orthogonalize(p, plan.p_groups, half)
         p = self._round(p, storage, half)
         q_local = xp.empty(plan.q_size, compute)
-        for m, pp, qq in plan.views(mx, p, q_local):
-            xp.matmul(_t(m), pp, out=qq)
+        products.project_t(mx, p, q_local)
         q = self._allreduce_mean(q_local, comm, storage, compute)
-        for o, pp, qq in plan.views(out, p, q):
-            _decompress(xp, o, pp, qq)
+        products.reconstruct(out, p, q, residual)
         st.q = q  # P is recomputed from Q every step: only Q is memory here
         return p, q
 
-    def _one_round(self, mx, st, out, comm, storage, compute, half):
+    def _one_round(self, mx, st, out, comm, storage, compute, half, products, pending, residual):
         """Even steps send P = M Q (Q from the last step), odd steps Q = M^T P; one round each."""
         xp = array_module(mx)
         plan = st.plan
@@ -573,17 +631,14 @@ class PowerSGD(Compressor):
         self._fill_uncompressed(wire, mx, plan)
         local = wire[plan.n_unc:]
         if st.phase == 0:
-            for m, p, q in plan.views(mx, local, basis):
-                xp.matmul(m, q, out=p)
+            products.project(mx, basis, local, add=pending)
         else:
-            for m, p, q in plan.views(mx, basis, local):
-                xp.matmul(_t(m), p, out=q)
+            products.project_t(mx, basis, local, add=pending)
         summed = self._allreduce_mean(wire, comm, storage, compute)
         self._scatter_uncompressed(out, summed, plan)
         new = summed[plan.n_unc:]
         p, q = (new, basis) if st.phase == 0 else (basis, new)
-        for o, pp, qq in plan.views(out, p, q):
-            _decompress(xp, o, pp, qq)
+        products.reconstruct(out, p, q, residual)
         st.p, st.q, st.phase = p, q, 1 - st.phase
         return p, q
 
