@@ -137,9 +137,13 @@ def divide(array, divisor, out=None):
     / ml_dtypes' bfloat16 division)."""
     kind = _half_name(array.dtype) if type(array) is np.ndarray else None
     if kind and _use_jit(array):
+        value = np.float32(array.dtype.type(divisor))
+        if out is array:
+            _jit.divide_in_place(array.reshape(-1).view(np.uint16), value, kind == "bfloat16")
+            return out
         out = np.empty(array.shape, array.dtype) if out is None else out
-        _jit.divide(array.reshape(-1).view(np.uint16), np.float32(array.dtype.type(divisor)),
-                    out.reshape(-1).view(np.uint16), kind == "bfloat16")
+        _jit.divide(array.reshape(-1).view(np.uint16), value, out.reshape(-1).view(np.uint16),
+                    kind == "bfloat16")
         return out
     if kind == "float16" and _numpy_vector(array) and array.ndim == 1 and array.size >= _halfcast.MIN_SIZE:
         return _halfcast.divide(array, divisor, out)

@@ -151,6 +151,16 @@ def rank_collectives():
         out = gc.FP16(gc.Allreduce()).reduce(gc.Bucket(buf, scratch=scratch), comm).result()
         assert out.dtype == np.float32 and np.array_equal(out, np.full(600, n * (n + 1.0), np.float32))
         assert np.shares_memory(out, buf) == scratch
+    # the half wrappers reuse one half copy for every bucket and step (no fresh pages per bucket);
+    # what they return never aliases it, whatever the sizes that come through
+    for wrapper in (gc.FP16, gc.BF16):
+        comp = wrapper(gc.Allreduce())
+        outs = []
+        for step, size in enumerate([600, 900, 300, 900, 600]):
+            buf = np.full(size, 2.0 * n * (r + 1 + step), np.float32)
+            outs.append((comp.reduce(gc.Bucket(buf, index=step % 2), comm).result(), step))
+        for out, step in outs:  # earlier results are intact after later buckets went through
+            assert np.array_equal(out, np.full(out.size, n * (n + 1.0) + 2.0 * n * step, np.float32))
 
 
 def rank_blas_pinned(expected):

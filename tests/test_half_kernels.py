@@ -96,6 +96,10 @@ def test_add_subtract_divide_match_numpy(backend, name):
         for d in (2, 3, 4, 7, 1024):
             ok, bad = _same_bits_or_both_nan(arrays.divide(a, d), a / dtype(d), sign=False)
             assert ok, (d, bad)
+            inplace = a.copy()  # in place is a loop of its own (see jit.divide_in_place)
+            assert arrays.divide(inplace, d, out=inplace) is inplace
+            ok, bad = _same_bits_or_both_nan(inplace, a / dtype(d), sign=False)
+            assert ok, ("in place", d, bad)
     assert np.array_equal(a.view(np.uint16), before.view(np.uint16))  # divide leaves its input
 
 
