@@ -14,10 +14,10 @@ matrix, the element offsets of M in the flat bucket and of its row-major P (n x 
 blocks. Rows are taken four at a time where a row of Q^T no longer fits in L1 (wide layers such
 as ResNet-50's 512 x 4608), so each load of Q serves four rows.
 
-Numbers: float32 (and float64) _sums in a fixed order that does not depend on the arrays'
+Numbers: float32 (and float64) sums in a fixed order that does not depend on the arrays'
 addresses, so every rank gets the same bits from the same inputs; ``reconstruct`` adds its r
 products left to right without fused multiply-adds. ``project``'s dot products are reassociated
-(vectorized partial _sums), which differs from BLAS's order by a few units in the last place.
+(vectorized partial sums), which differs from BLAS's order by a few units in the last place.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover
 if njit is not None:
 
     _plain = njit(cache=True, boundscheck=False, nogil=True)
-    # reassociation lets LLVM keep vector partial _sums; no NaN/Inf assumptions (no "fast")
+    # reassociation lets LLVM keep vector partial sums; no NaN/Inf assumptions (no "fast")
     _sums = njit(cache=True, boundscheck=False, nogil=True, fastmath={"reassoc", "contract"})
     _inline = njit(inline="always", boundscheck=False, fastmath={"reassoc", "contract"})
 
@@ -69,7 +69,7 @@ if njit is not None:
 
     @_inline
     def _dot_1x4(x, a, b, c, d):
-        """One row against four columns of Q: four _sums, one read of the row."""
+        """One row against four columns of Q: four sums, one read of the row."""
         s0 = s1 = s2 = s3 = _zero(x)
         for j in range(x.shape[0]):
             v = x[j]
@@ -92,7 +92,7 @@ if njit is not None:
 
     @_inline
     def _dot_4x4(x0, x1, x2, x3, a, b, c, d):
-        """Four rows against four columns: sixteen _sums, each load of a row or column used four times."""
+        """Four rows against four columns: sixteen sums, each load of a row or column used four times."""
         s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = _zero(x0)
         s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = _zero(x0)
         for j in range(x0.shape[0]):

@@ -115,6 +115,7 @@ def count(methods: str = "gradcomp") -> int:
 def main(argv=None) -> int:
     import argparse
     import json
+    import os
 
     p = argparse.ArgumentParser(prog="python -m gradcomp.bench.kernels",
                                 description="kernel throughput as a multiple of memcpy (one process)")
@@ -130,6 +131,7 @@ def main(argv=None) -> int:
         done[0] += 1
         print(f"@progress {done[0]} {total} {name}", flush=True)
     rows = measure(args.mb, args.repeats, args.methods, progress)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(kernels=rows), f, indent=1)
     return 0
