@@ -136,14 +136,13 @@ def divide(array, divisor, out=None):
     or a new array. NumPy half arrays go through a kernel (same bits as NumPy's emulated float16
     / ml_dtypes' bfloat16 division)."""
     kind = _half_name(array.dtype) if type(array) is np.ndarray else None
-    if kind and _use_jit(array):
-        value = np.float32(array.dtype.type(divisor))
-        if out is array:
-            _jit.divide_in_place(array.reshape(-1).view(np.uint16), value, kind == "bfloat16")
-            return out
-        out = np.empty(array.shape, array.dtype) if out is None else out
-        _jit.divide(array.reshape(-1).view(np.uint16), value, out.reshape(-1).view(np.uint16),
-                    kind == "bfloat16")
+    if kind and _use_jit(array) and (out is None or _numpy_vector(out)):
+        if out is None:
+            out = array.copy()
+        elif out is not array:
+            np.copyto(out, array)
+        _jit.divide_in_place(out.reshape(-1).view(np.uint16), np.float32(array.dtype.type(divisor)),
+                             kind == "bfloat16")
         return out
     if kind == "float16" and _numpy_vector(array) and array.ndim == 1 and array.size >= _halfcast.MIN_SIZE:
         return _halfcast.divide(array, divisor, out)

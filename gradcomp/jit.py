@@ -116,21 +116,11 @@ if njit is not None:
                 acc[i] = _f16_encode(_f16_decode(acc[i]) + sign * _f16_decode(other[i]))
 
     @_kernel
-    def divide(u, divisor, out, bf16):
-        """``out = u / divisor`` on half bits; ``divisor`` a float32 that is exactly the half
-        value NumPy would divide by."""
-        if bf16:
-            for i in range(u.shape[0]):
-                out[i] = _bf16_encode(_bf16_decode(u[i]) / divisor)
-        else:
-            for i in range(u.shape[0]):
-                out[i] = _f16_encode(_f16_decode(u[i]) / divisor)
-
-    @_kernel
     def divide_in_place(u, divisor, bf16):
-        """``u /= divisor`` on half bits. A loop of its own: given the same array as ``u`` and
-        ``out``, ``divide`` runs scalar code (LLVM's vectorized loop is guarded by a check that
-        the arrays do not overlap), about ten times slower."""
+        """``u /= divisor`` on half bits; ``divisor`` a float32 that is exactly the half value
+        NumPy would divide by. In place only: a loop from one array into another that may be the
+        same array runs scalar code (LLVM's vector loop is guarded by a no-overlap check), about
+        ten times slower, and in place is what the reductions need."""
         if bf16:
             for i in range(u.shape[0]):
                 u[i] = _bf16_encode(_bf16_decode(u[i]) / divisor)

@@ -60,6 +60,21 @@ if njit is not None:
         for j in range(xs.shape[0]):
             xs[j] += gs[j]
 
+    @njit(inline="always", boundscheck=False)
+    def _rows_at(x, g, add, off, i, n, m, step):
+        """How many rows (``step``, 4 or 1, and 1 for the last few) to take from row i of the
+        matrix at ``off``, after adding ``g`` to them where ``add``."""
+        if i + step > n:
+            step = 1
+        if add:
+            _add_rows(x, g, off + i * m, off + (i + step) * m)
+        return step
+
+    @njit(inline="always", boundscheck=False)
+    def _four_rows(x, start, m):
+        return (x[start:start + m], x[start + m:start + 2 * m], x[start + 2 * m:start + 3 * m],
+                x[start + 3 * m:start + 4 * m])
+
     @_inline
     def _dot(x, a):
         s = _zero(x)
@@ -126,20 +141,14 @@ if njit is not None:
     def _project(x, g, add, q, p, table, wide):
         """``x += g`` where ``add``, then ``P = X Q``, matrix by matrix."""
         for t in range(table.shape[0]):
-            off, n, m, r, po, qo = table[t, 0], table[t, 1], table[t, 2], table[t, 3], table[t, 4], table[t, 5]
+            off, n, m, r, po, qo = table[t]
             qt = _transposed(q, qo, m, r, x.dtype)
             step = 4 if m * r * x.itemsize > wide else 1
             i = 0
             while i < n:
-                if i + step > n:
-                    step = 1
-                if add:
-                    _add_rows(x, g, off + i * m, off + (i + step) * m)
+                step = _rows_at(x, g, add, off, i, n, m, step)
                 if step == 4:
-                    x0 = x[off + i * m: off + (i + 1) * m]
-                    x1 = x[off + (i + 1) * m: off + (i + 2) * m]
-                    x2 = x[off + (i + 2) * m: off + (i + 3) * m]
-                    x3 = x[off + (i + 3) * m: off + (i + 4) * m]
+                    x0, x1, x2, x3 = _four_rows(x, off + i * m, m)
                     k = 0
                     while k + 4 <= r:
                         s = _dot_4x4(x0, x1, x2, x3, qt[k], qt[k + 1], qt[k + 2], qt[k + 3])
@@ -174,20 +183,14 @@ if njit is not None:
         """``x += g`` where ``add``, then ``Q = X^T P``: rows of X scaled by P's entries summed
         into Q^T, row after row (a fixed order; no reassociation)."""
         for t in range(table.shape[0]):
-            off, n, m, r, po, qo = table[t, 0], table[t, 1], table[t, 2], table[t, 3], table[t, 4], table[t, 5]
+            off, n, m, r, po, qo = table[t]
             acc = np.zeros((r, m), x.dtype)
             step = 4 if m * r * x.itemsize > wide else 1
             i = 0
             while i < n:
-                if i + step > n:
-                    step = 1
-                if add:
-                    _add_rows(x, g, off + i * m, off + (i + step) * m)
+                step = _rows_at(x, g, add, off, i, n, m, step)
                 if step == 4:
-                    x0 = x[off + i * m: off + (i + 1) * m]
-                    x1 = x[off + (i + 1) * m: off + (i + 2) * m]
-                    x2 = x[off + (i + 2) * m: off + (i + 3) * m]
-                    x3 = x[off + (i + 3) * m: off + (i + 4) * m]
+                    x0, x1, x2, x3 = _four_rows(x, off + i * m, m)
                     for k in range(r):
                         a = acc[k]
                         c0 = p[po + i * r + k]
@@ -213,7 +216,7 @@ if njit is not None:
         """``OUT = P Q^T`` (the r products added left to right, in groups of four), and
         ``x -= OUT`` where ``subtract``, while the row is still in cache."""
         for t in range(table.shape[0]):
-            off, n, m, r, po, qo = table[t, 0], table[t, 1], table[t, 2], table[t, 3], table[t, 4], table[t, 5]
+            off, n, m, r, po, qo = table[t]
             qt = _transposed(q, qo, m, r, out.dtype)
             for i in range(n):
                 o = out[off + i * m: off + (i + 1) * m]

@@ -96,7 +96,7 @@ def test_add_subtract_divide_match_numpy(backend, name):
         for d in (2, 3, 4, 7, 1024):
             ok, bad = _same_bits_or_both_nan(arrays.divide(a, d), a / dtype(d), sign=False)
             assert ok, (d, bad)
-            inplace = a.copy()  # in place is a loop of its own (see jit.divide_in_place)
+            inplace = a.copy()  # in place, and out of place above (copy, then in place)
             assert arrays.divide(inplace, d, out=inplace) is inplace
             ok, bad = _same_bits_or_both_nan(inplace, a / dtype(d), sign=False)
             assert ok, ("in place", d, bad)
