@@ -155,10 +155,14 @@ def rank_collectives():
     # what they return never aliases it, whatever the sizes that come through
     for wrapper in (gc.FP16, gc.BF16):
         comp = wrapper(gc.Allreduce())
-        outs = []
+        outs, spares = [], []
         for step, size in enumerate([600, 900, 300, 900, 600]):
             buf = np.full(size, 2.0 * n * (r + 1 + step), np.float32)
             outs.append((comp.reduce(gc.Bucket(buf, index=step % 2), comm).result(), step))
+            spares.append(list(comp._copies.values()))
+        # one buffer (the worker thread's), grown once to the largest bucket, then reused
+        assert all(len(v) == 1 for v in spares)
+        assert all(v[0] is spares[1][0] for v in spares[1:]) and spares[1][0].shape == (900,)
         for out, step in outs:  # earlier results are intact after later buckets went through
             assert np.array_equal(out, np.full(out.size, n * (n + 1.0) + 2.0 * n * step, np.float32))
 

@@ -24,7 +24,7 @@ class Cast(Compressor):
         if not isinstance(inner, Compressor):
             raise TypeError(f"{type(self).__name__} wraps a gradcomp Compressor, got {type(inner).__name__}")
         self.inner = inner
-        self._copies = threading.local()  # per worker thread: the reused half copy
+        self._copies = {}  # worker thread id -> the reused half copy (see _half_copy)
 
     def __repr__(self):
         return f"{type(self).__name__}({self.inner!r})"
@@ -42,16 +42,18 @@ class Cast(Compressor):
         issue 5), and one buffer for all buckets stays in the last-level cache where several
         would not. The inner compressor gets it as scratch: valid during its ``run`` only, as a
         DDP bucket is during its hook. Buckets are reduced one at a time per communicator
-        thread, so there is one buffer per thread (a compressor may serve two communicators).
+        thread, so there is one buffer per thread (a compressor may serve two communicators); a
+        plain dict, so a compressor can still be deep-copied.
         """
         source = bucket.buffer
         xp = array_module(source)
         dtype = half_dtype(self.half, xp)
-        spare = getattr(self._copies, "buffer", None)
+        thread = threading.get_ident()
+        spare = self._copies.get(thread)
         if (spare is None or type(spare) is not type(source) or spare.dtype != dtype
                 or spare.shape[0] < source.shape[0]
                 or getattr(spare, "device", None) != getattr(source, "device", None)):
-            spare = self._copies.buffer = xp.empty(source.shape, dtype)
+            spare = self._copies[thread] = xp.empty(source.shape, dtype)
         return cast(source, dtype, out=spare[:source.shape[0]])
 
     def state_dict(self):

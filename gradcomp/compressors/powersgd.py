@@ -248,7 +248,10 @@ class _Products:
             from .. import lowrank
 
             self.loops = lowrank if lowrank.available() else None
-        self.fused = self.loops is not None
+
+    @property
+    def fused(self) -> bool:
+        return self.loops is not None
 
     def project(self, m, q, p, add=None):
         """``P = M Q`` (after ``M += add`` on the matrices' rows, where given)."""
@@ -426,18 +429,12 @@ class PowerSGD(Compressor):
     # -- reduction -------------------------------------------------------------------------------
     def run(self, bucket: Bucket, comm: Communicator):
         try:
-            if self._step < self.start_iter:
-                return self._plain(bucket, comm)
+            if self._step < self.start_iter:  # warm-up: exactly Allreduce (in place if scratch)
+                return mean_allreduce(bucket, comm)
             return self._compressed(bucket, comm)
         finally:
             if bucket.is_last:
                 self._step += 1
-
-    @staticmethod
-    def _plain(bucket, comm):
-        """The warm-up path: exactly ``Allreduce`` (divide by the world size, then sum; in place
-        in a scratch bucket)."""
-        return mean_allreduce(bucket, comm)
 
     def _state(self, bucket: Bucket) -> _BucketState:
         key = bucket.layout_key()
@@ -464,7 +461,7 @@ class PowerSGD(Compressor):
         before = getattr(comm, "collectives", 0)
         try:
             if not plan.matrices:  # nothing worth compressing: no memory to keep either
-                return self._plain(bucket, comm)
+                return mean_allreduce(bucket, comm)
             return self._compress(bucket, st, comm)
         finally:
             self._counts["compressed_rounds"] += getattr(comm, "collectives", 0) - before
