@@ -1,23 +1,25 @@
 """gradcomp: gradient compression over MPI collectives, NumPy on CPU and CuPy on GPU.
 
-    from gradcomp import MPICommunicator, FP16, Allreduce, allreduce_gradients
-    comm = MPICommunicator()
-    allreduce_gradients(grads, FP16(Allreduce()), comm)
+    import gradcomp
+    comm = gradcomp.MPICommunicator()
+    reducer = gradcomp.GradientReducer(grads, gradcomp.FP16(), comm)
+    reducer.step()                       # grads now hold the means over ranks
 
-Launch with ``mpiexec -n N python train.py``. PyTorch users: ``gradcomp.torch``.
+Launch with ``mpiexec -n N python train.py``. PyTorch users: ``gradcomp.torch``. Writing a
+compressor: ``gradcomp.Codec`` and the conformance kit, ``python -m gradcomp.conformance``.
 """
 from .bucket import Bucket
 from .comm import (CollectiveError, Communicator, CommunicatorBroken, MPICommunicator,
                    default_communicator)
-from .compressors import (BF16, FP16, REGISTRY, Allgather, Allreduce, Compressor,
-                          QuantizePerChannel, QuantizePerTensor, make, register)
-from .compressors.powersgd import BatchedPowerSGD, PowerSGD
+from .compressors import (BF16, FP16, REGISTRY, Allgather, Allreduce, Codec, Compressor,
+                          ErrorFeedback, QuantizePerChannel, QuantizePerTensor, make, register)
+from .powersgd import BatchedPowerSGD, PowerSGD
+from .reducer import GradientReducer, allreduce_gradients
 from .schedule import Schedule
-from .gradients import allreduce_gradients
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["Bucket", "Communicator", "MPICommunicator", "CollectiveError", "CommunicatorBroken",
-           "default_communicator", "Compressor", "Allreduce", "Allgather", "FP16", "BF16",
-           "QuantizePerTensor", "QuantizePerChannel", "PowerSGD", "BatchedPowerSGD", "Schedule",
-           "REGISTRY", "make", "register", "allreduce_gradients"]
+           "default_communicator", "Compressor", "Codec", "ErrorFeedback", "Allreduce", "Allgather",
+           "FP16", "BF16", "QuantizePerTensor", "QuantizePerChannel", "PowerSGD", "BatchedPowerSGD",
+           "Schedule", "REGISTRY", "make", "register", "GradientReducer", "allreduce_gradients"]

@@ -112,7 +112,7 @@ def cast(array, dtype, out=None):
     if kernel is None or (out is not None and not _numpy_vector(out)):
         if out is None:
             return array.astype(dtype)
-        out[...] = array.astype(dtype)
+        out[...] = array  # converts element by element, no temporary of the whole array
         return out
     if out is None:
         out = np.empty(array.shape, target)

@@ -1,8 +1,10 @@
 """Buckets: one flat, 1-D, contiguous float buffer plus the layout of the tensors packed in it.
 
-A bucket is what DDP hands a communication hook and what a compressor reduces. ``index`` keys a
-compressor's per-bucket state (error feedback, warm-start Q); ``is_last`` marks the end of a
-training step (the step counter advances there); ``shapes`` lets PowerSGD see matrices again.
+A bucket is what DDP hands a communication hook and what a compressor reduces. ``shapes`` lets
+PowerSGD see matrices again; ``keys`` name the tensors, and compressors keep their state
+(error-feedback residuals, warm-start factors) per key, so it follows each tensor through DDP's
+bucket rebuild and into a resumed model; ``is_last`` marks the end of a training step (step
+counters advance there); ``index`` is the bucket's position in the step.
 """
 from __future__ import annotations
 
@@ -11,6 +13,12 @@ import zlib
 from typing import Sequence
 
 from .arrays import FLOAT_DTYPES, array_module, dtype_name
+
+
+def digest(text: str) -> int:
+    """A stable 63-bit digest of ``text``, the same on every rank and run."""
+    data = text.encode()
+    return zlib.crc32(data) | (zlib.adler32(data) << 31)
 
 
 def buffer_problem(buffer) -> str | None:
@@ -23,25 +31,31 @@ def buffer_problem(buffer) -> str | None:
         return f"bucket buffer must be one of {', '.join(FLOAT_DTYPES)}, got {dtype_name(buffer.dtype)}"
     if not buffer.flags.c_contiguous:
         return "bucket buffer must be contiguous (got a strided view; pass a copy)"
+    if not buffer.dtype.isnative:
+        return (f"bucket buffer must be in the machine's byte order, got {buffer.dtype.str!r} "
+                "(pass x.astype(x.dtype.newbyteorder('=')))")
     return None
 
 
 class Bucket:
     """A flat gradient buffer and its layout.
 
-    ``buffer``: 1-D, contiguous, float16/bfloat16/float32/float64, NumPy or CuPy.
-    ``index``: which bucket of the step this is; compressors key their state by it.
-    ``shapes``: the shapes of the tensors packed back to back in ``buffer`` (default: one
-    vector spanning it). ``is_last``: True for the last bucket of a step. ``scratch``: the buffer
+    ``buffer``: 1-D, contiguous, native byte order, float16/bfloat16/float32/float64, NumPy or CuPy.
+    ``index``: which bucket of the step this is. ``shapes``: the shapes of the tensors packed back
+    to back in ``buffer`` (default: one vector spanning it). ``keys``: a name per tensor, the same
+    on every rank, under which compressors keep that tensor's state (default
+    ``"<index>.<position>"``: state then follows the bucket index, as in PyTorch's hooks; the
+    DDP hook passes parameter names, ``GradientReducer`` array positions). ``is_last``: True for
+    the last bucket of a step. ``scratch``: the buffer
     may be overwritten by the compressor: a temporary of gradcomp's own (a wrapper's cast copy) or
     a DDP bucket, which DDP lets hooks overwrite (PyTorch's own hooks divide it in place). Buffers
     passed to ``reduce`` / ``allreduce_gradients`` are never scratch (invariant 5).
     """
 
-    __slots__ = ("buffer", "index", "shapes", "is_last", "scratch")
+    __slots__ = ("buffer", "index", "shapes", "keys", "is_last", "scratch")
 
     def __init__(self, buffer, index: int = 0, shapes: Sequence[Sequence[int]] | None = None,
-                 is_last: bool = True, scratch: bool = False):
+                 is_last: bool = True, scratch: bool = False, keys: Sequence[str] | None = None):
         problem = buffer_problem(buffer)
         if problem:
             raise ValueError(problem)
@@ -51,11 +65,18 @@ class Bucket:
         total = sum(math.prod(s) for s in shapes)
         if total != buffer.shape[0]:
             raise ValueError(f"shapes {shapes} hold {total} values but the buffer has {buffer.shape[0]}")
-        if int(index) < 0:
-            raise ValueError(f"bucket index must be >= 0, got {index}")
+        if isinstance(index, bool) or int(index) != index or index < 0:
+            raise ValueError(f"bucket index must be an integer >= 0, got {index!r}")
+        if keys is None:
+            keys = tuple(f"{int(index)}.{i}" for i in range(len(shapes)))
+        else:
+            keys = tuple(str(k) for k in keys)
+            if len(keys) != len(shapes) or len(set(keys)) != len(keys):
+                raise ValueError(f"keys must name each of the {len(shapes)} tensors once, got {keys!r}")
         self.buffer = buffer
         self.index = int(index)
         self.shapes = shapes
+        self.keys = keys
         self.is_last = bool(is_last)
         self.scratch = bool(scratch)
 
@@ -84,32 +105,42 @@ class Bucket:
         off = self.offsets()
         return [buffer[off[i]:off[i + 1]].reshape(s) for i, s in enumerate(self.shapes)]
 
+    def placements(self) -> list[tuple[str, int, tuple[int, ...]]]:
+        """``(key, offset, shape)`` of each tensor."""
+        off = self.offsets()
+        return [(k, off[i], s) for i, (k, s) in enumerate(zip(self.keys, self.shapes))]
+
+    def layout_text(self) -> str:
+        """The layout in words (for error messages): length, dtype and each tensor's key and shape."""
+        tensors = ", ".join(f"{k}:{'x'.join(map(str, s)) or 'scalar'}" for k, s in zip(self.keys, self.shapes))
+        return f"{self.numel} x {dtype_name(self.dtype)} [{tensors}]"
+
     def layout_key(self) -> int:
         """A stable 63-bit digest of the layout, equal on every rank for equal layouts."""
-        text = repr((self.numel, dtype_name(self.dtype), self.shapes)).encode()
-        return zlib.crc32(text) | (zlib.adler32(text) << 31)
+        return digest(self.layout_text())
 
     def with_buffer(self, buffer, scratch: bool = False) -> "Bucket":
         """The same layout over another buffer (a cast copy, say; ``scratch``: see the class)."""
-        return Bucket(buffer, self.index, self.shapes, self.is_last, scratch)
+        return Bucket(buffer, self.index, self.shapes, self.is_last, scratch, self.keys)
 
 
-def pack(arrays: Sequence, bucket_cap_mb: float = 25.0) -> list[tuple[Bucket, list[int]]]:
-    """Pack ``arrays`` into buckets of at most ``bucket_cap_mb`` MiB (an array larger than the
-    cap gets a bucket of its own; a change of dtype or array module starts a new bucket).
-
-    Returns ``(bucket, indices of the arrays it holds)`` pairs, buckets numbered in order, the last
-    one flagged ``is_last``.
-    """
-    if bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+def group(arrays: Sequence, bucket_cap_mb: float = 25.0) -> list[list[int]]:
+    """Which arrays share a bucket: consecutive arrays of one dtype and array module, at most
+    ``bucket_cap_mb`` MiB each (an array larger than the cap gets a bucket of its own)."""
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
     cap = bucket_cap_mb * 2**20
     groups: list[list[int]] = []
     size = 0
     key = None
     for i, a in enumerate(arrays):
-        if not hasattr(a, "dtype"):
-            raise TypeError(f"array {i}: expected a NumPy or CuPy array, got {type(a).__name__}")
+        if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+            hint = (" (a torch tensor: use gradcomp.torch, or pass tensor.numpy() views)"
+                    if type(a).__module__.split(".")[0] == "torch" else "")
+            raise TypeError(f"array {i}: expected a NumPy or CuPy array, got {type(a).__name__}{hint}")
+        if dtype_name(a.dtype) not in FLOAT_DTYPES:
+            raise TypeError(f"array {i}: gradients must be float16/bfloat16/float32/float64, "
+                            f"got {dtype_name(a.dtype)}")
         k = (dtype_name(a.dtype), array_module(a).__name__)
         if groups and k == key and size + a.nbytes <= cap:
             groups[-1].append(i)
@@ -118,14 +149,30 @@ def pack(arrays: Sequence, bucket_cap_mb: float = 25.0) -> list[tuple[Bucket, li
             groups.append([i])
             size = a.nbytes
             key = k
+    return groups
+
+
+def pack(arrays: Sequence, bucket_cap_mb: float = 25.0) -> list[tuple[Bucket, list[int]]]:
+    """``arrays`` copied into new buckets (see ``group``), keyed by array position, in the
+    machine's byte order. Returns ``(bucket, indices of the arrays it holds)`` pairs, the last
+    bucket flagged ``is_last``. ``GradientReducer`` keeps such buckets from step to step."""
+    groups = group(arrays, bucket_cap_mb)
     out = []
     for b, members in enumerate(groups):
         first = arrays[members[0]]
         xp = array_module(first)
-        flat = xp.concatenate([arrays[i].reshape(-1) for i in members]) if members else None
         shapes = [arrays[i].shape if arrays[i].ndim else (1,) for i in members]
-        out.append((Bucket(flat, b, shapes, is_last=b == len(groups) - 1), members))
+        flat = xp.empty(sum(math.prod(s) for s in shapes), first.dtype.newbyteorder("="))
+        bucket = Bucket(flat, b, shapes, is_last=b == len(groups) - 1, keys=[str(i) for i in members])
+        copy_in(bucket, arrays, members)
+        out.append((bucket, members))
     return out
+
+
+def copy_in(bucket: Bucket, arrays: Sequence, members: Sequence[int]) -> None:
+    """Copy ``arrays[members]`` into the bucket's buffer, back to back."""
+    for view, i in zip(bucket.views(), members):
+        view[...] = arrays[i].reshape(view.shape)
 
 
 def unpack(result, bucket: Bucket, arrays: Sequence, members: Sequence[int]) -> None:

@@ -10,22 +10,24 @@ PyTorch adapter.
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 
 from .arrays import cast
 from .bucket import Bucket
-from .compressors.base import Compressor
+from .compressors.base import Compressor, run_stage
+from .params import check_int
+from .state import reject_leftovers, take_int
 
 
-def take_residual(compressor: Compressor, bucket: Bucket):
-    """The error-feedback residual ``compressor`` keeps for ``bucket`` (removed from it), looking
-    through wrappers (``FP16(PowerSGD())``) via their ``inner``; None when it keeps none."""
-    seen = compressor
-    while seen is not None and not hasattr(seen, "take_residual"):
-        seen = getattr(seen, "inner", None)
-    return None if seen is None else seen.take_residual(bucket)
+@dataclass
+class _Stage:
+    step: int
+    stage: int
+    bucket: Bucket
+    inner: Any
 
 
 class Schedule(Compressor):
@@ -39,13 +41,13 @@ class Schedule(Compressor):
     stage starting at step 1000 averages exactly for steps 1000 and 1001 and compresses from 1002
     on (its warm-up then doubles as the settling period PyTorch DDP needs after rebuilding buckets).
 
-    Hand-over: when bucket index i is first reduced by a new stage, the residual the previous stage
-    kept for it (PowerSGD's error feedback, found through FP16/BF16 wrappers and nested schedules)
-    is taken out of that stage and added to the bucket's gradient, exactly as error feedback would
-    have added it to the next step. Nothing is lost silently: the residual is sent with the next
-    gradient. The residual is rounded to the bucket's dtype when they differ. Other memory (warm-start
-    Q, step counters) stays with its stage; a stage used again later resumes from it. A compressor
-    object listed in two adjacent stages is one stage as far as hand-over is concerned.
+    Hand-over: when a tensor is first reduced by a new stage, the error-feedback residual the
+    previous stage kept for it (``Compressor.take_residual``: PowerSGD's and ``ErrorFeedback``'s,
+    through wrappers and nested schedules) is taken out of that stage and added to the tensor's
+    gradient, exactly as error feedback would have added it to the next step: nothing is lost
+    silently. The residual is rounded to the bucket's dtype when they differ. Other memory
+    (warm-start factors, step counters) stays with its stage; a stage used again later resumes
+    from it. A compressor object listed in two adjacent stages is one stage for the hand-over.
     """
 
     def __init__(self, stages: Sequence[tuple[int, Compressor]]):
@@ -59,7 +61,7 @@ class Schedule(Compressor):
             step, comp = stage
             if not isinstance(comp, Compressor):
                 raise TypeError(f"Schedule stage {i}: expected a gradcomp Compressor, got {type(comp).__name__}")
-            if isinstance(step, bool) or int(step) != step:
+            if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
                 raise TypeError(f"Schedule stage {i}: first_step must be an integer, got {step!r}")
         starts = [int(s) for s, _ in stages]
         if starts[0] != 0:
@@ -70,10 +72,13 @@ class Schedule(Compressor):
         self.starts = starts
         self.compressors = [c for _, c in stages]
         self._step = 0
-        self._last_stage: dict[int, int] = {}  # bucket index -> stage that reduced it last
+        self._last_stage: dict[str, int] = {}  # tensor key -> stage that reduced it last
 
-    def __repr__(self):
-        inner = ", ".join(f"({s}, {c!r})" for s, c in zip(self.starts, self.compressors))
+    def config(self):
+        return {"stages": [(s, c) for s, c in zip(self.starts, self.compressors)]}
+
+    def describe(self):
+        inner = ", ".join(f"({s}, {c.describe()})" for s, c in zip(self.starts, self.compressors))
         return f"Schedule([{inner}])"
 
     @property
@@ -84,25 +89,55 @@ class Schedule(Compressor):
         """Index of the stage that reduces training step ``step``."""
         return bisect.bisect_right(self.starts, step) - 1
 
-    def run(self, bucket: Bucket, comm):
-        k = self.stage_at(self._step)
+    def prepare(self, bucket, comm, workspace) -> _Stage:
+        step = self._step
+        if bucket.is_last:
+            self._step += 1
+        k = self.stage_at(step)
         stage = self.compressors[k]
-        before = self._last_stage.get(bucket.index)
-        if before is not None and self.compressors[before] is not stage:
-            residual = take_residual(self.compressors[before], bucket)
-            if residual is not None:
-                bucket = bucket.with_buffer(bucket.buffer + cast(residual, bucket.dtype))
-        self._last_stage[bucket.index] = k
-        try:
-            return stage.run(bucket, comm)
-        finally:
-            if bucket.is_last:
-                self._step += 1
+        handed = {}
+        for key in bucket.keys:
+            before = self._last_stage.get(key)
+            if before is not None and self.compressors[before] is not stage:
+                handed.update(self.compressors[before].take_residual([key]))
+            self._last_stage[key] = k
+        if handed:
+            bucket = self._with_residuals(bucket, handed, workspace)
+        return _Stage(step, k, bucket, stage.prepare(bucket, comm, workspace))
 
-    def take_residual(self, bucket: Bucket):
-        """What the stage that last reduced ``bucket`` kept for it (for a Schedule in a Schedule)."""
-        k = self._last_stage.get(bucket.index)
-        return None if k is None else take_residual(self.compressors[k], bucket)
+    def _with_residuals(self, bucket: Bucket, residuals: dict, workspace) -> Bucket:
+        """The bucket's gradient plus the handed-over residuals (in place if the bucket is scratch,
+        else in a copy, which the stage may not return)."""
+        g = bucket.buffer
+        if not bucket.scratch:
+            copy = workspace.array(self, "handover", bucket.numel, g.dtype, like=g)
+            copy[...] = g
+            bucket = bucket.with_buffer(copy, scratch=False)
+            g = copy
+        for key, off, shape in bucket.placements():
+            if key in residuals:
+                part = g[off:off + residuals[key].size]
+                part += cast(residuals[key].reshape(-1), g.dtype)
+        return bucket
+
+    def finish(self, bucket, comm, prepared: _Stage):
+        return run_stage(self.compressors[prepared.stage], prepared.bucket, comm, prepared.inner)
+
+    def agreement_state(self, bucket, prepared):
+        if prepared is None:
+            return {"step": self._step}
+        inner = self.compressors[prepared.stage].agreement_state(prepared.bucket, prepared.inner)
+        return {"step": prepared.step, "stage": prepared.stage,
+                **{f"stage{prepared.stage}.{k}": v for k, v in inner.items()}}
+
+    def take_residual(self, keys) -> dict:
+        """What the stages that last reduced ``keys`` kept for them (a Schedule in a Schedule)."""
+        out = {}
+        for key in keys:
+            k = self._last_stage.get(key)
+            if k is not None:
+                out.update(self.compressors[k].take_residual([key]))
+        return out
 
     def stats(self) -> dict:
         s = super().stats()
@@ -111,32 +146,42 @@ class Schedule(Compressor):
         return s
 
     def state_dict(self) -> dict:
-        """Own step and hand-over bookkeeping plus every stage's state under ``stage{k}.``."""
-        indices = sorted(self._last_stage)
-        out = {"step": self._step,
-               "last_stage_index": np.array(indices, dtype=np.int64),
-               "last_stage_stage": np.array([self._last_stage[i] for i in indices], dtype=np.int64)}
+        """Own step and hand-over bookkeeping plus every stage's state under ``stage{k}/``."""
+        out: dict = {"step": self._step}
+        for key, k in sorted(self._last_stage.items()):
+            out[f"last_stage/{key}"] = k
         for k, comp in enumerate(self.compressors):
             for key, value in comp.state_dict().items():
-                out[f"stage{k}.{key}"] = value
+                out[f"stage{k}/{key}"] = value
         return out
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state, shapes=None) -> None:
         state = dict(state)
-        try:
-            step = int(state.pop("step"))
-            index = [int(i) for i in np.asarray(state.pop("last_stage_index"))]
-            stage = [int(s) for s in np.asarray(state.pop("last_stage_stage"))]
-        except KeyError as exc:
-            raise ValueError(f"not a Schedule state: missing {exc}") from None
+        owner = "Schedule"
+        step = take_int(state, "step", owner)
+        last = {}
+        for name in [k for k in state if k.startswith("last_stage/")]:
+            k = take_int(state, name, owner)
+            if k >= len(self.compressors):
+                raise ValueError(f"{owner} state: {name!r} names stage {k}, but there are "
+                                 f"{len(self.compressors)}")
+            last[name[len("last_stage/"):]] = k
         per_stage: list[dict] = [{} for _ in self.compressors]
-        for key, value in state.items():
-            head, _, rest = key.partition(".")
-            k = int(head[len("stage"):]) if head.startswith("stage") and head[5:].isdigit() else -1
-            if not 0 <= k < len(self.compressors) or not rest:
-                raise ValueError(f"unexpected Schedule state key {key!r} for {len(self.compressors)} stages")
-            per_stage[k][rest] = value
-        for comp, sub in zip(self.compressors, per_stage):
-            comp.load_state_dict(sub)
+        for key in list(state):
+            head, sep, rest = key.partition("/")
+            number = head[len("stage"):]
+            if head.startswith("stage") and number.isdigit() and int(number) < len(self.compressors) and sep:
+                per_stage[int(number)][rest] = state.pop(key)
+        reject_leftovers(state, owner)
+        # each stage checks its part before anything changes; undo is not needed because a stage
+        # that rejects its part raises before assigning, and earlier stages are re-loaded below
+        saved = [comp.state_dict() for comp in self.compressors]
+        try:
+            for comp, sub in zip(self.compressors, per_stage):
+                comp.load_state_dict(sub, shapes)
+        except ValueError:
+            for comp, old in zip(self.compressors, saved):
+                comp.load_state_dict(old, shapes)
+            raise
         self._step = step
-        self._last_stage = dict(zip(index, stage))
+        self._last_stage = last

@@ -94,7 +94,7 @@ def main(argv=None):
     import torch
     from threadpoolctl import threadpool_limits
 
-    from gradcomp.torch.tensors import HookBucket
+    from gradcomp.bench.hookbucket import HookBucket
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
     torch.set_num_threads(args.threads)

@@ -113,7 +113,7 @@ def rank_lengths_and_steps(name):
         if comm.size > 1:
             assert stats["bytes_sent"] > 0
         for key, value in comp.state_dict().items():  # numpy.savez-able: arrays and numbers
-            assert isinstance(key, str) and isinstance(value, (np.ndarray, int, float, np.number)), key
+            assert isinstance(key, str) and isinstance(value, (np.ndarray, int, float, str, np.number)), key
 
 
 def rank_dtypes(name):

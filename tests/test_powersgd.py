@@ -93,7 +93,7 @@ def init_gloo(comm):
 def rank_torch_parity(configs, steps):
     import torch
 
-    from gradcomp.torch.tensors import HookBucket
+    from gradcomp.bench.hookbucket import HookBucket
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDState,
                                                                            powerSGD_hook)

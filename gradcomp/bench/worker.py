@@ -171,7 +171,7 @@ def _torch_setup(buckets, shared):
 
 
 def _torch_case(m, buckets, size, shared):
-    from ..torch.tensors import HookBucket
+    from .hookbucket import HookBucket
 
     _torch_setup(buckets, shared)
     tensors, originals = shared["tensors"], shared["originals"]

@@ -1,51 +1,42 @@
-"""Compressors and the registry that names them.
+"""Compressors, and the names they are registered under.
 
-A new method is one module here plus one ``register`` line; the conformance tests and the
-``--compressor NAME`` options of the examples and benchmarks pick it up from ``REGISTRY``.
+A single-collective method is a codec (``codec``: one short module, see ``allgather``); a
+multi-round one implements the two stages of ``base.Compressor`` (``gradcomp.powersgd``).
+Registering a name (``gradcomp.register``) makes it available to ``gradcomp.make``, the examples'
+``--compressor`` options, the benchmarks and the conformance suite, with no other edit.
 """
 from __future__ import annotations
 
-from typing import Callable
-
+from ..registry import REGISTRY, make, register
 from .allgather import Allgather
 from .allreduce import Allreduce
-from .base import Compressor, agree
+from .base import Compressor
 from .cast import BF16, FP16, Cast
-from .powersgd import BatchedPowerSGD, PowerSGD
+from .codec import Codec
+from .feedback import ErrorFeedback
 from .quantize import QuantizePerChannel, QuantizePerTensor
 
-#: name -> factory building a compressor with the defaults a user would start from.
-REGISTRY: dict[str, Callable[[], Compressor]] = {}
+
+def _register_builtins() -> None:
+    from ..powersgd import BatchedPowerSGD, PowerSGD
+
+    register("allreduce", Allreduce)
+    register("allgather", Allgather)
+    register("fp16", lambda: FP16(Allreduce()))
+    register("bf16", lambda: BF16(Allreduce()))
+    register("quantize-tensor", QuantizePerTensor)
+    register("quantize-channel", QuantizePerChannel)
+    # PowerSGD: rank 2 after a 10-step warm-up (one epoch of the 4-rank digits demo).
+    register("powersgd", lambda: PowerSGD(rank=2, start_iter=10))
+    register("fp16-powersgd", lambda: FP16(PowerSGD(rank=2, start_iter=10)))
+    register("powersgd-noef", lambda: PowerSGD(rank=2, start_iter=10, error_feedback=False))
+    # One round per step sends half the factors each step: rank 4 costs what two-round rank 2 costs.
+    register("powersgd-1round", lambda: PowerSGD(rank=4, start_iter=10, rounds=1))
+    # The whole-bucket square mixes layers, so it needs more rank (rank 1 lost 9 points on digits).
+    register("batched-powersgd", lambda: BatchedPowerSGD(rank=8, start_iter=10))
 
 
-def register(name: str, factory: Callable[[], Compressor]) -> None:
-    if name in REGISTRY:
-        raise ValueError(f"compressor name {name!r} is already registered")
-    REGISTRY[name] = factory
+_register_builtins()
 
-
-def make(name: str) -> Compressor:
-    """A fresh compressor by registry name (see ``REGISTRY`` for the names)."""
-    try:
-        return REGISTRY[name]()
-    except KeyError:
-        raise ValueError(f"unknown compressor {name!r}; known: {', '.join(REGISTRY)}") from None
-
-
-register("allreduce", Allreduce)
-register("allgather", Allgather)
-register("fp16", lambda: FP16(Allreduce()))
-register("bf16", lambda: BF16(Allreduce()))
-register("quantize-tensor", QuantizePerTensor)
-register("quantize-channel", QuantizePerChannel)
-# PowerSGD: rank 2 after a 10-step warm-up (one epoch of the 4-rank digits demo).
-register("powersgd", lambda: PowerSGD(rank=2, start_iter=10))
-register("fp16-powersgd", lambda: FP16(PowerSGD(rank=2, start_iter=10)))
-register("powersgd-noef", lambda: PowerSGD(rank=2, start_iter=10, error_feedback=False))
-# One round per step sends half the factors each step: rank 4 costs what two-round rank 2 costs.
-# The whole-bucket square mixes layers, so it needs more rank (rank 1 lost 9 points on digits).
-register("powersgd-1round", lambda: PowerSGD(rank=4, start_iter=10, rounds=1))
-register("batched-powersgd", lambda: BatchedPowerSGD(rank=8, start_iter=10))
-
-__all__ = ["Compressor", "Allreduce", "Allgather", "Cast", "FP16", "BF16", "QuantizePerTensor",
-           "QuantizePerChannel", "PowerSGD", "BatchedPowerSGD", "REGISTRY", "register", "make", "agree"]
+__all__ = ["Compressor", "Codec", "ErrorFeedback", "Allreduce", "Allgather", "Cast", "FP16", "BF16",
+           "QuantizePerTensor", "QuantizePerChannel", "REGISTRY", "register", "make"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..arrays import divide
+from .allgather import exact_bound
 from .base import Compressor
 
 
@@ -11,15 +12,21 @@ class Allreduce(Compressor):
     Each rank divides its copy by the world size *before* the sum, as PyTorch's ``allreduce_hook``
     and ``fp16_compress_hook`` do: inside a half-precision wrapper this keeps the running sum from
     overflowing, and it gives the same bits as those hooks. float16/bfloat16 buckets are summed by
-    the communicator in their own dtype (see ``MPICommunicator._allreduce``). The quotient is a
-    new array (or, for a scratch bucket, the bucket itself), which the sum then overwrites.
+    the communicator in their own dtype (see ``MPICommunicator``). The quotient is a new array (or,
+    for a scratch bucket, the bucket itself), which the sum then overwrites: nothing else is
+    allocated, so under ``GradientReducer`` and the DDP hook a step allocates nothing.
 
     Non-finite values propagate element-wise, exactly as in a plain allreduce: a NaN at position
     i on any rank makes position i NaN on every rank and touches nothing else.
     """
 
-    def run(self, bucket, comm):
+    nan_effect = "element"
+
+    def run(self, bucket, comm, prepared=None):
         return mean_allreduce(bucket, comm)
+
+    def error_bound(self, inputs, dtype):
+        return exact_bound(inputs, dtype)
 
 
 def mean_allreduce(bucket, comm):

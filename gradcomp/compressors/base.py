@@ -1,118 +1,113 @@
 """The Compressor contract shared by every method.
 
-A compressor turns one bucket on every rank into the average over ranks, doing its own
-compression, collectives and decompression. It runs on the communicator's ordered worker, so the
-collectives of successive buckets never interleave; a method with several rounds (PowerSGD) simply
-calls several blocking collectives in a row.
+A compressor turns one bucket on every rank into the average over ranks. ``reduce`` queues the
+work on the communicator's pipeline and returns a Future at once. The work has two stages:
 
-Before any data moves, ``agree`` exchanges a few integers per rank (size, dtype, layout, the
-compressor's own configuration, and whether the rank's buffer was usable at all). When they differ,
-every rank raises the same ``CollectiveError`` naming the ranks and values, and nothing hangs:
-MPI would otherwise truncate, hang, or silently mix mismatched buffers.
+* ``prepare(bucket, comm, workspace)``, optional, on the pipeline's compute thread: local
+  arithmetic (casting, quantizing, PowerSGD's first product) and the decisions that depend on
+  step counters, in submission order. No collectives (``comm`` is there for its rank and size).
+  Temporaries come from ``workspace`` (reused step to step). Its result goes to the second stage;
+* ``run(bucket, comm, prepared)``, on the wire thread: the collectives and what follows them.
+
+So the local stage of bucket k+1 overlaps the transfer of bucket k. Methods with one collective
+are written as codecs (``gradcomp.compressors.codec``) and never see these stages; multi-round
+methods (PowerSGD) implement them directly; a compressor that only overrides ``run(bucket,
+comm)`` runs entirely on the wire thread and works unchanged.
+
+Before any data moves, ``agreement.agree`` checks that every rank brings the same layout,
+configuration (``config``) and state (``agreement_state``); a mismatch is a ``CollectiveError`` on
+every rank.
 """
 from __future__ import annotations
 
-import zlib
+import inspect
+import weakref
 from concurrent.futures import Future
+from typing import Any, Mapping
 
 import numpy as np
 
-from ..arrays import FLOAT_DTYPES, dtype_name, is_device_array, synchronize
+from ..arrays import is_device_array, synchronize
 from ..bucket import Bucket, buffer_problem
-from ..comm import Communicator, CollectiveError, default_communicator, wire_bytes
-
-_FIELDS = ("unusable buffer", "length", "dtype", "layout", "compressor", "bucket index", "is_last")
-
-
-def _digest(text: str) -> int:
-    data = text.encode()
-    return zlib.crc32(data) | (zlib.adler32(data) << 31)
-
-
-def agree(comm: Communicator, bucket, compressor: "Compressor") -> Bucket:
-    """Check, collectively, that every rank brings a compatible bucket; return it as a Bucket.
-
-    ``bucket`` may be a ``Bucket`` or a bare array: a bare array that cannot be a bucket (2-D,
-    integer, strided) is reported to every rank here instead of raising on one rank alone, which
-    would leave the others blocked in the next collective.
-    """
-    if isinstance(bucket, Bucket):
-        problem, buffer = None, bucket.buffer
-    else:
-        problem, buffer = buffer_problem(bucket), bucket
-        if problem is None:
-            bucket = Bucket(buffer)
-    if problem is None:
-        dtype_code = FLOAT_DTYPES.index(dtype_name(bucket.dtype))
-        mine = [0, bucket.numel, dtype_code, bucket.layout_key(), _digest(repr(compressor)),
-                bucket.index, int(bucket.is_last)]
-    else:
-        mine = [1, -1, -1, -1, _digest(repr(compressor)), -1, -1]
-    everyone = comm.allgather(np.array(mine, dtype=np.int64))
-    if comm.size > 1 or problem:
-        _raise_on_disagreement(everyone, problem, comm.rank)
-    return bucket
-
-
-def _raise_on_disagreement(table: np.ndarray, my_problem: str | None, my_rank: int) -> None:
-    bad_ranks = [r for r in range(table.shape[0]) if table[r, 0]]
-    if bad_ranks:
-        detail = f" (here: {my_problem})" if my_problem else ""
-        raise CollectiveError(
-            f"gradcomp: rank(s) {bad_ranks} passed a buffer that cannot be a bucket{detail}; "
-            "a bucket must be a 1-D contiguous float16/bfloat16/float32/float64 array")
-    for col in range(1, table.shape[1]):
-        values = table[:, col]
-        if (values != values[0]).any():
-            if _FIELDS[col] == "dtype":
-                shown = [FLOAT_DTYPES[v] for v in values]
-            elif _FIELDS[col] in ("layout", "compressor"):
-                shown = [f"#{v & 0xFFFF:04x}" for v in values]
-            else:
-                shown = [int(v) for v in values]
-            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
-            raise CollectiveError(f"gradcomp: bucket {_FIELDS[col]} differs across ranks ({per_rank})")
+from ..comm import Communicator, Workspace, default_communicator, wire_bytes
+from .agreement import agree
 
 
 def _on_device(device, fn, *args):
-    """Run ``fn`` with ``device`` current on this (worker) thread. Left current afterwards, so that
-    done-callbacks, which run on this thread right after ``fn``, copy on the same GPU."""
+    """Run ``fn`` with ``device`` current on this (pipeline) thread. Left current afterwards, so
+    that done-callbacks, which run on the wire thread right after ``fn``, copy on the same GPU."""
     device.use()
     return fn(*args)
 
 
-class Compressor:
-    """Base class: subclasses implement ``run`` (and, if stateful, the state-dict pair).
+def run_stage(compressor: "Compressor", bucket: Bucket, comm: Communicator, prepared: Any = None):
+    """``compressor.run`` with or without a prepared stage (a compressor that only overrides
+    ``run(bucket, comm)`` has none)."""
+    if prepared is None:
+        return compressor.run(bucket, comm)
+    return compressor.run(bucket, comm, prepared)
 
-    ``reduce(bucket, comm)`` is the public entry point: it returns a Future of the averaged bucket,
-    a new array with the input's length and dtype; the input is never modified.
+
+class Compressor:
+    """Base class. Subclasses implement ``run`` (or ``prepare`` + ``finish``), declare their
+    configuration through their ``__init__`` parameters (stored as attributes of the same names,
+    or by overriding ``config``), and, if stateful, ``agreement_state`` and the state-dict pair.
     """
+
+    #: what a NaN or Inf at one position of one rank's bucket does to the result (the conformance
+    #: kit checks it): "element" (that position only), "chunk" (its 512-value chunk), "tensor",
+    #: "bucket", or None (not declared).
+    nan_effect: str | None = None
 
     def __init__(self):
         self._stats = dict(calls=0, steps=0, input_bytes=0, bytes_sent=0.0, rounds=0,
                            reference_bytes=0.0)
+        self._comm_ref: weakref.ref | None = None
 
     # -- public API ------------------------------------------------------------------------------
     def reduce(self, bucket, comm: Communicator | None = None) -> Future:
         """Average ``bucket`` (a ``Bucket`` or a 1-D array) over the ranks of ``comm``.
 
-        Queued on the communicator's ordered worker; returns at once. On the GPU, the caller's
-        current CUDA stream is synchronized first, so the worker sees finished values, and the
-        worker runs on the buffer's device (the current device is per thread, and a new thread
-        starts on device 0: a rank driving GPU 1 would otherwise compute on the wrong GPU).
+        Queued on the communicator's pipeline; returns a Future of the mean at once: a new array
+        of the input's length and dtype, or, for a scratch bucket, the bucket's own buffer. On the
+        GPU, the caller's current CUDA stream is synchronized first, so the pipeline sees finished
+        values, and the pipeline threads run on the buffer's device.
         """
         comm = comm if comm is not None else default_communicator()
+        self._bind(comm)
         buffer = getattr(bucket, "buffer", bucket)
-        synchronize(buffer)
-        if is_device_array(buffer):
-            return comm.submit(_on_device, buffer.device, self.checked_run, bucket, comm)
-        return comm.submit(self.checked_run, bucket, comm)
+        problem = buffer_problem(buffer) if not isinstance(bucket, Bucket) else None
+        if problem is None and not isinstance(bucket, Bucket):
+            bucket = Bucket(buffer)
+        if problem is None:
+            synchronize(buffer)
+        prepare = None
+        if self.staged:
+            # A rank whose buffer cannot be a bucket still takes its local stage, on an empty
+            # bucket: step counters then advance alike on every rank, and after the
+            # CollectiveError every rank agrees on the state again.
+            local = bucket if problem is None else Bucket(np.empty(0, np.float32))
 
-    def checked_run(self, bucket, comm: Communicator):
-        """``agree`` on the bucket, then ``run`` it and record traffic (on the worker thread)."""
-        bucket = agree(comm, bucket, self)
+            def prepare(workspace, local=local):
+                return self.prepare(local, comm, workspace)
+
+        def run(prepared, error):
+            why = problem if error is None else f"its local stage failed: {error!r}"
+            return self.checked_run(bucket, comm, prepared, why)
+
+        if problem is None and is_device_array(buffer):
+            device = buffer.device
+            run = _wrap_device(device, run)
+            prepare = None if prepare is None else _wrap_device(device, prepare)
+
+        keys = bucket.keys if isinstance(bucket, Bucket) else ()
+        return comm.submit(run, prepare, keys)
+
+    def checked_run(self, bucket, comm: Communicator, prepared: Any = None, problem: str | None = None):
+        """``agree``, then ``run``, recording traffic (on the wire thread)."""
+        bucket = agree(comm, bucket, self, prepared, problem)
         before_bytes, before_calls = comm.bytes_sent, getattr(comm, "collectives", 0)
-        out = self.run(bucket, comm)
+        out = run_stage(self, bucket, comm, prepared)
         s = self._stats
         s["calls"] += 1
         s["steps"] += int(bucket.is_last)
@@ -122,13 +117,61 @@ class Compressor:
         s["reference_bytes"] += wire_bytes("allreduce", bucket.buffer.nbytes, comm.size)
         return out
 
-    def run(self, bucket: Bucket, comm: Communicator):
-        """Reduce ``bucket`` over ``comm`` on the calling (worker) thread and return the mean over
-        ranks: a new array of the bucket's length and dtype. Must not modify ``bucket.buffer``.
+    @property
+    def staged(self) -> bool:
+        """Whether this compressor has a local stage (``prepare``)."""
+        return type(self).prepare is not Compressor.prepare
 
-        Wrappers (FP16, Schedule) call their inner compressor's ``run`` directly, on a bucket with
-        the same index and layout, so per-bucket state follows the bucket through any nesting."""
-        raise NotImplementedError
+    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> Any:
+        """The local stage (see the module docstring); the default has none."""
+        return None
+
+    def run(self, bucket: Bucket, comm: Communicator, prepared: Any = None):
+        """Reduce ``bucket`` over ``comm`` on the wire thread and return the mean over ranks: a
+        new array of the bucket's length and dtype, or ``bucket.buffer`` itself when the bucket
+        is scratch. Must not modify a bucket that is not scratch.
+
+        Staged compressors leave this as it is and implement ``finish``; called without a
+        prepared stage (a wrapper calling its inner method directly), it runs ``prepare`` first.
+        """
+        if prepared is None and self.staged:
+            prepared = self.prepare(bucket, comm, comm.workspace)
+        return self.finish(bucket, comm, prepared)
+
+    def finish(self, bucket: Bucket, comm: Communicator, prepared: Any):
+        raise NotImplementedError(f"{type(self).__name__} must implement run(bucket, comm) "
+                                  "or prepare + finish")
+
+    # -- declared configuration and state ------------------------------------------------------------
+    def config(self) -> dict[str, Any]:
+        """The configuration that decides this compressor's collectives and results, by name.
+
+        Default: the ``__init__`` parameters, read back from attributes of the same names (the
+        scikit-learn convention). Ranks compare it before every bucket (``agreement``).
+        """
+        out = {}
+        for name, param in inspect.signature(type(self).__init__).parameters.items():
+            if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                continue
+            if not hasattr(self, name):
+                raise TypeError(f"{type(self).__name__}: __init__ parameter {name!r} is not stored as "
+                                f"self.{name}; store it, or override config()")
+            out[name] = getattr(self, name)
+        return out
+
+    def describe(self) -> str:
+        """``Name(param=value, ...)`` from ``config``, nested compressors included."""
+        fields = ", ".join(f"{k}={v.describe() if isinstance(v, Compressor) else repr(v)}"
+                           for k, v in self.config().items())
+        return f"{type(self).__name__}({fields})"
+
+    def __repr__(self):
+        return self.describe()
+
+    def agreement_state(self, bucket: Bucket, prepared: Any) -> dict[str, Any]:
+        """State that decides this bucket's collectives (step, phase, stage, ...): it must be
+        equal on every rank. ``prepared`` is this bucket's local stage result, if any."""
+        return {}
 
     def stats(self) -> dict:
         """Traffic so far. ``bytes_sent``: bytes this rank put on the wire (bandwidth-optimal
@@ -142,13 +185,50 @@ class Compressor:
         return s
 
     def state_dict(self) -> dict:
-        """Plain arrays and numbers only (``numpy.savez``-able); stateless methods return {}."""
+        """Plain arrays and numbers only (``numpy.savez``-able); stateless methods return {}.
+        Take it between steps, when no reduction of this compressor is in flight."""
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping, shapes: Mapping[str, tuple] | None = None) -> None:
+        """Restore ``state_dict()``'s output. Checks everything before changing anything and raises
+        ``ValueError`` naming the key at fault. ``shapes``: the tensors this compressor will
+        reduce, by key, when the caller knows them (``GradientReducer``, the DDP hook)."""
         if state:
             raise ValueError(f"{type(self).__name__} is stateless but got state keys {sorted(state)}")
 
-    def __repr__(self):
-        return f"{type(self).__name__}()"
+    def take_residual(self, keys) -> dict:
+        """Hand over the error-feedback residuals kept for ``keys`` (removing them): ``Schedule``
+        adds them to the gradient when another stage takes over. Default: none kept."""
+        return {}
+
+    # -- one communicator per compressor ----------------------------------------------------------------
+    def _bind(self, comm: Communicator) -> None:
+        bound = self._comm_ref() if self._comm_ref is not None else None
+        if bound is None:
+            self._comm_ref = weakref.ref(comm)
+        elif bound is not comm:
+            raise ValueError(
+                f"{self.describe()} already reduces on {bound!r}; a compressor keeps step counters "
+                f"and per-tensor state for one communicator, so it cannot also reduce on {comm!r}. "
+                "Use one compressor per communicator (copy.deepcopy before first use).")
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_comm_ref"] = None  # a communicator (threads, MPI handles) never travels
+        return state
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        for key, value in self.__getstate__().items():
+            setattr(clone, key, copy.deepcopy(value, memo))
+        return clone
+
+
+def _wrap_device(device, fn):
+    def wrapped(*args):
+        return _on_device(device, fn, *args)
+    return wrapped
 

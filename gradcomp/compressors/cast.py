@@ -1,66 +1,93 @@
 """Half-precision wrappers: run any compressor on a float16 or bfloat16 copy of the bucket."""
 from __future__ import annotations
 
-import threading
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
 
 from ..arrays import array_module, cast, half_dtype
-from .base import Compressor
+from ..bucket import Bucket
+from .allreduce import Allreduce
+from .base import Compressor, run_stage
+
+
+@dataclass
+class _Half:
+    bucket: Bucket     # the half copy, a scratch bucket in the job's workspace
+    inner: Any         # the inner compressor's prepared stage
 
 
 class Cast(Compressor):
     """Cast the bucket to a half dtype, let ``inner`` reduce it, cast the mean back.
 
-    The inner compressor sees a bucket with the same index and layout, so its per-bucket state
-    (PowerSGD's error feedback and Q memory) keeps working, in half precision. Linear inner methods
-    divide by the world size before they sum (see ``Allreduce``), so the half-precision sum does
-    not overflow where the mean would not; ``FP16(Allreduce())`` therefore matches PyTorch's
+    The inner compressor sees a bucket with the same keys and layout, so its per-tensor state
+    (PowerSGD's error feedback and warm start) keeps working, in half precision. Linear inner
+    methods divide by the world size before they sum (see ``Allreduce``), so the half-precision sum
+    does not overflow where the mean would not; ``FP16(Allreduce())`` therefore matches PyTorch's
     ``fp16_compress_hook`` and ``FP16(PowerSGD(...))`` matches ``fp16_compress_wrapper``.
+
+    The cast happens in the local stage, so it overlaps the previous bucket's transfer; the half
+    copy lives in the pipeline's workspace and is reused for every bucket and step. ``inner``
+    defaults to ``Allreduce()``.
     """
 
     half = "float16"
 
-    def __init__(self, inner: Compressor):
+    def __init__(self, inner: Compressor | None = None):
         super().__init__()
+        if inner is None:
+            inner = Allreduce()
         if not isinstance(inner, Compressor):
-            raise TypeError(f"{type(self).__name__} wraps a gradcomp Compressor, got {type(inner).__name__}")
+            raise TypeError(f"{type(self).__name__} wraps a gradcomp Compressor, e.g. "
+                            f"{type(self).__name__}(gradcomp.Allreduce()); got {type(inner).__name__}")
         self.inner = inner
-        self._copies = {}  # worker thread id -> the reused half copy (see _half_copy)
 
-    def __repr__(self):
-        return f"{type(self).__name__}({self.inner!r})"
+    @property
+    def nan_effect(self):  # type: ignore[override]
+        return self.inner.nan_effect
 
-    def run(self, bucket, comm):
-        mean = self.inner.run(bucket.with_buffer(self._half_copy(bucket), scratch=True), comm)
+    def error_bound(self, inputs, dtype):
+        """The inner method's bound on half-precision inputs, plus the two casts."""
+        inner = getattr(self.inner, "error_bound", None)
+        if inner is None:
+            return None
+        hdt = np.float16 if self.half == "float16" else ml_dtypes.bfloat16
+        rounded = inputs.astype(hdt).astype(np.float64)
+        bound = inner(rounded, hdt)
+        if bound is None:
+            return None
+        eps_h, eps = float(ml_dtypes.finfo(hdt).eps), float(ml_dtypes.finfo(dtype).eps)
+        mean_abs = np.abs(inputs).sum(axis=0) / inputs.shape[0]
+        tiny = float(ml_dtypes.finfo(hdt).smallest_subnormal)
+        return bound + (eps_h + eps) * mean_abs + tiny
+
+    def prepare(self, bucket, comm, workspace):
+        source = bucket.buffer
+        dtype = half_dtype(self.half, array_module(source))
+        copy = workspace.array(self, "half", bucket.numel, dtype, like=source)
+        cast(source, dtype, out=copy)
+        half = bucket.with_buffer(copy, scratch=True)
+        return _Half(half, self.inner.prepare(half, comm, workspace))
+
+    def finish(self, bucket, comm, prepared):
+        mean = run_stage(self.inner, prepared.bucket, comm, prepared.inner)
         # a scratch bucket (a DDP bucket) takes the widened mean itself: no new array per bucket
         return cast(mean, bucket.dtype, out=bucket.buffer if bucket.scratch else None)
 
-    def _half_copy(self, bucket):
-        """The bucket cast to the half dtype, in one buffer that every bucket and step reuses.
-
-        A fresh array per bucket (12 MB for a 25 MB DDP bucket) costs first-touch page faults
-        each step once glibc has handed the freed memory back to the kernel (BENCHMARKS.md,
-        issue 5), and one buffer for all buckets stays in the last-level cache where several
-        would not. The inner compressor gets it as scratch: valid during its ``run`` only, as a
-        DDP bucket is during its hook. Buckets are reduced one at a time per communicator
-        thread, so there is one buffer per thread (a compressor may serve two communicators); a
-        plain dict, so a compressor can still be deep-copied.
-        """
-        source = bucket.buffer
-        xp = array_module(source)
-        dtype = half_dtype(self.half, xp)
-        thread = threading.get_ident()
-        spare = self._copies.get(thread)
-        if (spare is None or type(spare) is not type(source) or spare.dtype != dtype
-                or spare.shape[0] < source.shape[0]
-                or getattr(spare, "device", None) != getattr(source, "device", None)):
-            spare = self._copies[thread] = xp.empty(source.shape, dtype)
-        return cast(source, dtype, out=spare[:source.shape[0]])
+    def agreement_state(self, bucket, prepared):
+        inner = prepared.inner if prepared is not None else None
+        return self.inner.agreement_state(bucket, inner)
 
     def state_dict(self):
         return self.inner.state_dict()
 
-    def load_state_dict(self, state):
-        self.inner.load_state_dict(state)
+    def load_state_dict(self, state, shapes=None):
+        self.inner.load_state_dict(state, shapes)
+
+    def take_residual(self, keys):
+        return self.inner.take_residual(keys)
 
 
 class FP16(Cast):

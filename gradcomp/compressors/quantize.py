@@ -1,10 +1,11 @@
-"""8-bit (or fewer) affine quantization, per tensor or per 512-value channel.
+"""8-bit (or fewer) affine quantization, per tensor or per 512-value channel, allgathered.
 
 Each rank quantizes its own bucket with its own parameters (``offset`` = the chunk minimum, the
 zero point; ``scale`` = range / levels), so nothing needs agreeing on before the data moves. One
-allgather carries every rank's message, ``[offset, scale per chunk (float32) | codes (uint8)]``;
-every rank then dequantizes every sender's codes with that sender's parameters and averages them
-in float32, in rank order, so all ranks hold the same bits.
+allgather carries every rank's message, ``[offset, scale per chunk (float32) | codes (uint8)]``
+(a codec, see ``codec``); every rank then dequantizes every sender's codes with that sender's
+parameters and averages them in float32, in rank order, so all ranks hold the same bits. This is
+what PyTorch's quantization hooks do; its traffic grows with the number of ranks.
 
 Error: each code is within ``scale/2`` of its value, so the mean is within the mean of the
 senders' ``scale/2`` of the true mean (plus float32 rounding).
@@ -17,8 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
+import ml_dtypes
+
 from ..arrays import array_module, compiled_kernels
-from .base import Compressor
+from ..params import check_int
+from .codec import Codec
 
 
 def _compiled(*arrays):
@@ -37,7 +41,7 @@ def _runs(flags):
             yield int(run[0]), int(run[-1]) + 1
 
 
-class QuantizePerChannel(Compressor):
+class QuantizePerChannel(Codec):
     """Quantize each run of ``channel_size`` consecutive values with its own scale and offset.
 
     One outlier then only coarsens its own 512 values instead of the whole bucket, which is why
@@ -48,18 +52,48 @@ class QuantizePerChannel(Compressor):
     Traffic: an allgather, ``(N-1) * (n + 8 * chunks)`` bytes per rank, which grows with N.
     """
 
+    collective = "allgather"
+    nan_effect = "chunk"
+
     def __init__(self, bits: int = 8, channel_size: int | None = 512):
         super().__init__()
-        if not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 8:
-            raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
-        if channel_size is not None and (not isinstance(channel_size, (int, np.integer)) or channel_size < 1):
-            raise ValueError(f"channel_size must be a positive integer, got {channel_size!r}")
-        self.bits = int(bits)
-        self.channel_size = None if channel_size is None else int(channel_size)
+        self.bits = check_int("bits", bits, 1, 8)
+        self.channel_size = None if channel_size is None else check_int("channel_size", channel_size, 1)
         self.levels = (1 << self.bits) - 1
 
-    def __repr__(self):
-        return f"{type(self).__name__}(bits={self.bits}, channel_size={self.channel_size})"
+    # -- the codec -----------------------------------------------------------------------------------
+    def message_size(self, n):
+        rows, _, tail = self._split(n)
+        return 8 * (rows + (tail > 0)) + n
+
+    def _views(self, message, n):
+        chunks = (self.message_size(n) - n) // 8
+        params = message[:8 * chunks].view(np.float32).reshape(2, chunks)
+        return params, message[8 * chunks:]
+
+    def encode(self, x, message, workspace):
+        params, codes = self._views(message, x.shape[0])
+        self.quantize_into(x, params, codes)
+
+    def decode(self, message, out, add=False):
+        params, codes = self._views(message, out.shape[0])
+        if not add:
+            out[...] = 0
+        self.dequantize_add(out, params, codes)
+
+    def error_bound(self, inputs, dtype):
+        """Each code is within half a step of its value: the mean over senders of half their
+        chunk's step, plus float32 rounding of the offsets and the sum."""
+        width = self.channel_size or max(inputs.shape[1], 1)
+        n = inputs.shape[1]
+        half_steps = np.zeros(n)
+        for start in range(0, n, width):
+            part = inputs[:, start:start + width].astype(np.float32)
+            step = (part.max(axis=1) - part.min(axis=1)).astype(np.float64) / self.levels
+            half_steps[start:start + width] = step.mean() / 2
+        peak = np.abs(inputs).max(initial=0.0)
+        eps32 = float(np.finfo(np.float32).eps)
+        return half_steps * 1.001 + 8 * eps32 * peak + float(ml_dtypes.finfo(dtype).eps) * np.abs(inputs.mean(axis=0))
 
     # -- chunking ----------------------------------------------------------------------------------
     def _split(self, n: int):
@@ -76,17 +110,24 @@ class QuantizePerChannel(Compressor):
     def quantize(self, x):
         """float32 ``x`` -> (params float32 [2, chunks] = offsets and scales, codes uint8)."""
         xp = array_module(x)
-        n = x.shape[0]
-        rows, width, tail = self._split(n)
-        codes = xp.empty(n, dtype=xp.uint8)
+        rows, width, tail = self._split(x.shape[0])
+        codes = xp.empty(x.shape[0], dtype=xp.uint8)
         params = xp.empty((2, rows + (tail > 0)), dtype=xp.float32)
+        self.quantize_into(x, params, codes)
+        return params, codes
+
+    def quantize_into(self, x, params, codes):
+        """Write float32 ``x``'s offsets and scales into ``params`` [2, chunks] and its codes into
+        ``codes`` (uint8, ``x``'s length)."""
+        xp = array_module(x)
+        rows, width, tail = self._split(x.shape[0])
         if xp is np:
             jit = _compiled(x) if x.dtype == np.float32 else None
             if jit is not None:
                 self._quantize_compiled(jit, x, params, codes, rows, width)
             else:
                 self._quantize_blocked(x, params, codes, rows, width)
-            return params, codes
+            return
         parts = zip(self._chunks(x, rows, width), self._chunks(codes, rows, width))
         for i, (part, out) in enumerate(parts):
             if part.size == 0:
@@ -101,7 +142,6 @@ class QuantizePerChannel(Compressor):
             out[...] = q
             params[0, sl] = lo
             params[1, sl] = scale
-        return params, codes
 
     def _scale(self, xp, lo, hi):
         """Per-chunk scale = (max - min) / levels."""
@@ -235,28 +275,12 @@ class QuantizePerChannel(Compressor):
             self._decode_add(np, acc[start:stop].reshape(k, -1), codes[start:stop].reshape(k, -1),
                              params[0, chunks], params[1, chunks], scratch)
 
-    # -- the reduction -----------------------------------------------------------------------------
-    def run(self, bucket, comm):
-        xp = array_module(bucket.buffer)
-        x = bucket.buffer if bucket.dtype == np.float32 else bucket.buffer.astype(np.float32)
-        params, codes = self.quantize(x)
-        nparam = params.size * 4
-        message = xp.concatenate([params.reshape(-1).view(xp.uint8), codes])
-        everyone = comm.allgather(message)
-        acc = xp.zeros(x.shape[0], dtype=xp.float32)
-        for r in range(comm.size):
-            self.dequantize_add(acc, everyone[r, :nparam].view(xp.float32).reshape(2, -1),
-                                everyone[r, nparam:])
-        acc /= xp.float32(comm.size)
-        return acc if bucket.dtype == np.float32 else acc.astype(bucket.dtype)
-
 
 class QuantizePerTensor(QuantizePerChannel):
     """One scale and offset for the whole bucket: the smallest message (8 bytes of parameters),
     but one large gradient coarsens every other value in the bucket. See ``QuantizePerChannel``."""
 
+    nan_effect = "bucket"
+
     def __init__(self, bits: int = 8):
         super().__init__(bits=bits, channel_size=None)
-
-    def __repr__(self):
-        return f"{type(self).__name__}(bits={self.bits})"

@@ -1,12 +1,13 @@
 """PyTorch adapter: every gradcomp compressor as a DDP communication hook.
 
     import gradcomp.torch as gt
-    launch = gt.init_process_group()           # under `mpiexec -n 4 python train.py`; no torchrun
+    launch = gt.init_process_group()           # under `mpiexec -n 4 python train.py`, or torchrun
     model = DistributedDataParallel(net.to(launch.device))
     gt.register(model, gradcomp.FP16(gradcomp.Allreduce()))
 
 Importing ``gradcomp`` never imports torch (DESIGN invariant 6); only ``import gradcomp.torch`` does.
-``TorchCommunicator`` runs the compressors over torch.distributed instead of MPI (for torchrun).
+``TorchCommunicator`` runs the compressors over torch.distributed instead of MPI (torchrun picks
+it). ``HookState.state_dict()`` checkpoints a compressor as tensors (``torch.save``).
 """
 from .communicator import TorchCommunicator
 from .hook import HookState, comm_hook, default_comm, gradcomp_hook, register

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..arrays import array_module, synchronize
+from ..arrays import add_into, array_module, synchronize
 from ..comm import OrderedCommunicator
 from .tensors import as_array, as_tensor
 
@@ -46,7 +46,8 @@ class TorchCommunicator(OrderedCommunicator):
     launcher (torchrun) tear the job down.
     """
 
-    def __init__(self, process_group=None, *, abort_grace_s: float | None = None, timeout=None):
+    def __init__(self, process_group=None, *, abort_grace_s: float | None = None, timeout=None,
+                 pipeline_depth: int = 1):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "gradcomp.torch.TorchCommunicator needs torch.distributed to be initialized: call "
@@ -62,9 +63,10 @@ class TorchCommunicator(OrderedCommunicator):
         self._global_ranks = dist.get_process_group_ranks(process_group)
         # the worker thread does not inherit the caller's current CUDA device: remember it here
         self._cuda_index = torch.cuda.current_device() if self.backend == "nccl" else None
-        self._start_worker("gradcomp-torch", abort_grace_s)
-        if self._cuda_index is not None:  # put the worker on that device before anything else runs
-            self._worker.submit(torch.cuda.set_device, self._cuda_index)
+        self._start("gradcomp-torch", abort_grace_s, pipeline_depth)
+        if self._cuda_index is not None:  # put the wire thread on that device before anything else
+            index = self._cuda_index
+            self.submit(lambda _p, _e: torch.cuda.set_device(index))
 
     def __repr__(self):
         return f"TorchCommunicator(rank={self.rank}, size={self.size}, backend={self.backend!r})"
@@ -117,29 +119,73 @@ class TorchCommunicator(OrderedCommunicator):
             out = xp.asarray(as_array(tensor))
         return out if like_dtype is None else out.view(like_dtype)
 
-    # -- the collectives, on the worker --------------------------------------------------------
+    # -- the collectives, on the wire thread ---------------------------------------------------------
     def _allreduce(self, array, overwrite=False):
         tensor, xp = self._to_tensor(array, reuse=overwrite)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         self._count("allreduce", array.nbytes)
-        return self._to_array(tensor, xp)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        out = self._to_array(tensor, xp)
+        if overwrite:
+            if xp is np and not tensor.is_cuda and tensor.data_ptr() == array.ctypes.data:
+                return array  # reduced in place
+            array[...] = out
+            return array
+        return out
 
-    def _allgather(self, array):
+    def _reduce_scatter(self, array, out=None):
+        """The owner of each block adds the ``size`` contributions in rank order (alltoall of the
+        padded blocks, then a local sum): identical on every rank, any backend."""
+        counts, offsets = self.partition(array.shape[0])
+        width = max(counts) if counts else 0
+        xp = array_module(array)
+        padded = xp.zeros(width * self.size, array.dtype)
+        for r in range(self.size):
+            padded[r * width:r * width + counts[r]] = array[offsets[r]:offsets[r] + counts[r]]
+        rows = self._alltoall(padded)
+        mine = counts[self.rank]
+        total = rows[0, :mine].copy()
+        for r in range(1, self.size):
+            add_into(total, rows[r, :mine])
+        if out is None:
+            return total
+        out[...] = total
+        return out
+
+    def _allgather_blocks(self, block, out):
+        counts, offsets = self.partition(out.shape[0])
+        width = max(counts) if counts else 0
+        xp = array_module(block)
+        padded = xp.zeros(width, out.dtype)
+        padded[:block.shape[0]] = block
+        rows = self._allgather(padded)
+        for r in range(self.size):
+            out[offsets[r]:offsets[r] + counts[r]] = rows[r, :counts[r]]
+        return out
+
+    def _allgather(self, array, out=None):
         tensor, xp = self._to_tensor(array, as_bytes=True)
-        out = torch.empty(self.size * tensor.numel(), dtype=torch.uint8, device=tensor.device)
-        _all_gather_single(out, tensor, group=self.group)
+        gathered = torch.empty(self.size * tensor.numel(), dtype=torch.uint8, device=tensor.device)
         self._count("allgather", array.nbytes)
-        return self._to_array(out, xp, array.dtype).reshape((self.size,) + tuple(array.shape))
+        _all_gather_single(gathered, tensor, group=self.group)
+        result = self._to_array(gathered, xp, array.dtype).reshape((self.size,) + tuple(array.shape))
+        if out is not None:
+            out.reshape(result.shape)[...] = result
+            return out.reshape(result.shape)
+        return result
 
-    def _alltoall(self, array):
+    def _alltoall(self, array, out=None):
         tensor, xp = self._to_tensor(array, as_bytes=True)
-        out = torch.empty_like(tensor)
-        dist.all_to_all_single(out, tensor, group=self.group)
+        received = torch.empty_like(tensor)
         self._count("alltoall", array.nbytes)
-        return self._to_array(out, xp, array.dtype).reshape(self.size, -1)
+        dist.all_to_all_single(received, tensor, group=self.group)
+        result = self._to_array(received, xp, array.dtype).reshape(self.size, -1)
+        if out is not None:
+            out.reshape(result.shape)[...] = result
+            return out.reshape(result.shape)
+        return result
 
     def _broadcast(self, array, root):
         tensor, xp = self._to_tensor(array, as_bytes=True)
-        dist.broadcast(tensor, src=self._global_ranks[root], group=self.group)
         self._count("broadcast", array.nbytes)
+        dist.broadcast(tensor, src=self._global_ranks[root], group=self.group)
         return self._to_array(tensor, xp, array.dtype).reshape(array.shape)

@@ -2,81 +2,117 @@
 
 What DDP's hook contract asks for, and how it is met here (so users never meet it):
 
-* DDP inspects the hook's signature: the second parameter must be named ``bucket``, and the hook's
-  ``__qualname__`` is logged, so a callable object without one is rejected. The hook is a plain
-  module-level function, ``gradcomp_hook(state, bucket)``; everything it needs travels in ``state``.
-* The returned ``torch.futures.Future`` must resolve to ONE tensor with the bucket's length (a list
-  or a shorter tensor is rejected). The compressor's ``concurrent.futures.Future`` is bridged to a
-  torch Future that resolves to the bucket's own buffer, after the averaged values were copied into
-  it in place. Writing into the buffer DDP handed us in *this* call, rather than into anything
-  remembered from an earlier call, keeps gradients right on every iteration: DDP replaces its
-  buckets after the first synced step (and whenever it rebuilds them), and stale bucket views were
-  the cause of the loss=nan of PyTorch issue #43307.
-* After the first synced step DDP rebuilds its buckets, and with ``find_unused_parameters=False``
-  or ``static_graph=True`` iteration 0 has a single bucket holding every parameter. Each call
-  therefore describes its bucket afresh (``index``, ``is_last`` and the shapes of
-  ``bucket.gradients()``), so a compressor that keys state by bucket index sees the layout change
-  and resets that state (PowerSGD does) instead of applying iteration 0's state to a new bucket.
+* DDP inspects the hook's signature: the second parameter must be named ``bucket``, and logs the
+  hook's ``__qualname__``. Each ``register`` makes a hook function named after its compressor
+  (``gradcomp_hook[FP16(inner=Allreduce())]``), so DDP's logs say which method ran.
+* The returned ``torch.futures.Future`` must resolve to ONE tensor with the bucket's length. The
+  compressor's ``concurrent.futures.Future`` is bridged to a torch Future that resolves to the
+  bucket's own buffer, the mean written into it in place. Writing into the buffer DDP handed over
+  in *this* call keeps gradients right on every iteration: DDP replaces its buckets after the
+  first synced step (stale bucket views were the loss=nan of PyTorch issue #43307).
+* After the first synced step DDP rebuilds its buckets. Each call describes its bucket afresh
+  (``index``, ``is_last``, shapes) and names its tensors by parameter name (``register``), so
+  compressor state (residuals, warm-start factors) follows each parameter through the rebuild and
+  into a resumed run of a freshly built model.
+* Sparse gradients (``nn.Embedding(sparse=True)``) arrive as a bucket of their own; ``Allreduce``
+  and ``Allgather`` average them as PyTorch's allreduce does (``sparse``), other compressors
+  raise an error that says so on every rank.
 
 Errors: if the compressor raises on one rank, the torch Future fails and ``loss.backward()`` raises
-a RuntimeError on that rank whose message carries the original exception's type and message
-("Got the following error when running the callback: ArithmeticError: ..."). Its peers may be blocked in a collective
-that rank will never join; the communicator then ends the whole job after ``abort_grace_s`` seconds
-(``GRADCOMP_ABORT_GRACE_S``, default 10) unless the failing process exits first, so no rank hangs.
-Errors that every rank detects together (``CollectiveError``: mismatched buckets or compressors)
-raise from ``backward()`` on every rank and leave the communicator usable.
+a RuntimeError on that rank carrying the original type and message; unless caught, it ends the job
+(``gradcomp.comm.exits``). Errors that every rank detects together (``CollectiveError``) raise
+from ``backward()`` on every rank and leave the communicator usable.
 """
 from __future__ import annotations
 
-import os
-import sys
+import types
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from ..arrays import is_device_array, synchronize
 from ..bucket import Bucket
-from ..comm import Communicator
+from ..comm import Communicator, launched_by_mpi
 from ..compressors import Compressor, make
+from .checkpoint import from_torch_state, to_torch_state
+from .sparse import reduce_sparse
 from .tensors import as_array, wait_for_torch
 
 
 class HookState:
-    """What DDP hands back to ``gradcomp_hook`` on every call: the compressor and the communicator.
+    """What DDP hands back to the hook on every call: the compressor, the communicator and the
+    names of the model's parameters (the keys of per-tensor state).
 
-    ``buckets_reduced`` counts hook calls on this rank (useful when checking that a run actually
-    went through gradcomp).
+    ``state_dict()``/``load_state_dict()`` checkpoint the compressor in PyTorch's way: tensors and
+    plain values only, so ``torch.save`` and ``torch.load`` (``weights_only=True``) work. Pickling
+    the whole state (``torch.save(state)``) drops the communicator, as PyTorch's ``PowerSGDState``
+    drops its process group; a loaded state picks the default transport at its first bucket.
+    ``buckets_reduced`` counts hook calls on this rank.
     """
 
-    def __init__(self, compressor: Compressor, comm: Communicator):
+    def __init__(self, compressor: Compressor, comm: Communicator | None, names: dict | None = None,
+                 shapes: dict | None = None):
         self.compressor = compressor
         self.comm = comm
+        self.names = names or {}     # id(parameter) -> name (rebuilt after unpickling)
+        self.shapes = shapes or {}   # name -> shape
         self.buckets_reduced = 0
 
     def __repr__(self):
         return f"HookState({self.compressor!r}, {self.comm!r})"
 
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["comm"] = None   # threads and MPI handles never travel
+        state["names"] = {}    # ids mean nothing in another process; re-made by register()
+        return state
 
-def gradcomp_hook(state: HookState, bucket):
-    """The DDP communication hook: average ``bucket`` over ranks with ``state.compressor``.
+    def state_dict(self) -> dict:
+        """The compressor's state as tensors and plain values (``torch.save``-able)."""
+        return {"compressor": self.compressor.describe(),
+                "state": to_torch_state(self.compressor.state_dict())}
 
-    Returns a ``torch.futures.Future`` resolving to the bucket's buffer, overwritten with the mean.
-    """
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s output; checked against this model's parameters first."""
+        if not isinstance(state, dict) or "state" not in state:
+            raise ValueError("gradcomp.torch: expected the output of HookState.state_dict() "
+                             "(a dict with 'compressor' and 'state')")
+        saved = state.get("compressor")
+        if saved != self.compressor.describe():
+            raise ValueError(f"gradcomp.torch: this checkpoint was saved by {saved}, but this hook "
+                             f"runs {self.compressor.describe()}")
+        self.compressor.load_state_dict(from_torch_state(state["state"]), self.shapes or None)
+
+
+def _hook(state: HookState, bucket):
+    """Average ``bucket`` over ranks with ``state.compressor``; a Future of the bucket's buffer,
+    overwritten with the mean."""
     tensor = bucket.buffer()
     future = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
     # DDP reads the Future from C++; Future.set_exception only stores the exception as a value for
     # Python's wait() to raise, which DDP would report as "Unable to cast ... to Tensor". A then()
     # callback that re-raises turns it into a real error carrying the original type and message.
     result = future.then(_value)
+    if state.comm is None:
+        state.comm = default_comm()
     try:
-        array = as_array(tensor)
-        shapes = [tuple(g.shape) for g in bucket.gradients()]
-        # scratch: DDP lets a hook overwrite its bucket (PyTorch's own hooks divide it in place),
-        # so a compressor may reduce into it instead of allocating a second 25 MB per bucket
-        wrapped = Bucket(array, bucket.index(), shapes, bucket.is_last(), scratch=True)
-        if tensor.is_cuda:
-            wait_for_torch(tensor)  # the worker thread (and MPI) must see finished gradients
-        pending = state.compressor.reduce(wrapped, state.comm)
+        if tensor.is_sparse:
+            pending = reduce_sparse(state.compressor, state.comm, tensor)
+            array = None
+        else:
+            array = as_array(tensor)
+            params = bucket.parameters()
+            keys = [state.names.get(id(p)) for p in params]
+            if None in keys or len(keys) != len(set(keys)):
+                keys = None  # comm_hook() without a model: state follows the bucket index
+            shapes = [tuple(g.shape) for g in bucket.gradients()]
+            # scratch: DDP lets a hook overwrite its bucket (PyTorch's own hooks divide it in
+            # place), so a compressor may reduce into it instead of allocating another 25 MB
+            wrapped = Bucket(array, bucket.index(), shapes, bucket.is_last(), scratch=True, keys=keys)
+            if tensor.is_cuda:
+                wait_for_torch(tensor)  # the pipeline's threads (and MPI) must see finished gradients
+            pending = state.compressor.reduce(wrapped, state.comm)
     except BaseException as exc:  # surfaces from backward(), like an error inside the compressor
         _fail(future, exc)
         return result
@@ -85,6 +121,9 @@ def gradcomp_hook(state: HookState, bucket):
     def write_back(done):
         try:
             mean = done.result()
+            if array is None:  # sparse: a new tensor
+                future.set_result(mean)
+                return
             if mean is not array:  # already in place when the compressor reduced into the bucket
                 array[...] = mean
             if is_device_array(array):
@@ -95,6 +134,21 @@ def gradcomp_hook(state: HookState, bucket):
 
     pending.add_done_callback(write_back)
     return result
+
+
+def _named_hook(compressor: Compressor):
+    """A copy of ``_hook`` named after the compressor (DDP logs the hook's qualified name)."""
+    hook = types.FunctionType(_hook.__code__, _hook.__globals__, "gradcomp_hook",
+                              _hook.__defaults__, _hook.__closure__)
+    hook.__qualname__ = hook.__name__ = f"gradcomp_hook[{compressor.describe()}]"
+    hook.__doc__ = _hook.__doc__
+    hook.__module__ = __name__
+    return hook
+
+
+def gradcomp_hook(state: HookState, bucket):
+    """The DDP communication hook (see ``_hook``); ``register`` uses a copy named per compressor."""
+    return _hook(state, bucket)
 
 
 def _value(done):
@@ -112,7 +166,8 @@ def comm_hook(compressor, comm: Communicator | None = None) -> tuple[HookState, 
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
     ``compressor``: a gradcomp ``Compressor`` or a registry name (``"fp16"``, ...). ``comm``: any
-    gradcomp Communicator; None picks one as ``register`` does for a model on the default group.
+    gradcomp Communicator; None picks one as ``register`` does. Without the model, compressor
+    state follows bucket indices (as PyTorch's hooks'); ``register`` keys it by parameter name.
     """
     if isinstance(compressor, str):
         compressor = make(compressor)
@@ -121,19 +176,22 @@ def comm_hook(compressor, comm: Communicator | None = None) -> tuple[HookState, 
                         f"got {type(compressor).__name__}")
     if comm is None:
         comm = default_comm()
-    return HookState(compressor, comm), gradcomp_hook
+    return HookState(compressor, comm), _named_hook(compressor)
 
 
-def register(ddp_model, compressor, comm: Communicator | None = None) -> HookState:
+def register(ddp_model, compressor, comm: Communicator | None = None,
+             state: HookState | None = None) -> HookState:
     """Make ``ddp_model`` (a ``DistributedDataParallel``) average its gradients with ``compressor``.
 
     Call it on every rank, before the first ``backward()``, once per model (DDP's rule).
     ``comm=None`` chooses the transport: MPI (gradcomp's default ``MPICommunicator``, CUDA-aware
-    where the MPI library is) when the job was launched by mpiexec with one MPI rank per DDP rank,
-    otherwise a ``TorchCommunicator`` on a dedicated copy of the default process group. A model on
-    a process group other than the default one needs an explicit ``comm``.
+    where the MPI library is) when mpiexec launched the job, a ``TorchCommunicator`` on a dedicated
+    copy of the default process group otherwise (torchrun). A model on a process group other than
+    the default one needs an explicit ``comm``. ``state``: a ``HookState`` to reuse (e.g. one
+    loaded with ``torch.load``); its compressor is used and ``compressor`` may be None.
 
-    Returns the hook state, whose ``compressor`` holds the statistics (``compressor.stats()``).
+    Returns the hook state: ``state.compressor.stats()`` holds the traffic figures, and
+    ``state.state_dict()`` / ``load_state_dict()`` checkpoint the compressor.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -146,30 +204,35 @@ def register(ddp_model, compressor, comm: Communicator | None = None) -> HookSta
             raise ValueError("gradcomp.torch.register: this model runs on a process group other than "
                              "the default one; pass comm=TorchCommunicator(<a group dedicated to "
                              "gradcomp with the same ranks>)")
-    state, hook = comm_hook(compressor, comm)
+    if state is None:
+        state, hook = comm_hook(compressor, comm)
+    else:
+        if comm is not None or state.comm is None:
+            state.comm = comm if comm is not None else default_comm()
+        hook = _named_hook(state.compressor)
+    named = list(ddp_model.module.named_parameters())
+    state.names = {id(p): name for name, p in named}
+    state.shapes = {name: tuple(p.shape) if p.dim() else (1,) for name, p in named}
     ddp_model.register_comm_hook(state, hook)
     return state
 
 
-_MPI_LAUNCH_VARS = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
-
-
-def launched_by_mpi() -> bool:
-    """True when this process was started by an MPI launcher (or MPI is already running)."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized():
-        return True
-    return any(v in os.environ for v in _MPI_LAUNCH_VARS)
-
-
 def default_comm() -> Communicator:
-    """MPI when mpiexec started one MPI rank per torch rank, torch.distributed otherwise."""
+    """MPI when mpiexec started one MPI rank per torch rank; torch.distributed otherwise. A job
+    whose MPI world and torch world disagree is an error, never N separate jobs."""
     if launched_by_mpi():
         from ..comm import default_communicator
 
         comm = default_communicator()
-        if not dist.is_initialized() or comm.size == dist.get_world_size():
-            return comm
+        if dist.is_initialized() and comm.size != dist.get_world_size():
+            raise RuntimeError(
+                f"gradcomp.torch: MPI has {comm.size} rank(s) but torch.distributed has "
+                f"{dist.get_world_size()}: start torch.distributed with "
+                "gradcomp.torch.init_process_group() under mpiexec, or use torchrun without mpiexec")
+        return comm
+    if not dist.is_initialized():
+        warnings.warn("gradcomp.torch: torch.distributed is not initialized; call "
+                      "gradcomp.torch.init_process_group() first", stacklevel=3)
     from .communicator import TorchCommunicator
 
     return TorchCommunicator()

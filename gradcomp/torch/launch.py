@@ -1,9 +1,11 @@
-"""Start torch.distributed from an ``mpiexec`` launch: no torchrun, no environment variables.
+"""Start torch.distributed under ``mpiexec`` (no torchrun, no environment variables) or torchrun.
 
-Rank and world size come from MPI. Rank 0 opens torch's TCPStore on a free port (the operating
+Under mpiexec, rank and world size come from MPI. Rank 0 opens torch's TCPStore on a free port (the operating
 system picks it, so two jobs on one host never collide) and sends the port and its host name to
 the other ranks over MPI, as bytes (the buffer API: nothing is unpickled). Everyone then joins the
-process group through that store.
+process group through that store. Under torchrun (``RANK``/``WORLD_SIZE`` set and no MPI
+launcher), the process group starts from torchrun's environment (``env://``) and compressors talk
+torch.distributed; the job is never split into one-rank jobs.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from ..comm import launched_by_mpi, torchrun_world
 
 
 class Launch(NamedTuple):
@@ -42,13 +46,29 @@ def init_process_group(backend: str | None = None, timeout: datetime.timedelta |
     127.0.0.1 when all ranks share one host, else rank 0's host name.
 
     If torch.distributed is already initialized, nothing is started; the sizes must agree.
-    Also sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` where unset, for
-    code that reads torchrun's variables. Returns a ``Launch`` (rank, size, local_rank, device,
-    backend). Must be called on every rank (it is collective).
+    Under mpiexec, also sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
+    where unset, for code that reads torchrun's variables, and arms ``gradcomp.comm.exits`` (an
+    uncaught exception on one rank ends the job instead of hanging it). Under torchrun, starts
+    from its environment. Returns a ``Launch`` (rank, size, local_rank, device, backend). Must be
+    called on every rank (it is collective).
     """
+    if torchrun_world() is not None:
+        return _from_torchrun(backend, timeout)
+    if not launched_by_mpi():
+        if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+            raise RuntimeError("gradcomp.torch.init_process_group: RANK/WORLD_SIZE are set only in "
+                               "part; start with torchrun, or with mpiexec")
     from mpi4py import MPI
 
+    from ..comm import exits
+
     world = MPI.COMM_WORLD
+    env_size = os.environ.get("WORLD_SIZE")
+    if env_size is not None and env_size.isdigit() and int(env_size) != world.Get_size():
+        raise RuntimeError(f"gradcomp.torch.init_process_group: WORLD_SIZE={env_size} in the "
+                           f"environment but MPI has {world.Get_size()} rank(s); unset it, or do "
+                           "not mix torchrun and mpiexec")
+    exits.guard()
     rank, size = world.Get_rank(), world.Get_size()
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank, local_size = local.Get_rank(), local.Get_size()
@@ -88,4 +108,24 @@ def init_process_group(backend: str | None = None, timeout: datetime.timedelta |
         store = dist.TCPStore(host, int(port), size, is_master=False, timeout=store_timeout)
     kwargs = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, **kwargs)
+    return Launch(rank, size, local_rank, device, backend)
+
+
+def _from_torchrun(backend: str | None, timeout: datetime.timedelta | None) -> Launch:
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        if dist.get_world_size() != size or dist.get_rank() != rank:
+            raise RuntimeError(f"gradcomp.torch.init_process_group: torch.distributed is already "
+                               f"initialized as rank {dist.get_rank()} of {dist.get_world_size()}, "
+                               f"but torchrun says rank {rank} of {size}")
+        return Launch(rank, size, local_rank, device, str(dist.get_backend()))
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, **kwargs)
     return Launch(rank, size, local_rank, device, backend)

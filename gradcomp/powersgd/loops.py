@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arrays import compiled_kernels
+from ..arrays import compiled_kernels
 
 #: a row of Q^T larger than this (bytes) is shared by four rows of M (see the module docstring)
 _WIDE_BYTES = 8192

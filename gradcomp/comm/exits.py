@@ -1,0 +1,154 @@
+"""How an MPI job ends when one rank fails or leaves early (DESIGN invariant 4).
+
+Under plain ``mpiexec``, a Python process that dies of an uncaught exception still calls
+``MPI_Finalize`` at exit, and MPICH's finalize waits for every peer; the peers meanwhile wait in a
+collective for the dead rank. Nobody ever returns. (``python -m mpi4py`` avoids this for uncaught
+exceptions; gradcomp must not depend on users knowing that.) The ``JobGuard`` of each process, set
+up by the first ``MPICommunicator``, makes every way out end the job promptly:
+
+* **an uncaught exception** (in user code, inside a reduction, inside ``backward()`` under DDP):
+  the traceback is printed and the job is aborted (``MPI_Abort``), as ``python -m mpi4py`` does;
+* **exit while gradcomp work is in flight or after a failed reduction**: aborted at exit, since
+  the peers can never complete the collectives this rank left;
+* **any other exit** (``sys.exit(...)``, the end of the script) while peers still need this rank:
+  at exit the rank tells every peer how many collectives it completed on each gradcomp
+  communicator ("goodbye"). A peer that is waiting in, or later starts, a collective beyond that
+  count cannot finish it: it prints which rank left and aborts the job. A peer that needs nothing
+  more from the leaver (a rank evaluating while others are done) is not disturbed;
+* a process that is killed is noticed by mpiexec itself, which ends the job.
+
+The goodbye messages travel on a communicator of their own (a duplicate of ``COMM_WORLD``, so
+they never match gradcomp's or the application's traffic), as fixed-size int64 buffers (no
+pickling). A daemon thread polls for them a few times a second (``Request.Test``, no busy loop).
+``GRADCOMP_ABORT_ON_EXCEPTION=0`` leaves uncaught exceptions to Python and MPI.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import weakref
+
+import numpy as np
+
+_TAG = 7301
+_MAX_COMMS = 62  # counts carried per goodbye message
+_POLL_S = 0.2
+
+_guard: "JobGuard | None" = None
+_guard_lock = threading.Lock()
+
+
+def guard() -> "JobGuard":
+    """The process's JobGuard, created on first use. Collective: every rank must reach it (the
+    first ``MPICommunicator()``, or ``gradcomp.torch.init_process_group()`` under mpiexec)."""
+    global _guard
+    with _guard_lock:
+        if _guard is None:
+            _guard = JobGuard()
+        return _guard
+
+
+class JobGuard:
+    def __init__(self):
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.world = MPI.COMM_WORLD
+        self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
+        self.comm = self.world.Dup()
+        self._communicators: list[weakref.ref] = []
+        self.departed: dict[int, np.ndarray] = {}  # rank -> collectives it completed, per communicator
+        self._buf = np.zeros(_MAX_COMMS + 1, np.int64)
+        self._stop = threading.Event()
+        self._aborting = False
+        self._req = None
+        if self.size > 1:
+            self._req = self.comm.Irecv([self._buf, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=_TAG)
+            self._thread = threading.Thread(target=self._watch, name="gradcomp-guard", daemon=True)
+            self._thread.start()
+        if os.environ.get("GRADCOMP_ABORT_ON_EXCEPTION", "1").strip().lower() not in ("0", "false", "no", "off"):
+            self._previous_hook = sys.excepthook
+            sys.excepthook = self._excepthook
+        atexit.register(self._at_exit)
+
+    # -- registration ---------------------------------------------------------------------------------
+    def register(self, communicator) -> int:
+        """Number ``communicator`` (creation order, the same on every rank) and watch it."""
+        self._communicators.append(weakref.ref(communicator))
+        return len(self._communicators) - 1
+
+    def check(self, number: int, index: int) -> None:
+        """Called before a communicator starts collective ``index`` (0-based): abort if a rank that
+        left completed fewer collectives than that, because it will never join this one."""
+        for rank, counts in list(self.departed.items()):
+            done = int(counts[number]) if number < counts.shape[0] else 0
+            if index >= done:
+                self.abort(f"rank {rank} left the job (its process exited) after {done} collectives "
+                           f"on gradcomp communicator #{number}; this rank needs collective "
+                           f"#{index + 1} from it, which can never complete")
+
+    # -- ending the job ----------------------------------------------------------------------------------
+    def abort(self, why: str, code: int = 1) -> None:
+        if self._aborting:
+            return
+        self._aborting = True
+        sys.stderr.write(f"gradcomp: rank {self.rank}: {why}. Ending the job (MPI_Abort).\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        self.world.Abort(code)
+
+    def _excepthook(self, kind, value, tb):
+        self._previous_hook(kind, value, tb)
+        if self.size > 1 and not self.MPI.Is_finalized():
+            self.abort(f"uncaught {kind.__name__}; the other ranks would wait for this one forever "
+                       "(set GRADCOMP_ABORT_ON_EXCEPTION=0 to leave it to MPI)")
+
+    def _live(self):
+        return [(i, ref()) for i, ref in enumerate(self._communicators) if ref() is not None]
+
+    def _at_exit(self):
+        if self.size == 1 or self.MPI.Is_finalized():
+            return
+        for number, comm in self._live():
+            if comm.broken is not None:
+                self.abort(f"exiting after a failed reduction on gradcomp communicator #{number}")
+            if comm.busy:
+                self.abort(f"exiting with gradcomp work still in flight on communicator #{number} "
+                           "(wait for every future before the process ends)")
+        counts = np.zeros(_MAX_COMMS + 1, np.int64)
+        live = dict(self._live())
+        n = min(len(self._communicators), _MAX_COMMS)
+        counts[0] = n
+        for number in range(n):
+            comm = live.get(number)
+            counts[1 + number] = comm.collectives if comm is not None else np.iinfo(np.int64).max
+        sends = [self.comm.Isend([counts, self.MPI.INT64_T], dest=r, tag=_TAG)
+                 for r in range(self.size) if r != self.rank]
+        self.MPI.Request.Waitall(sends)
+        self._stop.set()
+        self._thread.join(2 * _POLL_S + 1)
+        if self._req is not None and not self._thread.is_alive():
+            self._req.Cancel()
+            self._req.Wait()
+            self._req = None
+
+    def _watch(self):
+        MPI = self.MPI
+        status = MPI.Status()
+        while not self._stop.wait(_POLL_S):
+            try:
+                while self._req.Test(status):
+                    n = int(self._buf[0])
+                    self.departed[status.Get_source()] = self._buf[1:1 + n].copy()
+                    self._req = self.comm.Irecv([self._buf, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=_TAG)
+                    self._check_running()
+            except Exception:  # MPI finalized under us: the process is ending anyway
+                return
+
+    def _check_running(self):
+        for number, comm in self._live():
+            started = comm.collectives
+            if comm.busy and started > 0:
+                self.check(number, started - 1)

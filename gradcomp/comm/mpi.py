@@ -1,0 +1,257 @@
+"""MPICommunicator: the Communicator protocol over mpi4py.
+
+Only the buffer (upper-case) mpi4py API is used: nothing received from a peer is ever unpickled
+(DESIGN invariant 5).
+
+Allreduce is bandwidth-optimal whatever MPICH's default: buffers of at least
+``large_allreduce_bytes`` (256 KiB by default) are summed by ``MPI_Reduce_scatter`` and
+``MPI_Allgatherv``, each rank sending ``2(N-1)/N`` of the buffer; smaller ones by
+``MPI_Allreduce``, whose latency-bound algorithms win there. On a 1 Gbit/s link at 4 ranks
+(BENCHMARKS.md, "Allreduce algorithm") MPICH's default for ResNet-50's 25 MB buckets took 1.3x
+(float32) to 1.7x (float16) the time of reduce-scatter + allgather, which matched MPICH's own
+ring (selectable only by an environment variable before MPI starts).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..arrays import add_into, array_module, dtype_name, is_device_array, synchronize
+from . import exits
+from .base import OrderedCommunicator, pin_blas_threads, sum_by_alltoall, torchrun_world
+
+LARGE_ALLREDUCE_BYTES = 256 * 1024
+
+
+def detect_cuda_aware(override: bool | None = None) -> bool:
+    """Whether device buffers may go straight to MPI.
+
+    Order: the explicit ``override``; the ``GRADCOMP_CUDA_AWARE`` environment variable (0/1); the
+    MPI library's own answer (``MPIX_Query_cuda_support``, exposed by mpi4py >= 4 as
+    ``MPI.Query_cuda_support``); otherwise False, i.e. stage through host memory.
+    """
+    if override is not None:
+        return bool(override)
+    env = os.environ.get("GRADCOMP_CUDA_AWARE")
+    if env not in (None, ""):
+        return env.strip().lower() in ("1", "true", "yes", "on")
+    from mpi4py import MPI
+
+    query = getattr(MPI, "Query_cuda_support", None)
+    if query is None:
+        return False
+    try:
+        return bool(query())
+    except Exception:  # the MPI library does not implement the extension
+        return False
+
+
+def _import_mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ImportError(
+            "gradcomp.MPICommunicator needs mpi4py and an MPI library: pip install 'gradcomp[mpi]' "
+            "(mpi4py and MPICH from PyPI), or use gradcomp.torch.TorchCommunicator under "
+            f"torchrun ({exc})") from None
+    return MPI
+
+
+class MPICommunicator(OrderedCommunicator):
+    """The Communicator protocol over an mpi4py communicator (default ``COMM_WORLD``).
+
+    ``comm`` is duplicated, so gradcomp's traffic never mixes with collectives the application runs
+    on the same communicator from its own thread. Construct it on every rank (the duplication is a
+    collective).
+
+    ``cuda_aware``: None detects it (see ``detect_cuda_aware``); True hands CuPy buffers to MPI
+    directly; False copies them to host memory and back. ``blas_threads``: BLAS threads per rank,
+    1 by default, None to leave BLAS alone. ``abort_grace_s``: after a rank fails halfway through a
+    reduction and keeps running, how long before ``MPI_Abort`` ends the job (env
+    ``GRADCOMP_ABORT_GRACE_S``, 10 s); see ``gradcomp.comm.exits`` for exits and uncaught
+    exceptions. ``pipeline_depth``: how many buckets the compute stage may run ahead of the
+    wire (0: no overlap). ``large_allreduce_bytes``: the size from which allreduce runs as
+    reduce-scatter + allgather.
+    """
+
+    def __init__(self, comm=None, *, cuda_aware: bool | None = None, blas_threads: int | None = 1,
+                 abort_grace_s: float | None = None, pipeline_depth: int = 1,
+                 large_allreduce_bytes: int = LARGE_ALLREDUCE_BYTES):
+        MPI = _import_mpi()
+        self._MPI = MPI
+        base = comm if comm is not None else MPI.COMM_WORLD
+        expected = torchrun_world()
+        if expected is not None and expected != base.Get_size():
+            raise RuntimeError(
+                f"gradcomp: this process was started by torchrun (WORLD_SIZE={expected}) but MPI "
+                f"sees {base.Get_size()} rank(s): launch with `mpiexec -n {expected} python ...`, "
+                "or under torchrun use gradcomp.torch.TorchCommunicator (gradcomp.torch.register "
+                "picks it for you)")
+        self._guard = exits.guard()
+        self.comm = base.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.cuda_aware = detect_cuda_aware(cuda_aware)
+        self.large_allreduce_bytes = int(large_allreduce_bytes)
+        self._half_ops: dict[str, object] = {}
+        self._blocks: dict[tuple, object] = {}
+        pin_blas_threads(blas_threads)
+        self._start("gradcomp-mpi", abort_grace_s, pipeline_depth)
+        self._number = self._guard.register(self)
+
+    def __repr__(self):
+        return f"MPICommunicator(rank={self.rank}, size={self.size}, cuda_aware={self.cuda_aware})"
+
+    def abort(self, code: int = 1) -> None:
+        self.comm.Abort(code)
+
+    def _count(self, kind: str, nbytes: float) -> None:
+        if self.size > 1:
+            self._guard.check(self._number, self.collectives)
+        super()._count(kind, nbytes)
+
+    # -- buffers -----------------------------------------------------------------------------
+    def _prepare(self, array):
+        """(buffer to hand MPI, array module to return results in)."""
+        xp = array_module(array)
+        if xp is np:
+            return np.ascontiguousarray(array), np
+        if self.cuda_aware:
+            synchronize(array)
+            return xp.ascontiguousarray(array), xp
+        return xp.asnumpy(array), xp  # asnumpy waits for the stream
+
+    def _finish(self, out, xp, into=None):
+        if xp is np or self.cuda_aware:
+            return out
+        if into is not None:
+            into.set(out)
+            return into
+        return xp.asarray(out)
+
+    def _bytes(self, a):
+        """A byte view for MPI: odd dtypes (bfloat16) have no MPI datatype, and for moving data
+        (not reducing it) bytes are all MPI needs."""
+        return [a.reshape(-1).view(array_module(a).uint8), self._MPI.BYTE]
+
+    def _sum_type(self, buf):
+        """(buffer view, MPI datatype, MPI operation) that sum ``buf`` in its own dtype. MPI cannot
+        add float16/bfloat16: they travel as 16-bit words with a user-defined operation."""
+        name = dtype_name(buf.dtype)
+        if name == "float32":
+            return buf, self._MPI.FLOAT, self._MPI.SUM
+        if name == "float64":
+            return buf, self._MPI.DOUBLE, self._MPI.SUM
+        return buf.view(np.uint16), self._MPI.UINT16_T, self._half_sum(buf.dtype)
+
+    def _half_sum(self, dtype):
+        """An MPI operation adding ``dtype`` (float16/bfloat16) values carried as 16-bit words.
+
+        Commutative, so MPICH keeps its bandwidth-optimal algorithms; each partial sum is computed
+        once, by one rank, and then copied, so every rank ends with the same bits.
+        """
+        key = dtype_name(dtype)
+        if key not in self._half_ops:
+            def add(inbuf, inoutbuf, datatype, dtype=dtype):
+                add_into(np.frombuffer(inoutbuf, dtype=dtype), np.frombuffer(inbuf, dtype=dtype))
+
+            self._half_ops[key] = self._MPI.Op.Create(add, commute=True)
+        return self._half_ops[key]
+
+    def _block(self, like, n):
+        """This communicator's reused reduce-scatter block (wire thread only)."""
+        xp = array_module(like)
+        key = (xp.__name__, dtype_name(like.dtype), str(getattr(like, "device", None)))
+        buf = self._blocks.get(key)
+        if buf is None or buf.shape[0] < n:
+            buf = self._blocks[key] = xp.empty(max(n, 1), like.dtype)
+        return buf[:n]
+
+    def _device_half(self, array) -> bool:
+        return (dtype_name(array.dtype) not in ("float32", "float64") and is_device_array(array)
+                and self.cuda_aware)
+
+    # -- the collectives, on the wire thread ---------------------------------------------------
+    def _allreduce(self, array, overwrite=False):
+        if self._device_half(array):
+            return sum_by_alltoall(self, array, overwrite)
+        if self.size == 1:
+            self._count("allreduce", 0)
+            return array if overwrite else array.copy()
+        buf, xp = self._prepare(array)
+        scratch = overwrite or buf is not array  # the caller's scratch, or our own staging copy
+        out = buf if scratch else array_module(buf).empty_like(buf)
+        if buf.nbytes >= self.large_allreduce_bytes:
+            counts, offsets = self.partition(buf.shape[0])
+            block = self._block(buf, counts[self.rank])
+            self._reduce_scatter_into(buf, block, counts)
+            self._allgather_into(block, out, counts, offsets)
+        else:
+            data, mpitype, op = self._sum_type(buf)
+            self._count("allreduce", buf.nbytes)
+            if scratch:
+                self.comm.Allreduce(self._MPI.IN_PLACE, [data, mpitype], op=op)
+            else:
+                self.comm.Allreduce([data, mpitype], [self._sum_type(out)[0], mpitype], op=op)
+        return self._finish(out, xp, array if overwrite and xp is not np else None)
+
+    def _reduce_scatter_into(self, buf, block, counts):
+        data, mpitype, op = self._sum_type(buf)
+        self._count("reduce_scatter", buf.nbytes)
+        self.comm.Reduce_scatter([data, mpitype], [self._sum_type(block)[0], mpitype], counts, op=op)
+
+    def _allgather_into(self, block, out, counts, offsets):
+        self._count("reduce_scatter", out.nbytes)  # (N-1)/N of the whole, like the first half
+        item = out.dtype.itemsize
+        self.comm.Allgatherv(self._bytes(block), [out.reshape(-1).view(array_module(out).uint8),
+                                                 ([c * item for c in counts], [o * item for o in offsets]),
+                                                 self._MPI.BYTE])
+
+    def _reduce_scatter(self, array, out=None):
+        counts, offsets = self.partition(array.shape[0])
+        mine = counts[self.rank]
+        if self._device_half(array) or self.size == 1:
+            total = sum_by_alltoall(self, array)
+            block = total[offsets[self.rank]:offsets[self.rank] + mine]
+            if out is None:
+                return block.copy()
+            out[...] = block
+            return out
+        buf, xp = self._prepare(array)
+        target = out if out is not None and (xp is np or self.cuda_aware) else np.empty(mine, buf.dtype)
+        self._reduce_scatter_into(buf, target, counts)
+        return self._finish(target, xp, out)
+
+    def _allgather_blocks(self, block, out):
+        counts, offsets = self.partition(out.shape[0])
+        if self.size == 1:
+            self._count("reduce_scatter", 0)
+            out[...] = block
+            return out
+        buf, xp = self._prepare(block)
+        target = out if (xp is np or self.cuda_aware) else np.empty(out.shape, out.dtype)
+        self._allgather_into(buf, target, counts, offsets)
+        return self._finish(target, xp, out)
+
+    def _allgather(self, array, out=None):
+        buf, xp = self._prepare(array)
+        shape = (self.size,) + buf.shape
+        target = out if out is not None and (xp is np or self.cuda_aware) else array_module(buf).empty(shape, buf.dtype)
+        self._count("allgather", buf.nbytes)
+        self.comm.Allgather(self._bytes(buf), self._bytes(target))
+        return self._finish(target.reshape(shape), xp, out)
+
+    def _alltoall(self, array, out=None):
+        buf, xp = self._prepare(array)
+        target = out if out is not None and (xp is np or self.cuda_aware) else array_module(buf).empty_like(buf)
+        self._count("alltoall", buf.nbytes)
+        self.comm.Alltoall(self._bytes(buf), self._bytes(target))
+        return self._finish(target.reshape(self.size, -1), xp, out)
+
+    def _broadcast(self, array, root):
+        buf, xp = self._prepare(array)
+        out = buf.copy()
+        self._count("broadcast", buf.nbytes)
+        self.comm.Bcast(self._bytes(out), root=root)
+        return self._finish(out, xp)

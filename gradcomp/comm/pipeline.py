@@ -1,0 +1,247 @@
+"""The ordered pipeline that every communicator runs its work on.
+
+Each submitted job has an optional *local* stage (``prepare``: compression arithmetic, no
+collectives) and an *ordered* stage (``run``: the collectives and whatever follows them). Two
+daemon threads execute them:
+
+* the compute thread runs the local stages, in submission order;
+* the wire thread runs the ordered stages, in submission order.
+
+Because both queues keep submission order and only the wire thread issues collectives, every rank
+issues the same collectives in the same order (DESIGN invariant 1), while the local stage of job
+k+1 overlaps the transfer of job k. Limits that keep the overlap safe:
+
+* ``depth`` bounds how far the compute thread runs ahead of the wire thread: the local stage of
+  job j starts only once job j - depth - 1 has finished. Each job owns one of ``depth + 1``
+  workspaces (``Workspace``) for its temporaries, so buffers are reused step after step and the
+  steady state allocates nothing.
+* a job's local stage starts only once every earlier job whose ``keys`` overlap its own has
+  finished, so a local stage may read (and update) the state of its own tensors without racing
+  the ordered stage of an earlier job on the same tensors.
+
+The threads are daemon threads: a process that exits while a collective waits for a peer is not
+held up joining them (``gradcomp.comm.exits`` decides what happens to the job then).
+"""
+from __future__ import annotations
+
+import collections
+import queue
+import sys
+import threading
+import traceback
+from concurrent.futures import Future
+from typing import Any, Callable, Iterable
+
+_STOP = object()
+
+
+class CommunicatorBroken(RuntimeError):
+    """A rank failed halfway through a reduction; its peers may be waiting in a collective.
+
+    Further use of the communicator would pair this rank's collectives with the wrong ones on the
+    others, so it is refused. Unless the process exits first, the job is aborted after
+    ``abort_grace_s`` seconds, so that no rank hangs forever.
+    """
+
+
+class CollectiveError(ValueError):
+    """Raised identically on every rank, after every rank ran the same collectives.
+
+    The communicator stays usable: the next bucket starts from a consistent state everywhere.
+    Bad input (sizes, dtypes, layouts, configurations or state that differ across ranks, a rank
+    with a buffer that cannot be a bucket) ends in this error.
+    """
+
+
+class Workspace:
+    """Temporaries of one pipeline slot, reused from job to job (grow-only).
+
+    ``array(owner, name, n, dtype, like)`` returns the first ``n`` values of a buffer that belongs to
+    ``(owner, name)``; the buffer lives as long as the communicator and is valid for the job that
+    asked for it, in both of its stages. Never return one to a caller: the next job in this slot
+    overwrites it.
+    """
+
+    def __init__(self):
+        self._buffers: dict[tuple, Any] = {}
+
+    def array(self, owner: object, name: str, n: int, dtype, like=None):
+        from ..arrays import array_module
+
+        xp = array_module(like) if like is not None else __import__("numpy")
+        device = getattr(like, "device", None)
+        key = (id(owner), name, xp.dtype(dtype).str, str(device))
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape[0] < n:
+            buf = self._buffers[key] = xp.empty(max(int(n), 1), dtype)
+        return buf[:n]
+
+    def nbytes(self) -> int:
+        return sum(int(b.nbytes) for b in self._buffers.values())
+
+
+class _Job:
+    __slots__ = ("prepare", "run", "future", "keys", "slot", "prepared", "error", "number")
+
+    def __init__(self, prepare, run, keys, number, slot):
+        self.prepare, self.run = prepare, run
+        self.keys = frozenset(keys)
+        self.future: Future = Future()
+        self.number, self.slot = number, slot
+        self.prepared: Any = None
+        self.error: BaseException | None = None
+
+
+class Pipeline:
+    """Two ordered daemon threads (see the module docstring) and the failure bookkeeping.
+
+    ``on_failure(exc)`` is called once when an ordered stage fails with anything but a
+    ``CollectiveError``: the communicator is then broken (see ``CommunicatorBroken``).
+    """
+
+    def __init__(self, name: str, on_failure: Callable[[BaseException], None], depth: int = 1):
+        if depth < 0:
+            raise ValueError(f"pipeline depth must be >= 0, got {depth}")
+        self.depth = depth
+        self.workspaces = [Workspace() for _ in range(depth + 1)]
+        self.broken: BaseException | None = None
+        self._on_failure = on_failure
+        self._lock = threading.Condition()
+        self._submitted = 0
+        self._finished = 0
+        self._inflight: collections.OrderedDict[int, _Job] = collections.OrderedDict()
+        self._submitter: int | None = None
+        self._compute_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._wire_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._compute = threading.Thread(target=self._compute_loop, name=f"{name}-compute", daemon=True)
+        self._wire = threading.Thread(target=self._wire_loop, name=f"{name}-wire", daemon=True)
+        self._compute.start()
+        self._wire.start()
+
+    # -- submission -------------------------------------------------------------------------------
+    def on_wire(self) -> bool:
+        return threading.current_thread() is self._wire
+
+    def on_compute(self) -> bool:
+        return threading.current_thread() is self._compute
+
+    @property
+    def busy(self) -> bool:
+        """Whether submitted work has not finished yet."""
+        return self._submitted != self._finished
+
+    def submit(self, run: Callable[[Any, BaseException | None], Any],
+               prepare: Callable[[Workspace], Any] | None = None, keys: Iterable = ()) -> Future:
+        """Queue a job; its Future resolves to ``run(prepared, prepare_error)``.
+
+        ``prepare(workspace)`` runs first on the compute thread (its exception is handed to ``run``
+        instead of raised, so that ``run`` can report it to every rank); ``run`` runs on the wire
+        thread. Both get the job's workspace; ``run`` reads it through ``current_workspace``.
+        """
+        if self.broken is not None:
+            raise CommunicatorBroken(f"communicator unusable after an earlier failure: {self.broken!r}")
+        if self.on_compute():
+            raise RuntimeError("gradcomp: a compressor's local stage (prepare) may not call "
+                               "collectives; move them to its ordered stage (run)")
+        me = threading.get_ident()
+        with self._lock:
+            if self.busy and self._submitter not in (None, me):
+                raise RuntimeError(
+                    "gradcomp: two threads submitted work to one communicator while earlier work "
+                    "was in flight. Every rank must issue the same collectives in the same order, "
+                    "so a communicator takes work from one thread at a time (wait for the "
+                    "futures before another thread submits, or give each thread its own "
+                    "communicator)")
+            self._submitter = me
+            number = self._submitted
+            self._submitted += 1
+            job = _Job(prepare, run, keys, number, number % len(self.workspaces))
+            self._inflight[number] = job
+        self._compute_q.put(job)
+        return job.future
+
+    def call(self, fn: Callable, *args, **kwargs):
+        """Run ``fn`` now if we are the wire thread, else queue it and wait for its result."""
+        if self.on_wire():
+            return fn(*args, **kwargs)
+        return self.submit(lambda _p, _e: fn(*args, **kwargs)).result()
+
+    def current_workspace(self) -> Workspace:
+        """The workspace of the job the wire thread is running."""
+        return self.workspaces[self._running_slot]
+
+    # -- the threads --------------------------------------------------------------------------------
+    def _may_prepare(self, job: _Job) -> bool:
+        for number, other in self._inflight.items():
+            if number >= job.number:
+                return True
+            if number <= job.number - len(self.workspaces) or (other.keys & job.keys):
+                return False
+        return True
+
+    def _compute_loop(self):
+        while True:
+            job = self._compute_q.get()
+            if job is _STOP:
+                self._wire_q.put(_STOP)
+                return
+            if job.prepare is not None:
+                with self._lock:
+                    self._lock.wait_for(lambda: self._may_prepare(job))
+                try:
+                    job.prepared = job.prepare(self.workspaces[job.slot])
+                except BaseException as exc:  # handed to the ordered stage, which tells every rank
+                    job.error = exc
+            self._wire_q.put(job)
+
+    def _wire_loop(self):
+        self._running_slot = 0
+        while True:
+            job = self._wire_q.get()
+            if job is _STOP:
+                return
+            self._running_slot = job.slot
+            try:
+                if self.broken is not None:
+                    raise CommunicatorBroken(
+                        f"communicator unusable after an earlier failure: {self.broken!r}")
+                result = job.run(job.prepared, job.error)
+            except CollectiveError as exc:
+                self._finish(job)
+                job.future.set_exception(exc)
+            except BaseException as exc:
+                self.fail(exc)
+                self._finish(job)
+                job.future.set_exception(exc)
+            else:
+                self._finish(job)
+                job.future.set_result(result)
+            finally:
+                job.prepared = None
+
+    def _finish(self, job: _Job) -> None:
+        with self._lock:
+            self._inflight.pop(job.number, None)
+            self._finished += 1
+            self._lock.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """Mark the pipeline broken (once) and tell the owner."""
+        if self.broken is not None:
+            return
+        self.broken = exc
+        self._on_failure(exc)
+
+    def close(self) -> None:
+        """Finish the queued work, then stop both threads."""
+        self._compute_q.put(_STOP)
+        if not (self.on_wire() or self.on_compute()):
+            self._wire.join()
+
+
+def report_failure(exc: BaseException, consequence: str) -> None:
+    """Print a one-rank failure and what happens next to stderr."""
+    sys.stderr.write(f"gradcomp: a reduction failed on this rank ({exc!r}); its peers may be "
+                     f"blocked in a collective. {consequence}\n")
+    sys.stderr.write("".join(traceback.format_exception(exc)))
+    sys.stderr.flush()

@@ -1,0 +1,197 @@
+"""Codecs: single-collective compression methods, and the one runner they all share.
+
+A codec says how to turn a vector into a message and back:
+
+* ``message_size(n)``: the message's length (in ``message_dtype`` units) for ``n`` values;
+* ``encode(x, message, workspace)``: write ``x``'s message;
+* ``decode(message, out, add)``: write (or add) the message's reconstruction into ``out``;
+
+and declares which collective carries it (``collective``):
+
+* ``"allreduce"``: messages are summed element-wise on the wire, so ``decode`` must be linear
+  (random-k's shared coordinates);
+* ``"allgather"``: every rank's message goes to every rank, which decodes and sums them in rank
+  order (top-k, the allgather quantizers);
+* ``"two-stage"``: each rank encodes its bucket in ``size`` chunk-aligned slices; an alltoall hands
+  every slice to its owner, which decodes and sums the ``size`` messages in rank order, encodes the
+  mean, and an allgather of those messages returns it; every rank, the owner included, decodes the
+  same messages, so replicas are bit-identical (int8/int4/1-bit allreduce). Bytes per rank:
+  ``2(N-1)/N`` messages, flat in N.
+
+plus what it promises: ``error_bound`` (per element, against the exact mean, for the conformance
+kit) and ``nan_effect``. The runner (``Codec.prepare``/``finish``) does everything else once:
+widening half buckets to the codec's compute dtype, temporaries from the pipeline's workspace,
+the collective, the averaging, writing into a scratch bucket, and error feedback
+(``ErrorFeedback``) when a codec is wrapped in it. A new codec is one short module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..arrays import array_module, cast, dtype_name
+from ..bucket import Bucket
+from ..comm import Communicator, Workspace
+from .base import Compressor
+
+
+class Codec(Compressor):
+    """Base class of single-collective methods (see the module docstring)."""
+
+    collective: ClassVar[str] = "allgather"
+    #: the message's dtype; None: the compute dtype
+    message_dtype: ClassVar[Any] = np.uint8
+    #: two-stage slices hold whole multiples of this many values (the codec's chunk)
+    chunk: ClassVar[int] = 1
+
+    # -- the codec proper ---------------------------------------------------------------------------
+    def message_size(self, n: int) -> int:
+        raise NotImplementedError
+
+    def encode(self, x, message, workspace: Workspace) -> None:
+        raise NotImplementedError
+
+    def decode(self, message, out, add: bool = False) -> None:
+        raise NotImplementedError
+
+    def compute_dtype(self, dtype):
+        """The dtype ``encode`` sees: float64 buckets stay float64, others are widened to float32."""
+        return np.dtype(np.float64) if dtype_name(dtype) == "float64" else np.dtype(np.float32)
+
+    def accumulator_dtype(self, compute):
+        """The dtype messages are decoded and summed in (allgather and two-stage)."""
+        return np.dtype(np.float64) if dtype_name(compute) == "float64" else np.dtype(np.float32)
+
+    def error_bound(self, inputs: np.ndarray, dtype) -> np.ndarray | None:
+        """Largest allowed ``|result - mean|`` per element, given every rank's input (rows, as
+        float64) and the bucket dtype; None when there is no analytic bound."""
+        return None
+
+    # -- the runner -----------------------------------------------------------------------------------
+    def prepare(self, bucket, comm, workspace):
+        return _prepare(self, bucket, comm, workspace, None)
+
+    def finish(self, bucket, comm, prepared):
+        return _finish(self, bucket, comm, prepared, None)
+
+
+@dataclass
+class _Prepared:
+    x: Any               # the (widened, error-corrected) vector that was encoded
+    message: Any         # this rank's message (two-stage: size slices' messages, back to back)
+    slice_len: int       # two-stage: values per slice (a multiple of the chunk)
+
+
+def _slice_len(codec: Codec, n: int, size: int) -> int:
+    chunks = -(-n // codec.chunk)
+    return -(-chunks // size) * codec.chunk
+
+
+def _prepare(codec: Codec, bucket: Bucket, comm, workspace: Workspace, feedback) -> _Prepared:
+    g = bucket.buffer
+    n = bucket.numel
+    compute = codec.compute_dtype(g.dtype)
+    two_stage = codec.collective == "two-stage"
+    slice_len = _slice_len(codec, n, comm.size) if two_stage else n
+    padded = slice_len * comm.size if two_stage else n
+    if feedback is None and g.dtype == compute and padded == n:
+        x = g  # read only
+    else:
+        x = workspace.array(codec, "x", padded, compute, like=g)
+        cast(g, compute, out=x[:n])
+        x[n:] = 0
+    if feedback is not None:
+        feedback.add_residual(bucket, x[:n])
+    size = codec.message_size(slice_len)
+    mtype = compute if codec.message_dtype is None else codec.message_dtype
+    if two_stage:
+        message = workspace.array(codec, "message", size * comm.size, mtype, like=g)
+        for r in range(comm.size):
+            codec.encode(x[r * slice_len:(r + 1) * slice_len], message[r * size:(r + 1) * size], workspace)
+    else:
+        message = workspace.array(codec, "message", size, mtype, like=g)
+        codec.encode(x, message, workspace)
+    if feedback is not None:
+        own = workspace.array(codec, "own", padded, compute, like=g)
+        if two_stage:
+            for r in range(comm.size):
+                codec.decode(message[r * size:(r + 1) * size], own[r * slice_len:(r + 1) * slice_len])
+        else:
+            codec.decode(message, own)
+        feedback.keep_residual(bucket, x[:n], own[:n])
+    return _Prepared(x, message, slice_len)
+
+
+def _output(bucket: Bucket, dtype):
+    """Where the mean goes: a scratch bucket of that dtype takes it itself."""
+    g = bucket.buffer
+    if bucket.scratch and g.dtype == dtype:
+        return g
+    return array_module(g).empty(bucket.numel, dtype)
+
+
+def _narrow(bucket: Bucket, mean):
+    g = bucket.buffer
+    if mean.dtype == g.dtype:
+        return mean
+    return cast(mean, g.dtype, out=g if bucket.scratch else None)
+
+
+def _finish(codec: Codec, bucket: Bucket, comm, prepared: _Prepared, feedback):
+    g = bucket.buffer
+    n = bucket.numel
+    xp = array_module(g)
+    ws = comm.workspace
+    compute = codec.accumulator_dtype(prepared.x.dtype)
+    size = comm.size
+    message = prepared.message
+    if codec.collective == "allreduce":
+        if size > 1:
+            xp.divide(message, message.dtype.type(size), out=message)
+        summed = comm.allreduce(message, overwrite=True)
+        out = _output(bucket, compute)
+        codec.decode(summed, out)
+        return _narrow(bucket, out)
+    if codec.collective == "allgather":
+        rows = comm.allgather(message, out=ws.array(codec, "rows", size * message.shape[0],
+                                                    message.dtype, like=g))
+        acc = _output(bucket, compute)
+        acc[...] = 0
+        for r in range(size):
+            codec.decode(rows[r], acc, add=True)
+        if size > 1:
+            xp.divide(acc, acc.dtype.type(size), out=acc)
+        return _narrow(bucket, acc)
+    # two-stage
+    slice_len = prepared.slice_len
+    msg_len = message.shape[0] // size
+    rows = comm.alltoall(message, out=ws.array(codec, "rows", message.shape[0], message.dtype, like=g))
+    mine = ws.array(codec, "slice", slice_len, compute, like=g)
+    mine[...] = 0
+    for r in range(size):
+        codec.decode(rows[r], mine, add=True)
+    if size > 1:
+        xp.divide(mine, mine.dtype.type(size), out=mine)
+    if feedback is not None:
+        feedback.add_owner_residual(bucket, comm, mine, slice_len)
+    second = ws.array(codec, "second", msg_len, message.dtype, like=g)
+    codec.encode(mine, second, ws)
+    if feedback is not None:
+        own = ws.array(codec, "own2", slice_len, compute, like=g)
+        codec.decode(second, own)
+        feedback.keep_owner_residual(bucket, comm, mine, own, slice_len)
+    gathered = comm.allgather(second, out=ws.array(codec, "gathered", size * msg_len, message.dtype, like=g))
+    padded = slice_len * size
+    out = _output(bucket, compute)
+    if padded == n:
+        full = out
+    else:
+        full = ws.array(codec, "full", padded, compute, like=g)
+    for r in range(size):
+        codec.decode(gathered[r], full[r * slice_len:(r + 1) * slice_len])
+    if full is not out:
+        out[...] = full[:n]
+    return _narrow(bucket, out)
+

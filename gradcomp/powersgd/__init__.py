@@ -1,0 +1,12 @@
+"""PowerSGD (Vogels et al., NeurIPS 2019): low-rank compression with error feedback.
+
+* ``compressor``: ``PowerSGD`` and ``BatchedPowerSGD``, the two stages of a step;
+* ``plan``: which tensors become factors, where their P and Q blocks lie, orthogonalization;
+* ``products``/``loops``: ``P = M Q``, ``Q = M^T P``, ``P Q^T`` (compiled loops or matmul);
+* ``checkpoint``: ``state_dict`` and the checks of ``load_state_dict``.
+"""
+from .compressor import BatchedPowerSGD, PowerSGD
+from .plan import Plan, gram_schmidt_segments, orthogonalize, should_compress
+
+__all__ = ["PowerSGD", "BatchedPowerSGD", "Plan", "gram_schmidt_segments", "orthogonalize",
+           "should_compress"]

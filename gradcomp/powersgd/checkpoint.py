@@ -1,0 +1,93 @@
+"""PowerSGD's checkpoint: ``state_dict`` and a ``load_state_dict`` that checks everything first.
+
+Keys (all plain numbers, strings and arrays, ``numpy.savez``-able):
+``config`` (the configuration it was saved with), ``step``, ``rng/keys`` ``rng/pos``
+``rng/has_gauss`` ``rng/gauss`` (the generator of fresh factors), the statistics counters, and per
+tensor key K: ``residual/K`` (shaped like the tensor), ``q/K`` (m x r) and, for ``rounds=1``,
+``p/K`` (n x r).
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Mapping
+
+import numpy as np
+
+from ..state import check_array, reject_leftovers, take_int, tensor_arrays
+
+if TYPE_CHECKING:
+    from .compressor import PowerSGD
+
+
+def powersgd_state(comp: "PowerSGD") -> dict:
+    kind, keys, pos, has_gauss, gauss = comp._rng.get_state()
+    out: dict = {
+        "config": comp.describe(),
+        "step": comp._step,
+        "rng/keys": np.array(keys, dtype=np.uint32),
+        "rng/pos": int(pos), "rng/has_gauss": int(has_gauss), "rng/gauss": float(gauss),
+    }
+    for k, v in comp._counts.items():
+        out[k] = int(v)
+    for prefix, store in (("residual/", comp._errors), ("q/", comp._q), ("p/", comp._p)):
+        for key, value in store.arrays().items():
+            out[prefix + key] = value
+    return out
+
+
+def load_powersgd(comp: "PowerSGD", state: Mapping, shapes: Mapping[str, tuple] | None) -> None:
+    owner = type(comp).__name__
+    state = dict(state)
+    if not state:
+        raise ValueError(f"{owner} state: empty (expected the output of state_dict())")
+    config = state.pop("config", None)
+    if config is None:
+        raise ValueError(f"{owner} state: missing 'config'")
+    if str(np.asarray(config)) != comp.describe():
+        raise ValueError(f"{owner} state: saved by {str(np.asarray(config))}, but this compressor is "
+                         f"{comp.describe()} (another configuration)")
+    step = take_int(state, "step", owner)
+    rng_keys = check_array(state.pop("rng/keys") if "rng/keys" in state else _missing(owner, "rng/keys"),
+                           "rng/keys", owner, (624,), ("uint32", "int64"))
+    if rng_keys.min(initial=0) < 0 or rng_keys.max(initial=0) > 0xFFFFFFFF:
+        raise ValueError(f"{owner} state: 'rng/keys' must hold 32-bit unsigned words")
+    rng_keys = rng_keys.astype(np.uint32)
+    pos = take_int(state, "rng/pos", owner)
+    if pos > 624:
+        raise ValueError(f"{owner} state: 'rng/pos' must be <= 624, got {pos}")
+    has_gauss = take_int(state, "rng/has_gauss", owner)
+    gauss = state.pop("rng/gauss", None)
+    if gauss is None or np.asarray(gauss).shape != () or not np.isfinite(float(np.asarray(gauss))):
+        raise ValueError(f"{owner} state: 'rng/gauss' must be a finite number, got {gauss!r}")
+    counts = {k: take_int(state, k, owner) if k in state else 0 for k in comp._counts}
+    residuals = tensor_arrays(state, "residual/", owner, shapes)
+    factors = {}
+    for which, rows_of in (("q", lambda shape: math.prod(shape[1:])), ("p", lambda shape: shape[0])):
+        values = tensor_arrays(state, f"{which}/", owner)
+        for key, value in values.items():
+            name = f"{which}/{key}"
+            if value.ndim != 2 or not 1 <= value.shape[1] <= comp.rank:
+                raise ValueError(f"{owner} state: {name!r} must be (rows, r) with 1 <= r <= rank "
+                                 f"{comp.rank}, got shape {value.shape}")
+            if not np.isfinite(value).all():
+                raise ValueError(f"{owner} state: {name!r} holds NaN or Inf")
+            if shapes is not None and key in shapes and len(shapes[key]) >= 2:
+                shape = tuple(shapes[key])
+                r = min(shape[0], math.prod(shape[1:]), comp.rank)
+                expect = (rows_of(shape), r)
+                if value.shape != expect:
+                    raise ValueError(f"{owner} state: {name!r} must have shape {expect} for a tensor of "
+                                     f"shape {shape}, got {value.shape}")
+        factors[which] = values
+    reject_leftovers(state, owner)
+    # everything checked: now change
+    comp._step = step
+    comp._rng.set_state(("MT19937", rng_keys, pos, has_gauss, float(np.asarray(gauss))))
+    comp._counts.update(counts)
+    comp._errors.load(residuals)
+    comp._q.load(factors["q"])
+    comp._p.load(factors["p"])
+
+
+def _missing(owner: str, key: str):
+    raise ValueError(f"{owner} state: missing {key!r}")

@@ -1,0 +1,146 @@
+"""The entry point for training loops without PyTorch: average a list of gradient arrays.
+
+``GradientReducer`` is gradcomp's fusion buffer (as Horovod's): built once from the gradient
+arrays, it keeps their bucket plan and flat buffers from step to step, copies the gradients in,
+reduces every bucket as scratch (the compressors write the means into the buffers themselves and
+reuse their temporaries), and copies the means back into the arrays. After the first step, a step
+allocates nothing; with glibc's defaults, fresh allocations of tens of MB are handed back to the
+kernel and cost first-touch page faults every step (BENCHMARKS.md, "Memory").
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .bucket import Bucket, copy_in, digest, group
+from .comm import CollectiveError, Communicator, default_communicator
+from .compressors.agreement import gather_texts
+from .compressors.base import Compressor
+
+
+class GradientReducer:
+    """Average ``arrays`` (NumPy or CuPy, any shapes) over all ranks with ``compressor``, in place.
+
+        reducer = GradientReducer(grads, gradcomp.FP16(gradcomp.Allreduce()), comm)
+        for step in range(steps):
+            compute_gradients_into(grads)      # refill the same arrays
+            reducer.step()                     # grads now hold the means, on every rank
+
+    The arrays are grouped into buckets of about ``bucket_cap_mb`` MiB (consecutive arrays of one
+    dtype), every bucket is queued at once (the compression of one overlaps the transfer of the
+    one before) and the means are written back into the arrays. The compressor keeps its state per
+    array, keyed by position in the list, so ``state_dict``/``load_state_dict`` resume exactly.
+    Every rank must pass the same shapes and dtypes in the same order; if one does not, every rank
+    raises ``CollectiveError`` at construction. ``step(arrays)`` may pass a new list of arrays
+    with the same shapes and dtypes.
+    """
+
+    def __init__(self, arrays: Sequence, compressor: Compressor, comm: Communicator | None = None,
+                 bucket_cap_mb: float = 25.0, _groups: list | None = None):
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"expected a gradcomp Compressor, got {type(compressor).__name__} "
+                            "(gradcomp.make(name) builds one by name)")
+        self.compressor = compressor
+        self.comm = comm if comm is not None else default_communicator()
+        self.arrays = list(arrays)
+        self.bucket_cap_mb = bucket_cap_mb
+        groups = check_arrays(self.comm, self.arrays, bucket_cap_mb) if _groups is None else _groups
+        self.buckets: list[tuple[Bucket, list[int]]] = []
+        for b, members in enumerate(groups):
+            first = self.arrays[members[0]]
+            xp = _module(first)
+            shapes = [self.arrays[i].shape if self.arrays[i].ndim else (1,) for i in members]
+            flat = xp.empty(sum(int(np.prod(s)) for s in shapes), first.dtype.newbyteorder("="))
+            bucket = Bucket(flat, b, shapes, is_last=b == len(groups) - 1, scratch=True,
+                            keys=[str(i) for i in members])
+            self.buckets.append((bucket, members))
+
+    @property
+    def shapes(self) -> dict[str, tuple]:
+        """The shape of every array, by the key the compressor keeps its state under."""
+        return {str(i): tuple(a.shape) if a.ndim else (1,) for i, a in enumerate(self.arrays)}
+
+    def step(self, arrays: Sequence | None = None) -> list:
+        """Average the arrays (``arrays``, or those given at construction) in place; return them."""
+        if arrays is not None:
+            arrays = arrays if isinstance(arrays, list) else list(arrays)
+            if [(a.shape, a.dtype) for a in arrays] != [(a.shape, a.dtype) for a in self.arrays]:
+                raise ValueError("GradientReducer.step: the arrays must have the shapes and dtypes "
+                                 "the reducer was built with")
+            self.arrays = arrays
+        futures = []
+        for bucket, members in self.buckets:
+            copy_in(bucket, self.arrays, members)
+            futures.append(self.compressor.reduce(bucket, self.comm))
+        for (bucket, members), future in zip(self.buckets, futures):
+            mean = future.result()
+            for view, i in zip(bucket.views(mean), members):
+                self.arrays[i][...] = view.reshape(self.arrays[i].shape)
+        return self.arrays
+
+    def state_dict(self) -> dict:
+        """The compressor's state (per array, by position): ``numpy.savez``-able."""
+        return self.compressor.state_dict()
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore ``state_dict()``'s output, checked against these arrays' shapes first."""
+        self.compressor.load_state_dict(state, self.shapes)
+
+
+def check_arrays(comm: Communicator, arrays: Sequence, bucket_cap_mb: float) -> list[list[int]]:
+    """Group ``arrays`` into buckets after checking, collectively, that every rank can and that
+    all ranks pass the same shapes and dtypes; else ``CollectiveError`` on every rank."""
+    try:
+        groups, problem = group(arrays, bucket_cap_mb), ""
+    except (TypeError, ValueError) as exc:
+        groups, problem = [], str(exc)
+    described = [f"{getattr(a, 'dtype', '?')} {tuple(getattr(a, 'shape', ()))}" for a in arrays]
+    layout = "; ".join(described)
+    mine = np.array([int(bool(problem)), len(groups), digest(layout)], dtype=np.int64)
+    table = comm.allgather(mine)
+    bad = [r for r in range(comm.size) if table[r, 0]]
+    if bad:
+        here = f" (here: {problem})" if problem else ""
+        raise CollectiveError(f"gradcomp: rank(s) {bad} passed gradients that cannot be bucketed{here}")
+    if (table[:, 1:] != table[0, 1:]).any():
+        everyone = [text.split("; ") for text in gather_texts(comm, layout)]
+        for i in range(max(len(e) for e in everyone)):
+            seen = [e[i] if i < len(e) else "(none)" for e in everyone]
+            if len(set(seen)) > 1:
+                per_rank = "; ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
+                raise CollectiveError(f"gradcomp: gradient array {i} differs across ranks ({per_rank}); "
+                                      "every rank must pass the same shapes and dtypes in the same order")
+    return groups
+
+
+_reducers: "weakref.WeakKeyDictionary[Compressor, GradientReducer]" = weakref.WeakKeyDictionary()
+
+
+def allreduce_gradients(arrays: Sequence, compressor: Compressor, comm: Communicator | None = None,
+                        bucket_cap_mb: float = 25.0) -> list:
+    """Average ``arrays`` over all ranks with ``compressor``, in place; returns ``arrays``.
+
+    The one-call form of ``GradientReducer``: the reducer (its flat buffers and bucket plan) is
+    kept with the compressor and reused while the arrays keep their shapes and dtypes, so calling
+    this every step allocates nothing after the first. Every call still checks, collectively,
+    that all ranks pass the same shapes and dtypes.
+    """
+    comm = comm if comm is not None else default_communicator()
+    arrays = list(arrays) if not isinstance(arrays, list) else arrays
+    groups = check_arrays(comm, arrays, bucket_cap_mb)
+    reducer = _reducers.get(compressor)
+    same = (reducer is not None and reducer.comm is comm and reducer.bucket_cap_mb == bucket_cap_mb
+            and [(a.shape, a.dtype) for a in reducer.arrays] == [(a.shape, a.dtype) for a in arrays])
+    if not same:
+        reducer = GradientReducer(arrays, compressor, comm, bucket_cap_mb, _groups=groups)
+        _reducers[compressor] = reducer
+    reducer.step(arrays)
+    return arrays
+
+
+def _module(array):
+    from .arrays import array_module
+
+    return array_module(array)

@@ -1,0 +1,96 @@
+"""One registry of compressors by name: ``gradcomp.make(NAME)``, every ``--compressor NAME``
+option, the benchmarks and the conformance suite all read it.
+
+Third-party compressors join with ``gradcomp.register(name, factory)`` at import time, or without
+any import through the entry-point group ``gradcomp.compressors`` in their package metadata:
+
+    [project.entry-points."gradcomp.compressors"]
+    my-topk = "my_package.topk:make_topk"      # a factory: () -> gradcomp.Compressor
+
+Entry points are loaded the first time the registry is read.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+ENTRY_POINT_GROUP = "gradcomp.compressors"
+
+
+class Registry(dict):
+    """name -> factory building a compressor with the defaults a user would start from."""
+
+    _loaded = False
+
+    def _ensure(self) -> None:
+        if Registry._loaded:
+            return
+        Registry._loaded = True
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name not in self:
+                dict.__setitem__(self, ep.name, _lazy(ep))
+
+    def __getitem__(self, name):
+        self._ensure()
+        return dict.__getitem__(self, name)
+
+    def __contains__(self, name):
+        self._ensure()
+        return dict.__contains__(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        self._ensure()
+        return dict.__iter__(self)
+
+    def __len__(self):
+        self._ensure()
+        return dict.__len__(self)
+
+    def keys(self):
+        self._ensure()
+        return dict.keys(self)
+
+    def items(self):
+        self._ensure()
+        return dict.items(self)
+
+    def values(self):
+        self._ensure()
+        return dict.values(self)
+
+
+def _lazy(ep):
+    def factory():
+        return ep.load()()
+    factory.__qualname__ = f"entry point {ep.value}"
+    return factory
+
+
+REGISTRY: Registry = Registry()
+
+
+def register(name: str, factory: Callable, *, replace: bool = False) -> None:
+    """Make ``gradcomp.make(name)`` return ``factory()``. ``replace=True`` overrides a name."""
+    if not isinstance(name, str) or not name or any(c.isspace() for c in name):
+        raise ValueError(f"a compressor name must be a non-empty string without spaces, got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"register({name!r}, ...): the factory must be callable, got {factory!r}")
+    if dict.__contains__(REGISTRY, name) and not replace:
+        raise ValueError(f"compressor name {name!r} is already registered (pass replace=True to override)")
+    dict.__setitem__(REGISTRY, name, factory)
+
+
+def make(name: str):
+    """A fresh compressor by registry name (``gradcomp.REGISTRY`` lists the names)."""
+    from .compressors.base import Compressor
+
+    try:
+        factory = REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown compressor {name!r}; known: {', '.join(REGISTRY)}") from None
+    comp = factory()
+    if not isinstance(comp, Compressor):
+        raise TypeError(f"the factory registered as {name!r} returned {type(comp).__name__}, "
+                        "not a gradcomp Compressor")
+    return comp

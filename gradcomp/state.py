@@ -1,0 +1,173 @@
+"""Per-tensor compressor state, and the checks every ``load_state_dict`` runs before it changes
+anything.
+
+Compressors keep their memory (error-feedback residuals, PowerSGD's warm-start factors) per
+*tensor*, under the tensor's key (``Bucket.keys``), so that it follows a tensor through DDP's bucket
+rebuild and into a resumed run whose first buckets are laid out differently. They compute on whole
+buckets, though, so ``TensorStore`` keeps the values of each layout in one flat region: a layout seen
+before gets its region back as it is (the steady state copies nothing); a tensor that moves to
+another layout is copied over once.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .arrays import FLOAT_DTYPES, array_module, dtype_name, to_host
+
+Placement = tuple[str, int, tuple[int, ...]]  # (tensor key, offset in the region, shape)
+
+
+class TensorStore:
+    """Arrays per tensor key, stored in flat per-layout regions (see the module docstring).
+
+    ``region(placements, total, dtype, like)`` returns ``(flat, missing)``: a flat array of length
+    ``total`` holding every placed tensor's values at its offset, and the keys that had no value
+    (their part is zero; the caller fills it, e.g. with a fresh random factor). From then on every
+    placed key counts as present. ``drop`` forgets keys (a NaN step), ``pop`` hands their values
+    over (``Schedule``), ``arrays``/``load`` are the checkpoint forms. Thread-safe for callers that
+    work on disjoint keys (the pipeline guarantees that).
+    """
+
+    def __init__(self):
+        self._regions: dict[tuple, object] = {}
+        self._home: dict[str, tuple[tuple, int, tuple[int, ...]]] = {}
+        self._loose: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._home or key in self._loose
+
+    def __len__(self) -> int:
+        return len(self._home) + len(self._loose)
+
+    def region(self, placements: Sequence[Placement], total: int, dtype, like=None):
+        xp = array_module(like) if like is not None else np
+        sig = (tuple(placements), int(total), np.dtype(dtype).str, str(getattr(like, "device", None)))
+        with self._lock:
+            flat = self._regions.get(sig)
+            if flat is not None and all(self._home.get(k) == (sig, o, s) for k, o, s in placements):
+                return flat, []
+            if flat is None:
+                flat = self._regions[sig] = xp.zeros(int(total), dtype)
+            missing = []
+            for key, off, shape in placements:
+                n = math.prod(shape)
+                home = self._home.get(key)
+                if home == (sig, off, shape):
+                    continue
+                target = flat[off:off + n]
+                if home is not None and home[2] == shape:
+                    source = self._regions[home[0]][home[1]:home[1] + n]
+                    target[...] = source if array_module(source) is xp else xp.asarray(to_host(source))
+                elif home is None and key in self._loose and self._loose[key].shape == tuple(shape):
+                    target[...] = xp.asarray(self._loose.pop(key).reshape(-1))
+                else:
+                    self._loose.pop(key, None)
+                    target[...] = 0
+                    missing.append(key)
+                self._home[key] = (sig, off, tuple(shape))
+            self._collect()
+            return flat, missing
+
+    def _collect(self) -> None:
+        used = {home[0] for home in self._home.values()}
+        for sig in [s for s in self._regions if s not in used]:
+            del self._regions[sig]
+
+    def _value(self, key: str):
+        home = self._home.get(key)
+        if home is None:
+            return self._loose.get(key)
+        sig, off, shape = home
+        return self._regions[sig][off:off + math.prod(shape)].reshape(shape)
+
+    def drop(self, keys: Iterable[str]) -> None:
+        """Forget ``keys``: the next ``region`` reports them missing."""
+        with self._lock:
+            for key in keys:
+                self._home.pop(key, None)
+                self._loose.pop(key, None)
+            self._collect()
+
+    def pop(self, keys: Iterable[str]) -> dict[str, object]:
+        """Remove ``keys`` and return their values (copies), for the keys that had one."""
+        out = {}
+        with self._lock:
+            for key in keys:
+                value = self._value(key)
+                if value is not None:
+                    out[key] = value.copy()
+                self._home.pop(key, None)
+                self._loose.pop(key, None)
+            self._collect()
+        return out
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every key's value as a host array (a copy), shaped like its tensor."""
+        with self._lock:
+            keys = list(self._home) + list(self._loose)
+            return {k: np.array(to_host(self._value(k)), copy=True) for k in sorted(keys)}
+
+    def load(self, values: Mapping[str, np.ndarray]) -> None:
+        """Replace everything with ``values`` (already checked; placed on first use)."""
+        with self._lock:
+            self._regions.clear()
+            self._home.clear()
+            self._loose = {k: np.array(v, copy=True) for k, v in values.items()}
+
+    def clear(self) -> None:
+        self.load({})
+
+
+# ---------------------------------------------------------------------------------------------
+# checks for load_state_dict: every one raises ValueError naming the key and what was expected
+# ---------------------------------------------------------------------------------------------
+def take_int(state: dict, key: str, owner: str, minimum: int | None = 0) -> int:
+    """``state.pop(key)`` as an int (a Python or NumPy integer, or a 0-d integer array)."""
+    if key not in state:
+        raise ValueError(f"{owner} state: missing {key!r}")
+    value = state.pop(key)
+    arr = np.asarray(value)
+    if isinstance(value, bool) or arr.shape != () or arr.dtype.kind not in "iu":
+        raise ValueError(f"{owner} state: {key!r} must be an integer, got {value!r}")
+    number = int(arr)
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{owner} state: {key!r} must be >= {minimum}, got {number}")
+    return number
+
+
+def check_array(value, key: str, owner: str, shape: Sequence[int] | None = None,
+                dtypes: Sequence[str] = FLOAT_DTYPES, ndim: int | None = None) -> np.ndarray:
+    """``value`` as a host array of one of ``dtypes`` (and ``shape`` / ``ndim`` where given)."""
+    if hasattr(value, "detach"):  # a torch tensor: gradcomp.torch converts, but be forgiving
+        raise ValueError(f"{owner} state: {key!r} is a torch tensor; load it through "
+                         "gradcomp.torch's HookState.load_state_dict")
+    arr = np.asarray(to_host(value))
+    if dtype_name(arr.dtype) not in dtypes:
+        raise ValueError(f"{owner} state: {key!r} must have dtype {' or '.join(dtypes)}, got {arr.dtype}")
+    if shape is not None and tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{owner} state: {key!r} must have shape {tuple(shape)}, got {tuple(arr.shape)}")
+    if ndim is not None and arr.ndim != ndim:
+        raise ValueError(f"{owner} state: {key!r} must be {ndim}-D, got shape {tuple(arr.shape)}")
+    return arr
+
+
+def tensor_arrays(state: dict, prefix: str, owner: str, shapes: Mapping[str, tuple] | None = None,
+                  dtypes: Sequence[str] = FLOAT_DTYPES) -> dict[str, np.ndarray]:
+    """Pop every ``prefix + tensor key`` entry from ``state`` as checked arrays; with ``shapes``
+    (the tensors the caller will reduce, by key), each must have its tensor's shape."""
+    out = {}
+    for name in [k for k in state if k.startswith(prefix)]:
+        key = name[len(prefix):]
+        expect = None if shapes is None or key not in shapes else shapes[key]
+        out[key] = check_array(state.pop(name), name, owner, expect, dtypes)
+    return out
+
+
+def reject_leftovers(state: dict, owner: str) -> None:
+    if state:
+        raise ValueError(f"{owner} state: unexpected keys {sorted(state)[:8]}")
