@@ -12,6 +12,12 @@ repeats. Accuracy and bytes are deterministic for a given seed; only the time va
 Bytes and compression ratio are those of the last epoch, i.e. after any warm-up (PowerSGD starts
 with plain allreduce); the ratio is what a plain allreduce of the same buckets would send divided by
 what was sent, both counted for bandwidth-optimal algorithms (ring allreduce, allgather).
+
+The time columns are wall-clock time on this one host, where ranks talk through shared memory: the
+wire is nearly free, so they show compute, and with more ranks than CPU cores they mostly show CPU
+contention between the ranks (who waits for a core), not communication. A note under the table says
+which case this run is (ranks against ``os.cpu_count()``); bytes/rank/step is the column that
+compares communication.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -102,6 +109,25 @@ def table(results: dict[str, list[dict]]) -> str:
     return "\n".join([line(header), rule] + [line(r) for r in rows])
 
 
+def timing_note(ranks: int, cpus: int | None) -> str:
+    """What the time columns measure on this machine: printed under the table (never a table row)."""
+    cores = f"{cpus} CPU core{'s' if cpus != 1 else ''}" if cpus else "an unknown number of CPU cores"
+    ranks_text = f"{ranks} rank{'s' if ranks != 1 else ''}"
+    if cpus and ranks > cpus:
+        text = (f"Note on the time columns: {ranks_text} on {cores} (os.cpu_count()), so the machine "
+                "is oversubscribed: 'time/step ms' and 'time vs allreduce' measure CPU contention between "
+                "the ranks (who waits for a core), not the network. The ranks talk through shared memory "
+                "(loopback), where the wire is nearly free, so a method that sends more bytes can still "
+                "show less time (allgather against allreduce, for one). Compare communication by "
+                "'bytes/rank/step'; step times on a real (capped) link: BENCHMARKS.md, `make bench-capped`.")
+    else:
+        text = (f"Note on the time columns: {ranks_text} on {cores} (os.cpu_count()). The ranks talk "
+                "through shared memory (loopback), where the wire is nearly free, so 'time/step ms' is "
+                "mostly compute, not the network. Compare communication by 'bytes/rank/step'; step times "
+                "on a real (capped) link: BENCHMARKS.md, `make bench-capped`.")
+    return textwrap.fill(text, width=100)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     results: dict[str, list[dict]] = {name: [] for name in args.compressors}
@@ -122,6 +148,7 @@ def main(argv=None) -> int:
              if first else "")
           + f"; time/step: median over steps, then over {args.repeats} run(s)\n")
     print(table(results))
+    print("\n" + timing_note(args.ranks, os.cpu_count()))
     print("\nMeasured numbers, with the commands behind them: BENCHMARKS.md (kernels, bytes per rank, "
           "step times on a capped network: `make bench`, `make bench-capped`).")
     if args.json:

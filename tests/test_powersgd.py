@@ -21,8 +21,14 @@ import numpy as np
 import pytest
 
 import gradcomp as gc
-from gradcomp.compressors.powersgd import (PowerSGD, _Plan, gram_schmidt_segments, orthogonalize,
-                                           should_compress)
+from gradcomp.powersgd import PowerSGD, gram_schmidt_segments, orthogonalize, should_compress
+from gradcomp.powersgd import Plan
+
+
+def _Plan(shapes, numel, rank, rate, batched, batch_same_shape):
+    """A plan with positional keys, as a bucket without keys gets."""
+    return Plan(shapes, [f"0.{i}" for i in range(len(shapes))], numel, rank, rate, batched,
+                batch_same_shape)
 from tests.mpi_launch import run_ranks
 
 # One "model": two buckets per step, like DDP (bucket 1 first, bucket 0 last).
@@ -213,7 +219,7 @@ def rank_checkpoint(names, stop_at, steps):
         assert sorted(end_a) == sorted(end_b)
         for key in end_a:
             assert np.array_equal(end_a[key], end_b[key]), f"{name}: state {key} differs"
-        assert any(k.endswith("error") for k in end_a) or name == "schedule"
+        assert any("residual/" in k for k in end_a) or name == "schedule"
 
 
 def test_checkpoint_restart_is_bit_identical():
@@ -226,7 +232,7 @@ def test_load_rejects_other_configuration():
     state = gc.PowerSGD(rank=2, start_iter=2).state_dict()
     with pytest.raises(ValueError, match="another configuration"):
         gc.PowerSGD(rank=1, start_iter=2).load_state_dict(state)
-    with pytest.raises(ValueError, match="unexpected PowerSGD state keys"):
+    with pytest.raises(ValueError, match="PowerSGD state: unexpected keys"):
         gc.PowerSGD(rank=2, start_iter=2).load_state_dict(dict(state, junk=1))
 
 
@@ -317,7 +323,7 @@ def rank_batched_low_rank():
     # error feedback: what is still owed is only the (bounded) residual, not 28 steps of loss
     lag = np.linalg.norm(total_out - total_mean) / np.linalg.norm(total_mean)
     assert lag < 0.9, lag
-    residual = comp.state_dict()["bucket0.error"]
+    residual = comp.state_dict()["residual/0.0"]
     assert residual.shape == (1000,) and np.abs(residual).max() > 0
 
 
@@ -339,7 +345,8 @@ def rank_non_finite_recovers():
                 assert np.isnan(out[:640]).any()
                 assert np.isnan(out[:640]).all() or comp.rounds == 1
                 assert np.isfinite(out[640:660]).all()  # the uncompressed vector is untouched
-                assert "bucket0.error" not in inner.state_dict() and "bucket0.q" not in inner.state_dict()
+                kept = inner.state_dict()
+                assert not any(k.startswith(("residual/", "q/", "p/")) for k in kept), sorted(kept)
             else:
                 assert np.isfinite(out).all(), f"step {step}"
 
@@ -354,7 +361,9 @@ def rank_layout_change_resets():
         out = comp.reduce(gc.Bucket(g, 0, layout), comm).result()
         assert np.isfinite(out).all() and same_everywhere(comm, out)
         if step >= 2:
-            assert comp.state_dict()["bucket0.error"].shape == (numel(layout),)
+            kept = {k: v.shape for k, v in comp.state_dict().items() if k.startswith("residual/")}
+            for i, shape in enumerate(layout):  # each tensor's residual has its current shape
+                assert kept[f"residual/0.{i}"] == tuple(shape), kept
 
 
 def rank_dtypes():
@@ -394,7 +403,7 @@ def rank_compiled_products():
     memory: within float32 rounding of each other for every variant, bit-identical on every rank.
     A scratch bucket (DDP's) receives the result itself, with the same bits as a bucket that is
     not scratch, whose input stays untouched."""
-    from gradcomp import lowrank
+    from gradcomp.powersgd import loops as lowrank
 
     comm = gc.MPICommunicator()
     variants = [dict(rank=1), dict(rank=2), dict(rank=4), dict(rank=5, min_compression_rate=1),
@@ -471,9 +480,13 @@ def test_start_iter_must_exceed_one_with_memory():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(rank=0), "rank must be a positive integer"),
-    (dict(rank=1.5), "rank must be a positive integer"),
-    (dict(rounds=3), "rounds must be 1"),
+    (dict(rank=0), "rank must be >= 1"),
+    (dict(rank=1.5), "rank must be an integer"),
+    (dict(rank=True), "rank must be an integer"),
+    (dict(rank=float("inf")), "rank must be an integer"),
+    (dict(rounds=3), "rounds .* must be <= 2"),
+    (dict(rounds=True), "rounds .* must be an integer"),
+    (dict(error_feedback=1), "error_feedback must be True or False"),
     (dict(rounds=1, warm_start=False), "warm start by construction"),
     (dict(min_compression_rate=0), "min_compression_rate"),
     (dict(orthogonalization_epsilon=-1), "orthogonalization_epsilon"),
@@ -487,7 +500,7 @@ def test_bad_configuration_is_named(kwargs, words):
 def test_repr_names_every_field():
     text = repr(gc.PowerSGD(rank=3, start_iter=5, seed=4, rounds=1))
     for field in ("rank=3", "start_iter=5", "seed=4", "rounds=1", "error_feedback=True",
-                  "warm_start=True", "min_compression_rate=2", "batch_same_shape=False", "error_dtype=None"):
+                  "warm_start=True", "min_compression_rate=2.0", "batch_same_shape=False", "error_dtype=None"):
         assert field in text
     assert repr(gc.BatchedPowerSGD(start_iter=2)).startswith("BatchedPowerSGD(rank=1")
 

@@ -1,19 +1,40 @@
 """PNG figures from the benchmark results (matplotlib, Agg backend: no screen needed).
 
-* ``time_vs_bandwidth.png``: step time against link bandwidth. Lines are a model, said so on the
-  figure: the step time measured on this host (ranks talk through shared memory, so it is nearly
-  all compute) plus the bytes each rank sends divided by the bandwidth. Points are real runs on a
-  capped network (``bench/capped.sh``), when their results are in the output folder.
-* ``error_vs_ratio.png``: relative error of one step against compression ratio.
-* ``bytes_vs_ranks.png``: bytes each rank sends per step against the number of ranks.
+* ``time_vs_bandwidth.png``: step time against link bandwidth, one small panel per family of
+  methods (exact, half precision, int8 quantized, low rank), with fp32 allreduce as the reference
+  line in every panel. Lines are a model, said so on the figure: the step time measured on this host
+  (ranks talk through shared memory, so it is nearly all compute) plus the bytes each rank sends
+  divided by the bandwidth. Dots are real runs on a capped network (``bench/capped.sh``), drawn (and
+  claimed) only when such results for the same model and number of ranks are in the output folder.
+* ``error_vs_ratio.png``: relative error of one step against compression ratio. Colour = family,
+  marker = implementation; methods that land on the same spot share one label, and labels are
+  placed so that no two overlap and none covers a point.
+* ``bytes_vs_ranks.png``: bytes each rank sends per step, as a multiple of the fp32 gradient,
+  against the number of ranks, with the bandwidth-optimal formulas drawn beside the measurements:
+  allreduce-based methods send ``c * 2(N-1)/N`` (bounded by ``2c``), allgather-based ones
+  ``c * (N-1)`` (linear in N).
 * ``kernels.png``: kernel time as a multiple of memcpy.
 * ``capped.png``: measured step time on the capped link as a fraction of the fp32 allreduce step.
+
+Every function returns the (closed) matplotlib figure, so tests can inspect what was drawn.
 """
 from __future__ import annotations
 
+import itertools
+import math
 import os
 
 import numpy as np
+
+DPI = 110
+
+# Families of methods, in panel order, with one colour each (error_vs_ratio).
+FAMILIES = ("exact", "half precision", "int8 quantized", "low rank (PowerSGD)", "other")
+FAMILY_COLORS = {"exact": "0.1", "half precision": "tab:blue", "int8 quantized": "tab:orange",
+                 "low rank (PowerSGD)": "tab:green", "other": "tab:purple"}
+# Implementation -> (marker, line style).
+IMPLEMENTATIONS = {"gradcomp (MPI)": ("o", "-"), "gradcomp (gloo)": ("s", "-."),
+                   "PyTorch hook (gloo)": ("x", "--")}
 
 
 def _plt():
@@ -25,44 +46,48 @@ def _plt():
     return plt
 
 
+def _figure(**kw):
+    plt = _plt()
+    return plt.subplots(dpi=DPI, **kw)
 
-def _save(fig, path: str) -> None:
-    """Write ``fig`` as a PNG and free it (figures are made in loops; pyplot keeps them alive)."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+
+def _save(fig, path: str, layout: bool = True) -> None:
+    """Write ``fig`` as a PNG and free it (figures are made in loops; pyplot keeps them alive).
+    ``layout=False`` when the figure was laid out already (labels placed in display coordinates
+    must not move after placement)."""
+    if layout:
+        fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
     _plt().close(fig)
+
 
 def _timed(rows):
     return [r for r in rows if "time_s" in r and r["method"] != "memcpy"]
 
 
-def time_vs_bandwidth(job: dict, capped: list[dict], path: str) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    ax.set_prop_cycle(color=plt.cm.tab20.colors)
-    gbits = np.logspace(-1, 2, 60)
-    colors = {}
-    for r in _timed(job["results"]):
-        line, = ax.plot(gbits, r["time_s"] + r["bytes_per_rank"] * 8 / (gbits * 1e9), label=r["method"],
-                        linestyle="--" if r["kind"] == "torch" else "-")
-        colors[r["method"]] = line.get_color()
-    for c in capped:
-        if c.get("ranks") != job["ranks"] or c.get("model") != job["model"]:
-            continue
-        rate = _rate_gbit(c.get("network", ""))
-        if rate is None:
-            continue
-        for r in _timed(c["results"]):
-            ax.scatter([rate], [r["time_s"]], color=colors.get(r["method"], "k"), marker="o", zorder=3)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("link bandwidth per rank (Gbit/s)")
-    ax.set_ylabel("time per step (s)")
-    ax.set_title(f"{job['model']}, {job['ranks']} ranks: model = measured local step + bytes/bandwidth"
-                 "\n(dots: measured on a tc-capped link)", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    _save(fig, path)
+def family(method: str) -> str:
+    """Which family a method belongs to, from its name (``torch-`` and ``gloo-`` prefixes dropped)."""
+    base = method
+    for prefix in ("torch-", "gloo-"):
+        if base.startswith(prefix):
+            base = base[len(prefix):]
+    if "powersgd" in base:
+        return "low rank (PowerSGD)"
+    if base.startswith("quantize"):
+        return "int8 quantized"
+    if base in ("fp16", "bf16"):
+        return "half precision"
+    if base in ("allreduce", "allgather"):
+        return "exact"
+    return "other"
+
+
+def implementation(row: dict) -> str:
+    if row.get("kind") == "torch" or row["method"].startswith("torch-"):
+        return "PyTorch hook (gloo)"
+    if row["method"].startswith("gloo-"):
+        return "gradcomp (gloo)"
+    return "gradcomp (MPI)"
 
 
 def _rate_gbit(text: str):
@@ -77,50 +102,290 @@ def _rate_gbit(text: str):
     return None
 
 
-def error_vs_ratio(job: dict, path: str) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 5))
-    ax.set_prop_cycle(color=plt.cm.tab20.colors)
-    for r in _timed(job["results"]):
-        if not r.get("compression_ratio"):
+def _outside_legend(ax, **kw):
+    """A legend to the right of ``ax``, outside it."""
+    return ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, **kw)
+
+
+# -- step time against bandwidth ----------------------------------------------------------------------
+def time_vs_bandwidth(job: dict, capped: list[dict], path: str):
+    rows = _timed(job["results"])
+    measured = []  # (rate Gbit/s, network name, row) from capped runs of the same model and ranks
+    for c in capped:
+        if c.get("ranks") != job["ranks"] or c.get("model") != job["model"]:
             continue
-        err = max(r["rel_error"], 1e-9)
-        ax.scatter([r["compression_ratio"]], [err], marker="x" if r["kind"] == "torch" else "o")
-        ax.annotate(r["method"], (r["compression_ratio"], err), fontsize=7, xytext=(4, 2),
-                    textcoords="offset points")
+        rate = _rate_gbit(c.get("network", ""))
+        if rate is None:
+            continue
+        measured += [(rate, c.get("network"), r) for r in _timed(c["results"])]
+    names = [r["method"] for r in rows] + [r["method"] for _, _, r in measured]
+    panels = [f for f in FAMILIES if any(family(n) == f for n in names)] or ["exact"]
+    ncols = 1 if len(panels) == 1 else 2
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = _figure(nrows=nrows, ncols=ncols, figsize=(6.4 * ncols, 3.4 * nrows + 1.0),
+                        sharex=True, sharey=True, squeeze=False)
+    gbits = np.logspace(-1, 2, 60)
+    reference = next((r for r in rows if r["method"] == "allreduce"), None)
+    for k, ax in enumerate(axes.flat):
+        if k >= len(panels):
+            ax.set_visible(False)
+            continue
+        fam = panels[k]
+        mine = [r for r in rows if family(r["method"]) == fam]
+        colors = {}
+        palette = itertools.cycle(_plt().cm.tab10.colors)
+        if reference is not None and fam != "exact":
+            ax.plot(gbits, reference["time_s"] + reference["bytes_per_rank"] * 8 / (gbits * 1e9),
+                    color="0.6", linewidth=3, alpha=0.6, label="allreduce (fp32, reference)")
+        for r in mine:
+            colors[r["method"]] = next(palette)
+            ax.plot(gbits, r["time_s"] + r["bytes_per_rank"] * 8 / (gbits * 1e9),
+                    color=colors[r["method"]], linestyle=IMPLEMENTATIONS[implementation(r)][1],
+                    linewidth=1.6, label=r["method"])
+        dots = [(rate, r) for rate, _, r in measured if family(r["method"]) == fam]
+        for rate, r in dots:
+            if r["method"] not in colors:
+                colors[r["method"]] = next(palette)
+                ax.plot([], [], color=colors[r["method"]], marker="o", linestyle="none",
+                        label=f"{r['method']} (measured only)")
+            ax.scatter([rate], [r["time_s"]], color=colors[r["method"]],
+                       marker=IMPLEMENTATIONS[implementation(r)][0], s=30, zorder=3,
+                       edgecolors="k" if implementation(r) != "PyTorch hook (gloo)" else None,
+                       linewidths=0.5)
+        if dots:
+            ax.scatter([], [], color="w", edgecolors="k", marker="o", s=30, label="measured, capped link")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(fam, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        _outside_legend(ax, fontsize=7, frameon=False)
+        if k % ncols == 0:
+            ax.set_ylabel("time per step (s)")
+        if k >= len(panels) - ncols:
+            ax.set_xlabel("link bandwidth per rank (Gbit/s)")
+            ax.xaxis.set_tick_params(labelbottom=True)
+    nets = sorted({(rate, net) for rate, net, _ in measured}, reverse=True)
+    claim = ("lines: model = step measured on this host (shared memory) + bytes sent per rank / bandwidth"
+             + (f"\ndots: measured on a tc-capped link ({', '.join(n for _, n in nets)})" if nets else
+                "\nmodel only: no capped-link measurements for this model and number of ranks"))
+    fig.suptitle(f"{job['model']}, {job['ranks']} ranks: time per step against link bandwidth\n{claim}",
+                 fontsize=9)
+    _save(fig, path)
+    return fig
+
+
+# -- error against compression ratio -----------------------------------------------------------------
+def _clusters(points_px: np.ndarray, radius: float) -> list[list[int]]:
+    """Indices grouped by single linkage: points closer than ``radius`` pixels share a group."""
+    groups: list[list[int]] = []
+    for i, p in enumerate(points_px):
+        near = [g for g in groups if any(np.hypot(*(points_px[j] - p)) < radius for j in g)]
+        merged = [i] + [j for g in near for j in g]
+        groups = [g for g in groups if g not in near] + [sorted(merged)]
+    return sorted(groups, key=lambda g: g[0])
+
+
+def _overlap(a, b) -> float:
+    w = min(a.x1, b.x1) - max(a.x0, b.x0)
+    h = min(a.y1, b.y1) - max(a.y0, b.y0)
+    return w * h if w > 0 and h > 0 else 0.0
+
+
+def place_labels(fig, ax, anchors_px: list, texts: list[str], obstacles: list, **text_kw) -> list:
+    """Annotate each anchor (display pixels) with its text, trying offsets around it (nearest
+    first) until the label box overlaps neither an earlier label nor an obstacle (a Bbox, e.g. a
+    marker) and lies inside the axes. Far labels get a leader line. Returns the annotations."""
+    from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
+
+    renderer = fig.canvas.get_renderer()
+    inside = ax.get_window_extent(renderer).padded(-2)
+    px_per_pt = fig.dpi / 72.0
+    angles = (0, 180, 35, -35, 145, -145, 90, -90, 60, -60, 120, -120, 15, -15, 165, -165)
+    offsets = [(r * math.cos(math.radians(a)), r * math.sin(math.radians(a)))
+               for r in (5, 11, 18, 26, 36, 48, 62, 80, 100, 125, 155) for a in angles]
+    placed: list[Bbox] = []
+    out = []
+    for (x, y), text in zip(anchors_px, texts):
+        data = ax.transData.inverted().transform((x, y))
+        best = None
+        for dx, dy in offsets:
+            ha = "left" if dx > 0.3 * abs(dy) else "right" if dx < -0.3 * abs(dy) else "center"
+            va = "bottom" if dy > 0.3 * abs(dx) else "top" if dy < -0.3 * abs(dx) else "center"
+            ann = ax.annotate(text, data, xytext=(dx, dy), textcoords="offset points", ha=ha, va=va,
+                              **text_kw)
+            ann.update_positions(renderer)  # an annotation's text is placed at draw time
+            box = Text.get_window_extent(ann, renderer).padded(1.5)
+            cost = sum(_overlap(box, b) for b in placed + obstacles)
+            if not (inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1):
+                cost += 1e6
+            ann.remove()
+            if best is None or cost < best[0]:
+                best = (cost, dx, dy, ha, va, box)
+            if cost == 0:
+                break
+        cost, dx, dy, ha, va, box = best
+        far = math.hypot(dx, dy) > 12
+        ann = ax.annotate(text, data, xytext=(dx, dy), textcoords="offset points", ha=ha, va=va,
+                          arrowprops=dict(arrowstyle="-", color="0.5", linewidth=0.6,
+                                          shrinkA=0, shrinkB=4 * px_per_pt) if far else None,
+                          **text_kw)
+        placed.append(box)
+        out.append(ann)
+    return out
+
+
+def _label_lines(names: list[str], per_line: int = 2) -> str:
+    return "\n= ".join(" = ".join(names[i:i + per_line]) for i in range(0, len(names), per_line))
+
+
+def error_vs_ratio(job: dict, path: str):
+    from matplotlib.lines import Line2D
+    from matplotlib.transforms import Bbox
+
+    rows = [r for r in _timed(job["results"]) if r.get("compression_ratio")]
+    fig, ax = _figure(figsize=(9.5, 5.8))
+    xs = np.array([r["compression_ratio"] for r in rows], float)
+    ys = np.array([max(r["rel_error"], 1e-9) for r in rows], float)
+    for r, x, y in zip(rows, xs, ys):
+        marker = IMPLEMENTATIONS[implementation(r)][0]
+        color = FAMILY_COLORS[family(r["method"])]
+        if marker == "x":
+            ax.scatter([x], [y], marker=marker, s=55, zorder=3, linewidths=1.2, color=color)
+        else:  # gradcomp over MPI: filled circle; over gloo: hollow square
+            ax.scatter([x], [y], marker=marker, s=42, zorder=3, linewidths=1.2,
+                       facecolors=color if marker == "o" else "none", edgecolors=color)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    if len(rows):  # room for labels: half a decade either side, a decade above and below
+        ax.set_xlim(xs.min() / 2.5, xs.max() * 4)
+        ax.set_ylim(ys.min() / 8, ys.max() * 8)
     ax.set_xlabel("compression ratio (fp32 allreduce bytes / bytes sent)")
     ax.set_ylabel("relative error of one step (L2)")
-    ax.set_title(f"{job['model']}, {job['ranks']} ranks, heavy-tailed gradients", fontsize=10)
+    net = f", network {job['network']}" if job.get("network") else ""
+    ax.set_title(f"{job['model']}, {job['ranks']} ranks{net}, heavy-tailed gradients: error against "
+                 "compression\n(lower right is better; methods on the same spot share a label)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    _save(fig, path)
+    fams = [f for f in FAMILIES if any(family(r["method"]) == f for r in rows)]
+    impls = [i for i in IMPLEMENTATIONS if any(implementation(r) == i for r in rows)]
+    handles = [Line2D([], [], marker="o", color=FAMILY_COLORS[f], linestyle="none", label=f) for f in fams]
+    handles += [Line2D([], [], marker=IMPLEMENTATIONS[i][0], color="0.65", linestyle="none",  # light grey:
+                       markerfacecolor="0.65" if IMPLEMENTATIONS[i][0] == "o" else "none", label=i)  # not a family
+                for i in impls]
+    _outside_legend(ax, handles=handles, fontsize=8, title="colour: family; marker: implementation",
+                    title_fontsize=8)
+    fig.tight_layout()  # final layout first: labels are placed in display coordinates
+    if len(rows):
+        px = ax.transData.transform(np.column_stack([xs, ys]))
+        groups = _clusters(px, radius=7.0)
+        anchors = [px[g].mean(axis=0) for g in groups]
+        texts = [_label_lines([rows[i]["method"] for i in g]) for g in groups]
+        markers = [Bbox.from_extents(x - 6, y - 6, x + 6, y + 6) for x, y in px]
+        place_labels(fig, ax, anchors, texts, markers, fontsize=7)
+    _save(fig, path, layout=False)
+    return fig
 
 
-def bytes_vs_ranks(jobs: list[dict], model: str, path: str) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 5))
-    ax.set_prop_cycle(color=plt.cm.tab20.colors)
+# -- bytes against ranks -----------------------------------------------------------------------------
+def ring_allreduce_factor(n):
+    """Bytes each rank sends in a bandwidth-optimal allreduce, per byte of the buffer: 2(N-1)/N."""
+    n = np.asarray(n, float)
+    return 2 * (n - 1) / n
+
+
+def allgather_factor(n):
+    """Bytes each rank sends in an allgather (everyone gets everyone's buffer), per byte: N-1."""
+    return np.asarray(n, float) - 1
+
+
+def _pattern(name: str, pts: list[tuple[int, float]]) -> tuple[str, float]:
+    """('allreduce' or 'allgather', c): the formula whose constant c = bytes / formula(N) varies
+    least over the measured numbers of ranks; by name when there is one number of ranks only."""
+    pts = [(n, b) for n, b in pts if n > 1 and b > 0]
+    fits = {}
+    for kind, f in (("allreduce", ring_allreduce_factor), ("allgather", allgather_factor)):
+        cs = [b / float(f(n)) for n, b in pts]
+        fits[kind] = (max(cs) / min(cs) if cs else 1.0, float(np.median(cs)) if cs else 0.0)
+    if len({n for n, _ in pts}) >= 2:
+        kind = min(fits, key=lambda k: fits[k][0])
+    else:
+        base = name.split("-", 1)[1] if name.startswith(("torch-", "gloo-")) else name
+        kind = "allgather" if base.startswith(("allgather", "quantize")) else "allreduce"
+    return kind, fits[kind][1]
+
+
+def bytes_vs_ranks(jobs: list[dict], model: str, path: str):
+    mine = sorted((j for j in jobs if j["model"] == model), key=lambda j: j["ranks"])
     series: dict[str, list[tuple[int, float]]] = {}
-    for job in sorted((j for j in jobs if j["model"] == model), key=lambda j: j["ranks"]):
+    for job in mine:
+        gradient = 4.0 * job["numel"] if job.get("numel") else None
         for r in _timed(job["results"]):
-            series.setdefault(r["method"], []).append((job["ranks"], r["bytes_per_rank"] / 2**20))
+            if gradient is None:  # fall back on fp32 allreduce's bytes = 2(N-1)/N * gradient
+                ar = next((x for x in job["results"] if x["method"] == "allreduce"), None)
+                if ar is None or job["ranks"] < 2:
+                    continue
+                gradient = ar["bytes_per_rank"] / float(ring_allreduce_factor(job["ranks"]))
+            series.setdefault(r["method"], []).append((job["ranks"], r["bytes_per_rank"] / gradient))
+    # methods that send the same bytes at every N, by the same formula, share one line and one label
+    merged: dict[tuple, list[str]] = {}
     for name, pts in series.items():
-        xs, ys = zip(*pts)
-        ax.plot(xs, ys, marker="o", label=name, linestyle="--" if name.startswith("torch") else "-")
+        key = (_pattern(name, pts)[0],) + tuple((n, round(math.log(b), 3) if b > 0 else None) for n, b in pts)
+        merged.setdefault(key, []).append(name)
+    measured_n = sorted({n for pts in series.values() for n, _ in pts})
+    top = max(16, 2 * max(measured_n, default=2))
+    theory_n = np.arange(2, top + 1)
+    fig, ax = _figure(figsize=(11, 6.5))
+    # the two formulas, per byte of the fp32 gradient (fp32 allreduce and allgather lie on them)
+    ax.plot(theory_n, ring_allreduce_factor(theory_n), color="0.55", linewidth=6, alpha=0.35,
+            solid_capstyle="butt", gid="ref-allreduce", label="2(N-1)/N  (bandwidth-optimal allreduce)")
+    ax.plot(theory_n, allgather_factor(theory_n), color="0.55", linewidth=6, alpha=0.35, linestyle=(0, (1, 1)),
+            gid="ref-allgather", label="N-1  (allgather)")
+    ax.annotate("2(N-1)/N: rises towards 2, then stays flat", (top, 2 * (top - 1) / top),
+                xytext=(-4, -8), textcoords="offset points", ha="right", va="top", fontsize=8, color="0.3")
+    ax.annotate("N-1: grows linearly with the ranks", (top * 0.75, top * 0.75 - 1), xytext=(-6, 4),
+                textcoords="offset points", ha="right", va="bottom", fontsize=8, color="0.3")
+    palette = itertools.cycle(_plt().cm.tab10.colors)
+    markers = itertools.cycle("os^Dv<>PX*")  # lines that nearly coincide (int8 per tensor / per channel) stay apart
+    crossings = []
+    for key, names in merged.items():
+        pts = series[names[0]]
+        kind, c = _pattern(names[0], pts)
+        color = next(palette)
+        positive = [(n, b) for n, b in pts if b > 0]
+        style = "-" if kind == "allreduce" else "--"
+        label = (_label_lines(names, per_line=3)
+                 + f"\n    {c:.3g} x {'2(N-1)/N' if kind == 'allreduce' else '(N-1)'}")
+        if positive:
+            xs, ys = zip(*positive)
+            ax.plot(xs, ys, marker=next(markers), color=color, linestyle=style, label=label,
+                    gid=f"measured-{names[0]}", markerfacecolor="none" if kind == "allgather" else color)
+        f = ring_allreduce_factor if kind == "allreduce" else allgather_factor
+        ax.plot(theory_n, c * f(theory_n), color=color, linestyle=":", linewidth=1, gid=f"formula-{names[0]}")
+        if kind == "allgather" and 0 < c < 1:  # first N at which it sends more than fp32 allreduce
+            cross = next((int(n) for n in theory_n if c * (n - 1) > 2 * (n - 1) / n), None)
+            if cross is not None:
+                crossings.append((cross, names[0], color))
+    for cross, name, color in sorted(crossings)[:1]:
+        ax.annotate(f"{name} sends more than fp32 allreduce from {cross} ranks on",
+                    (cross, float(ring_allreduce_factor(cross))), xytext=(12, -48), textcoords="offset points",
+                    fontsize=8, color=color, arrowprops=dict(arrowstyle="->", color=color, linewidth=0.8))
     ax.set_yscale("log")
-    ax.set_xticks(sorted({n for pts in series.values() for n, _ in pts}))
-    ax.set_xlabel("ranks")
-    ax.set_ylabel("MiB sent per rank per step")
-    ax.set_title(f"{model}: allgather-based methods grow with ranks, allreduce-based do not", fontsize=10)
+    ax.set_xticks(sorted({n for n in measured_n if n >= 2} | {8, 12, 16} | {top}))
+    ax.set_xlim(1.6, top + 0.5)  # after the ticks: set_xticks widens the limits to take them all
+    ax.set_xlabel("ranks N (markers: measured; dotted: the formula beyond them)")
+    ax.set_ylabel("bytes each rank sends per step / fp32 gradient bytes")
+    ax.set_title(f"{model}: traffic per rank is bounded for allreduce-based methods (c x 2(N-1)/N < 2c)\n"
+                 "and grows linearly for allgather-based ones (c x (N-1)); c = bytes per fp32 gradient byte",
+                 fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    _outside_legend(ax, fontsize=7, title="solid, filled: allreduce-based; dashed, hollow: allgather-based", title_fontsize=7)
     _save(fig, path)
+    return fig
 
 
-def kernels(rows: list[dict], path: str) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.5))
+# -- kernels and capped bars ---------------------------------------------------------------------------
+def kernels(rows: list[dict], path: str):
+    fig, ax = _figure(figsize=(8, 0.35 * len(rows) + 1.5))
     names = [r["kernel"] for r in rows]
     ax.barh(range(len(rows)), [r["vs_memcpy"] for r in rows])
     ax.set_yticks(range(len(rows)), names, fontsize=7)
@@ -129,17 +394,17 @@ def kernels(rows: list[dict], path: str) -> None:
     ax.set_title(f"kernel cost, {rows[0].get('mb', '?'):g} MB float32 buffer, one process", fontsize=10)
     ax.grid(True, axis="x", alpha=0.3)
     _save(fig, path)
+    return fig
 
 
-def capped_bars(capped: list[dict], path: str) -> None:
-    plt = _plt()
+def capped_bars(capped: list[dict], path: str):
     runs = sorted(capped, key=lambda c: -(_rate_gbit(c.get("network", "")) or 0))
     methods = []
     for c in runs:
         for r in _timed(c["results"]):
             if r["method"] not in methods:
                 methods.append(r["method"])
-    fig, ax = plt.subplots(figsize=(9, 0.3 * len(methods) * len(runs) + 1.5))
+    fig, ax = _figure(figsize=(9, 0.3 * len(methods) * len(runs) + 1.5))
     width = 0.8 / max(len(runs), 1)
     for k, c in enumerate(runs):
         by = {r["method"]: r for r in _timed(c["results"])}
@@ -150,12 +415,12 @@ def capped_bars(capped: list[dict], path: str) -> None:
     ax.invert_yaxis()
     ax.axvline(1.0, color="k", linewidth=0.8)
     ax.set_xlabel("step time / fp32 allreduce step (same link, same run)")
-    ax.set_title("measured on a tc-capped network, ResNet-50-sized gradient", fontsize=10)
+    models = ", ".join(sorted({str(c.get("model", "?")) for c in runs}))
+    ax.set_title(f"measured on a tc-capped network, {models}-sized gradient", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, axis="x", alpha=0.3)
     _save(fig, path)
-
-
+    return fig
 def all_figures(jobs: list[dict], kernel_rows: list[dict], capped: list[dict], outdir: str) -> list[str]:
     """Write every figure the data allows; returns the paths."""
     paths = []

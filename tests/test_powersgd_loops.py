@@ -1,4 +1,4 @@
-"""The compiled PowerSGD products (``gradcomp.lowrank``) against NumPy matmul, one process.
+"""The compiled PowerSGD products (``gradcomp.powersgd.loops``) against NumPy matmul, one process.
 
 Every row-blocking case is covered: ranks 1 to 8 (groups of four columns plus a remainder), row
 counts that are not multiples of four, narrow matrices (one row at a time) and wide ones (four
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradcomp import lowrank
+from gradcomp.powersgd import loops as lowrank
 
 pytestmark = pytest.mark.skipif(not lowrank.available(),
                                 reason="numba kernels unavailable (numba missing or GRADCOMP_JIT=0)")
