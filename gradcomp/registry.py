@@ -81,15 +81,42 @@ def register(name: str, factory: Callable, *, replace: bool = False) -> None:
     dict.__setitem__(REGISTRY, name, factory)
 
 
-def make(name: str):
-    """A fresh compressor by registry name (``gradcomp.REGISTRY`` lists the names)."""
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``"powersgd:rank=4,start_iter=2"`` -> ``("powersgd", {"rank": 4, "start_iter": 2})``
+    (values are Python literals; a bare word is a string)."""
+    import ast
+
+    name, _, rest = spec.partition(":")
+    kwargs = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, text = item.partition("=")
+        if not eq or not key.strip().isidentifier():
+            raise ValueError(f"compressor spec {spec!r}: expected name:key=value,..., got {item!r}")
+        try:
+            kwargs[key.strip()] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            kwargs[key.strip()] = text.strip()
+    return name.strip(), kwargs
+
+
+def make(spec: str, **overrides):
+    """A fresh compressor by registry name (``gradcomp.REGISTRY`` lists the names), with the
+    factory's defaults overridden by keyword: ``make("powersgd", rank=4)``, or in one string,
+    as the ``--compressor`` options take it: ``make("powersgd:rank=4,start_iter=100")``."""
     from .compressors.base import Compressor
 
+    name, kwargs = parse_spec(spec)
+    kwargs.update(overrides)
     try:
         factory = REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown compressor {name!r}; known: {', '.join(REGISTRY)}") from None
-    comp = factory()
+    try:
+        comp = factory(**kwargs)
+    except TypeError as exc:
+        if not kwargs:
+            raise
+        raise ValueError(f"compressor {name!r} does not take {sorted(kwargs)}: {exc}") from None
     if not isinstance(comp, Compressor):
         raise TypeError(f"the factory registered as {name!r} returned {type(comp).__name__}, "
                         "not a gradcomp Compressor")

@@ -1,9 +1,9 @@
 """Run a test function on N real MPI ranks under ``mpiexec``.
 
 Test side: ``run_ranks(3, "tests.test_x:check_thing", arg1, arg2)`` launches
-``mpiexec -n 3 python -m tests.mpi_launch tests.test_x:check_thing '[arg1, arg2]'`` and fails the
-test (with every rank's output) when any rank fails, or when the job does not finish within
-``timeout`` seconds: a hang is a failure, never a stuck suite.
+``mpiexec -n 3 python -m tests.mpi_launch tests.test_x:check_thing '[arg1, arg2]'`` (through
+``gradcomp.launcher``) and fails the test, with every rank's output, when any rank fails or when
+the job does not finish within ``timeout`` seconds: a hang is a failure, never a stuck suite.
 
 Rank side: the function is imported and called on every rank with the JSON-decoded arguments; a
 rank first checks that the world really has N ranks. Plain ``assert`` inside it is enough.
@@ -13,19 +13,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
 import traceback
 from pathlib import Path
 
+from gradcomp.launcher import mpiexec, run  # noqa: F401  (mpiexec: used by other test modules)
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def mpiexec() -> str:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
 
 
 def run_ranks(n: int, target: str, *args, timeout: float = 120, env: dict | None = None,
@@ -34,24 +28,19 @@ def run_ranks(n: int, target: str, *args, timeout: float = 120, env: dict | None
 
     With ``expect_failure`` the job must end (not hang) with a non-zero exit status instead.
     """
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "tests.mpi_launch", target, json.dumps(args)]
-    full_env = dict(os.environ, GRADCOMP_TEST_NRANKS=str(n), OMP_NUM_THREADS="1",
+    full_env = dict(GRADCOMP_TEST_NRANKS=str(n),
                     PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     full_env.update(env or {})
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{target} on {n} ranks did not finish in {timeout} s (hang):\n{out}")
+    result = run(n, ["-m", "tests.mpi_launch", target, json.dumps(args)], timeout=timeout,
+                 env=full_env, cwd=ROOT)
+    if result.hung:
+        raise AssertionError(f"{target} on {n} ranks did not finish in {timeout} s (hang):\n{result.output}")
     if expect_failure:
-        if proc.returncode == 0:
-            raise AssertionError(f"{target} on {n} ranks was expected to fail but exited 0:\n{out}")
-    elif proc.returncode != 0:
-        raise AssertionError(f"{target} on {n} ranks failed (exit {proc.returncode}):\n{out}")
-    return out
+        if result.returncode == 0:
+            raise AssertionError(f"{target} on {n} ranks was expected to fail but exited 0:\n{result.output}")
+    elif result.returncode != 0:
+        raise AssertionError(f"{target} on {n} ranks failed (exit {result.returncode}):\n{result.output}")
+    return result.output
 
 
 def _main(argv):

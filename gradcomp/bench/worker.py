@@ -1,26 +1,49 @@
 """One benchmark job, run on every rank: ``mpiexec -n N python -m gradcomp.bench.worker ...``.
 
-Every rank fills the layers of a model with its own heavy-tailed gradients, packs them into
-~25 MB buckets, and runs each method for whole training steps (all buckets submitted, then all
-awaited, as DDP does). A step's time is the slowest rank's, after a barrier; the reported time is
-the median over ``--repeats`` steps that follow ``--warmup`` untimed ones (PowerSGD compresses from
-its third step on, so the timed steps are compressed). By default the timed steps go round-robin
-over the methods, so that a burst of load from other processes slows every method alike;
-``--order blocks`` times each method's steps together instead, as a training run repeats one method
-(on a VM, fresh pages from another method's allocations can cost a method hundreds of ms a step). The relative error is measured against the
-exact mean (a float64 MPI allreduce of everyone's data) on the first timed step.
+It measures what users get, on one of two paths (``--path``):
 
-gradcomp methods talk over mpi4py (``MPICommunicator``); PyTorch's hooks over a gloo process group
-started from the same MPI job (``gradcomp.torch.init_process_group``), on the same buckets, each
-bucket handed to the hook as a GradBucket look-alike (buffer, index, is_last, gradients); the
-single-collective hooks get every bucket at once (as DDP gives them), PowerSGD one bucket at a time
-(see ``run``: its callback-launched rounds would otherwise interleave differently on different
-ranks). gradcomp's communicator runs buckets one after another on its worker anyway. Both sides
-get the buckets as DDP hands them to a hook, theirs to overwrite (gradcomp: ``Bucket.scratch``),
-and both have them restored before each step, outside the clock. Bytes on
-the wire: gradcomp's communicator counts them; for the hooks, the torch.distributed collectives
-they call are counted with the same bandwidth-optimal formulas (``gradcomp.comm.wire_bytes``).
-torch runs one thread per rank, like gradcomp's BLAS (ranks share the cores).
+``reducer``: the README's NumPy path. Every rank keeps gradient arrays of the model's shapes
+(heavy-tailed, its own), refilled in place before each step, outside the clock (``np.copyto``
+from a saved copy: that stands in for the backward pass). A gradcomp method's step is
+``GradientReducer(arrays, gradcomp.make(spec), comm).step()``, one reducer per method, built once.
+PyTorch's hooks are called on the same bucket layout through ``HookBucket`` (a GradBucket
+stand-in; their bucket tensors are restored before each step, outside the clock): the
+single-collective hooks get every bucket at once (as DDP gives them), PowerSGD and quantization
+one bucket at a time (their callback-launched rounds would otherwise interleave differently on
+different ranks). Baseline row ``memcpy``: the refill itself.
+
+``ddp``: the DDP hook path. Every method gets its own ``torch.nn.parallel.DistributedDataParallel``
+(gloo, CPU, ``bucket_cap_mb``) over a module holding ``nn.Parameter``s of the model's shapes (the
+parameter storage is shared by all models; DDP's buckets are each model's own). Its backward is
+synthetic and cheap: the loss's gradient with respect to each parameter is a fixed per-rank
+heavy-tailed tensor (a custom autograd function hands it back; autograd copies it into a fresh
+``.grad`` as for any backward), the same work for every method. A step is ``zero_grad`` + forward +
+backward, timed whole: DDP runs the hooks during the backward and waits for them before it
+returns. The gradients are released right after each step, outside the clock, so one model's
+gradients are alive at a time. Rows: ``backward`` (the same module without DDP: the compute alone,
+no communication), ``ddp`` (DDP without a hook: its built-in allreduce, the reference), every
+gradcomp spec through ``gradcomp.torch.register(model, gradcomp.make(spec))`` (MPI under mpiexec;
+``gloo-`` methods over ``TorchCommunicator``), and PyTorch's hooks through
+``model.register_comm_hook``. Models are built once and warmed up (DDP rebuilds its buckets after
+the first step).
+
+On both paths: a step's time is the slowest rank's, after a barrier; the reported time is the
+median over ``--repeats`` steps that follow ``--warmup`` untimed ones (PowerSGD specs run with
+``start_iter=2``, so 3 warm-up steps make every timed step a compressed one). Minor page faults
+(``getrusage(RUSAGE_SELF).ru_minflt``, all threads of the rank) are counted around every timed
+step: ``faults_per_step`` is the median over steps of the largest count of any rank (gradcomp's
+steady state should allocate nothing; with glibc's defaults every fresh allocation of tens of MB
+costs first-touch faults). By default the timed steps go round-robin over the methods, so that a
+burst of load from other processes slows every method alike; ``--order blocks`` builds, warms up
+and times one method at a time (as a training run repeats one method; also only one method's
+memory is alive at a time, which BERT-sized runs with many methods need). The relative error is
+measured against the exact mean (a float64 MPI allreduce of everyone's gradients) on the first
+timed step, outside the clock; on the ``ddp`` path also against DDP's own result
+(``rel_diff_vs_ddp``). Bytes on the wire: gradcomp's compressors count them
+(``Compressor.stats()``); for PyTorch's hooks, the torch.distributed collectives they call are
+counted with the same bandwidth-optimal formulas (``gradcomp.comm.wire_bytes``); DDP's own
+allreduce by that formula. torch runs one thread per rank, like gradcomp's BLAS (ranks share the
+cores).
 
 Rank 0 prints ``@progress DONE TOTAL NAME`` lines (for the driver's progress bar) and writes the
 results as JSON to ``--out``.
@@ -31,20 +54,27 @@ import argparse
 import json
 import os
 import platform
+import resource
 import sys
 import time
 
 import numpy as np
 
-from ..bucket import pack
+from ..bucket import group, pack
 from ..comm import MPICommunicator, wire_bytes
-from .methods import METHODS, select
+from .methods import select
 from .shapes import heavy_tailed, model_shapes, numel
+
+PATHS = ("reducer", "ddp")
 
 
 def _progress(rank, done, total, name):
     if rank == 0:
         print(f"@progress {done} {total} {name}", flush=True)
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 class _TorchBytes:
@@ -67,8 +97,6 @@ class _TorchBytes:
 
             def counted(*args, _real=real, _kind=kind, _name=name, **kw):
                 t = args[1] if _name in ("all_gather", "all_gather_into_tensor") else args[0]
-                if _name == "all_gather_into_tensor":
-                    t = args[1]
                 self.bytes += wire_bytes(_kind, t.numel() * t.element_size(), self.size)
                 self.calls += 1
                 return _real(*args, **kw)
@@ -80,121 +108,375 @@ class _TorchBytes:
             setattr(self.dist, name, real)
 
 
-def _rel_error(outs, exact):
-    num = sum(float(np.sum((np.asarray(o, dtype=np.float64) - e) ** 2)) for o, e in zip(outs, exact))
-    den = sum(float(np.sum(e ** 2)) for e in exact)
+_CHUNK = 1 << 20
+
+
+def _rel_diff(outs, refs) -> float:
+    """``||outs - refs|| / ||refs||`` over all arrays, in float64, a chunk at a time (no
+    model-sized temporaries)."""
+    num = den = 0.0
+    for o, e in zip(outs, refs):
+        o, e = np.asarray(o).reshape(-1), np.asarray(e).reshape(-1)
+        for s in range(0, e.size, _CHUNK):
+            ref = e[s:s + _CHUNK].astype(np.float64, copy=False)
+            d = o[s:s + _CHUNK].astype(np.float64) - ref
+            num += float(d @ d)
+            den += float(ref @ ref)
     return float(np.sqrt(num / den)) if den > 0 else 0.0
 
 
+# -- cases: one method ready to step ---------------------------------------------------------------
 class _Case:
-    """One method ready to step: ``run_step()`` reduces every bucket once and returns the means."""
+    """``prepare()`` (untimed) then ``step()`` (timed); ``outputs()``: the mean per gradient array
+    after the step; ``release()`` (untimed) after the error has been measured."""
 
-    def __init__(self, name, kind, label, same_as, step, before=None):
-        self.name, self.kind, self.label, self.same_as = name, kind, label, same_as
-        self._step, self._before = step, before
+    kind = "baseline"
+
+    def __init__(self, name, label, method=None):
+        self.name, self.label, self.method = name, label, method
+        if method is not None:
+            self.kind, self.same_as, self.spec = method.kind, method.same_as, method.spec
+        else:
+            self.same_as = self.spec = None
+        self.compressor = None
 
     def prepare(self):
-        """Untimed, before each step: restore the buffers a method overwrites."""
-        if self._before:
-            self._before()
+        pass
 
-    def run_step(self, timed=False):
-        return self._step()
+    def step(self):
+        raise NotImplementedError
+
+    def outputs(self) -> list:
+        return []
+
+    def release(self):
+        pass
 
     def begin(self):
         """Called once before the timed steps (traffic counters start here)."""
 
+    def timed(self):
+        """Context of a timed step (the PyTorch hooks' byte counter)."""
+        return _Nothing()
+
     def traffic(self, steps):
         return 0.0, 0.0
 
+    def close(self):
+        pass
 
-class _GradcompCase(_Case):
-    def __init__(self, m, comp, step, before):
-        super().__init__(m.name, m.kind, repr(comp), m.same_as, step, before)
-        self.comp = comp
 
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _GradcompTraffic:
     def begin(self):
-        self._s0 = self.comp.stats()
+        self._s0 = self.compressor.stats()
 
     def traffic(self, steps):
-        s1 = self.comp.stats()
+        s1 = self.compressor.stats()
         n = max(s1["steps"] - self._s0["steps"], 1)
         return ((s1["bytes_sent"] - self._s0["bytes_sent"]) / n,
                 (s1["rounds"] - self._s0["rounds"]) / n)
 
 
-def _gradcomp_case(m, buckets, comm, shared):
-    """The buckets as DDP hands them to a hook: the hook's to overwrite (``Bucket.scratch``, as
-    PyTorch's hooks overwrite theirs), one set of working copies shared by every gradcomp method
-    and restored before each step, outside the clock."""
-    comp = m.build()
-    if "work" not in shared:
-        shared["work"] = [b.with_buffer(b.buffer.copy(), scratch=True) for b in buckets]
-    work = shared["work"]
+class _HookTraffic:
+    def begin(self):
+        self.counter = _TorchBytes(self.size)
 
-    def restore():
-        for w, b in zip(work, buckets):
-            np.copyto(w.buffer, b.buffer)
-
-    def step():
-        futures = [comp.reduce(w, comm) for w in work]
-        return [f.result() for f in futures]
-    return _GradcompCase(m, comp, step, restore)
-
-
-class _TorchCase(_Case):
-    def __init__(self, m, step, before, size):
-        super().__init__(m.name, m.kind, m.label, m.same_as, step, before)
-        self.counter = _TorchBytes(size)
-
-    def run_step(self, timed=False):
-        if not timed:
-            return self._step()
-        with self.counter:
-            return self._step()
+    def timed(self):
+        return self.counter
 
     def traffic(self, steps):
         return self.counter.bytes / steps, self.counter.calls / steps
 
 
-def _torch_setup(buckets, shared):
-    import torch
+# -- the reducer path -------------------------------------------------------------------------------
+class ReducerPath:
+    """Persistent gradient arrays (refilled before each step) and what every method shares."""
 
-    if not shared:
+    name = "reducer"
+
+    def __init__(self, args, grads, size):
+        self.args, self.size = args, size
+        self.grads = grads
+        self.saved = [g.copy() for g in grads]
+        self.comm = MPICommunicator()
+        self.shared: dict = {}
+        self._hook_buckets = None
+
+    def refill(self):
+        for g, s in zip(self.grads, self.saved):
+            np.copyto(g, s)
+
+    def baselines(self) -> list[_Case]:
+        return [_Memcpy(self)]
+
+    def reference(self) -> str | None:
+        return None
+
+    def case(self, m) -> _Case:
+        if m.kind == "gradcomp":
+            return _ReducerCase(self, m)
+        return _HookBucketCase(self, m)
+
+    def hook_buckets(self):
+        """The gradients in buckets (``gradcomp.bucket.pack``: the reducer's layout), as torch
+        tensors that every PyTorch hook reduces, restored from the saved gradients before each step."""
+        if self._hook_buckets is None:
+            import torch
+
+            _start_torch()
+            self._hook_buckets = [(b, members, torch.from_numpy(b.buffer))
+                                  for b, members in pack(self.saved, self.args.bucket_mb)]
+        return self._hook_buckets
+
+    def close(self):
+        self.comm.close()
+        for comm in self.shared.values():
+            comm.close()
+
+
+class _Memcpy(_Case):
+    def __init__(self, path):
+        super().__init__("memcpy", "refill of the gradient arrays (np.copyto: stands in for backward)")
+        self.path = path
+
+    def step(self):
+        self.path.refill()
+
+
+class _ReducerCase(_GradcompTraffic, _Case):
+    def __init__(self, path, m):
+        from ..reducer import GradientReducer
+
+        super().__init__(m.name, m.label, m)
+        self.path = path
+        self.compressor = m.build()
+        comm = m.communicator(path.shared) or path.comm
+        self.reducer = GradientReducer(path.grads, self.compressor, comm, path.args.bucket_mb)
+
+    def prepare(self):
+        self.path.refill()
+
+    def step(self):
+        self.reducer.step()
+
+    def outputs(self):
+        return self.path.grads
+
+    def close(self):
+        self.reducer = None
+
+
+class _HookBucketCase(_HookTraffic, _Case):
+    def __init__(self, path, m):
+        from .hookbucket import HookBucket
+
+        super().__init__(m.name, m.label, m)
+        self.path, self.size = path, path.size
+        self.buckets = path.hook_buckets()
+        self.state, self.hook = m.build(path.size)
+        self.ducks = [HookBucket(t, b.index, b.shapes, b.is_last) for b, _, t in self.buckets]
+        # Multi-round hooks launch their later collectives from completion callbacks on gloo's
+        # threads; with several buckets in flight the ranks can then issue them in different
+        # orders (gloo aborts: "Received data size doesn't match"). One bucket at a time keeps
+        # every rank's order the same. Single-collective hooks: all buckets in flight, as DDP does.
+        self.one_at_a_time = "powersgd" in m.name or "quantize" in m.name
+        self.results = None
+
+    def prepare(self):  # the hooks write into the bucket
+        from ..bucket import copy_in
+
+        for (b, members, t), duck in zip(self.buckets, self.ducks):
+            copy_in(b, self.path.saved, members)
+            duck.set_buffer(t)
+
+    def step(self):
+        if self.one_at_a_time:
+            self.results = [self.hook(self.state, d).wait() for d in self.ducks]
+        else:
+            futures = [self.hook(self.state, d) for d in self.ducks]
+            self.results = [f.wait() for f in futures]
+
+    def outputs(self):
+        out = [None] * len(self.path.grads)
+        for (b, members, _), result in zip(self.buckets, self.results):
+            for view, i in zip(b.views(result.numpy()), members):
+                out[i] = view.reshape(self.path.grads[i].shape)
+        return out
+
+    def release(self):
+        self.results = None
+
+
+# -- the DDP path -------------------------------------------------------------------------------------
+def _start_torch():
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
         from ..torch import init_process_group
 
         torch.set_num_threads(1)
         init_process_group("gloo")
-        # one set of bucket tensors for every hook: each step starts from the same gradients
-        shared["tensors"] = [torch.from_numpy(b.buffer.copy()) for b in buckets]
-        shared["originals"] = [torch.from_numpy(b.buffer) for b in buckets]
 
 
-def _torch_case(m, buckets, size, shared):
-    from .hookbucket import HookBucket
+_TORCH_CLASSES = {}
 
-    _torch_setup(buckets, shared)
-    tensors, originals = shared["tensors"], shared["originals"]
-    state, hook = m.build(size)
-    ducks = [HookBucket(t, b.index, b.shapes, b.is_last) for t, b in zip(tensors, buckets)]
 
-    def restore():  # the hooks write into the bucket
-        for d, t, o in zip(ducks, tensors, originals):
-            t.copy_(o)
-            d.set_buffer(t)
+def _torch_classes():
+    """(the autograd function, the module class), defined once torch is imported."""
+    if not _TORCH_CLASSES:
+        import torch
 
-    if "powersgd" in m.name or "quantize" in m.name:
-        # Multi-round hooks launch their later collectives from completion callbacks on gloo's
-        # threads; with several buckets in flight the ranks can then issue them in different
-        # orders (gloo aborts: "Received data size doesn't match"). One bucket at a time keeps
-        # every rank's order the same.
-        def step():
-            return [hook(state, d).wait().numpy() for d in ducks]
-    else:  # one collective per call, issued here: all buckets in flight, as DDP does
-        def step():
-            futures = [hook(state, d) for d in ducks]
-            return [f.wait().numpy() for f in futures]
-    return _TorchCase(m, step, restore, size)
+        class FixedGradient(torch.autograd.Function):
+            """loss = 0, d loss / d params[i] = consts[i]: a backward that costs what autograd's
+            bookkeeping costs (a fresh ``.grad`` per parameter), the same for every method."""
+
+            @staticmethod
+            def forward(ctx, consts, *params):
+                ctx.consts = consts
+                return params[0].new_zeros(())
+
+            @staticmethod
+            def backward(ctx, grad_output):
+                return (None, *ctx.consts)
+
+        class Gradients(torch.nn.Module):
+            """Parameters of the model's shapes over shared storage; gradients ``consts``."""
+
+            def __init__(self, storage, consts):
+                super().__init__()
+                self.params = torch.nn.ParameterList([torch.nn.Parameter(s) for s in storage])
+                self.consts = consts
+
+            def forward(self):
+                return FixedGradient.apply(self.consts, *self.params)
+
+        _TORCH_CLASSES.update(function=FixedGradient, module=Gradients)
+    return _TORCH_CLASSES
+
+
+class DDPPath:
+    name = "ddp"
+
+    def __init__(self, args, grads, size):
+        import torch
+
+        _start_torch()
+        self.args, self.size = args, size
+        self.numel = sum(g.size for g in grads)
+        self.consts = [torch.from_numpy(g) for g in grads]  # each rank's own fixed gradients
+        self.storage = [torch.zeros(g.shape) for g in grads]  # parameter values, for every model
+        self.shared: dict = {}
+
+    def module(self):
+        return _torch_classes()["module"](self.storage, self.consts)
+
+    def ddp(self):
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(self.module(), bucket_cap_mb=self.args.bucket_mb)
+
+    def baselines(self) -> list[_Case]:
+        return [_Backward(self), _DDPCase(self, None)]
+
+    def reference(self) -> str | None:
+        return "ddp"
+
+    def case(self, m) -> _Case:
+        return _DDPCase(self, m)
+
+    def close(self):
+        for comm in self.shared.values():
+            comm.close()
+
+
+class _ModelCase(_Case):
+    def step(self):
+        self.model.zero_grad(set_to_none=True)
+        loss = self.model()
+        loss.backward()
+
+    def outputs(self):
+        return [p.grad.numpy() for p in self.model.parameters()]
+
+    def release(self):
+        self.model.zero_grad(set_to_none=True)
+
+    def close(self):
+        self.model = None
+
+
+class _Backward(_ModelCase):
+    def __init__(self, path):
+        super().__init__("backward", "forward + backward without DDP (the compute alone)")
+        self.model = path.module()
+
+
+class _DDPCase(_ModelCase):
+    def __init__(self, path, m):
+        self.path, self.size = path, path.size
+        if m is None:
+            super().__init__("ddp", "DDP without a hook (its built-in allreduce, the reference)")
+            self.kind = "torch"
+        else:
+            super().__init__(m.name, m.label, m)
+        self.model = path.ddp()
+        if m is None:
+            return
+        if m.kind == "gradcomp":
+            from ..torch import register
+
+            self.compressor = m.build()
+            register(self.model, self.compressor, comm=m.communicator(path.shared))
+        else:
+            state, hook = m.build(path.size)
+            self.model.register_comm_hook(state, hook)
+
+    def begin(self):
+        if self.method is None:
+            return
+        if self.method.kind == "gradcomp":
+            _GradcompTraffic.begin(self)
+        else:
+            _HookTraffic.begin(self)
+
+    def timed(self):
+        if self.method is not None and self.method.kind == "torch":
+            return self.counter
+        return _Nothing()
+
+    def traffic(self, steps):
+        if self.method is None:  # DDP's own allreduce, not seen from Python: by the formula
+            return wire_bytes("allreduce", 4.0 * self.path.numel, self.size), None
+        if self.method.kind == "gradcomp":
+            return _GradcompTraffic.traffic(self, steps)
+        return _HookTraffic.traffic(self, steps)
+
+
+# -- the job --------------------------------------------------------------------------------------------
+def _exact_mean(world, grads):
+    from mpi4py import MPI
+
+    exact = []
+    for g in grads:
+        e = g.astype(np.float64)
+        world.Allreduce(MPI.IN_PLACE, e, op=MPI.SUM)
+        e /= world.Get_size()
+        exact.append(e)
+    return exact
+
+
+def _settings() -> dict:
+    """MPICH and glibc allocator variables set in the environment (not a default configuration)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("MPIR_CVAR_", "MALLOC_"))}
 
 
 def run(args) -> dict:
@@ -202,94 +484,167 @@ def run(args) -> dict:
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    comm = MPICommunicator()
     methods = select(args.methods, with_torch=None if args.torch == "auto" else args.torch == "on")
+    if args.path == "ddp" and args.torch == "off":
+        raise SystemExit("gradcomp.bench.worker: --path ddp needs torch (got --torch off)")
     shapes = model_shapes(args.model)
     grads = heavy_tailed(shapes, seed=args.seed + rank)
-    buckets = [b for b, _ in pack(grads, args.bucket_mb)]
-    del grads
-    exact = []
-    for b in buckets:
-        e = b.buffer.astype(np.float64)
-        world.Allreduce(MPI.IN_PLACE, e, op=MPI.SUM)
-        e /= size
-        exact.append(e)
-    # Phase 1, per method: build it and run the warm-up steps (the progress bar follows this).
-    # Phase 2: the timed steps, round-robin over the methods (repeat 1 of every method, then
-    # repeat 2 ...), so that load from other processes on a shared machine hits every method alike.
+    exact = _exact_mean(world, grads)
+    path = ReducerPath(args, grads, size) if args.path == "reducer" else DDPPath(args, grads, size)
+    reference_name = path.reference()
+    reference = None  # the reference method's first timed result (ddp path)
     total = len(methods) + 2
-    _progress(rank, 0, total, "memcpy")
-    cases = [_Case("memcpy", "baseline", "memcpy of the buckets", None,
-                   lambda: [b.buffer.copy() for b in buckets])]
+    _progress(rank, 0, total, "baselines")
     results = []
-    torch_state, work_state = {}, {}
-    for i, m in enumerate(methods):
-        try:
-            if m.kind == "gradcomp" and m.transport == "gloo":
-                _torch_setup(buckets, torch_state)
-                if "comm" not in torch_state:
-                    from ..torch import TorchCommunicator
+    times, faults, errors, diffs = {}, {}, {}, {}
 
-                    torch_state["comm"] = TorchCommunicator()
-                case = _gradcomp_case(m, buckets, torch_state["comm"], work_state)
-            elif m.kind == "gradcomp":
-                case = _gradcomp_case(m, buckets, comm, work_state)
-            else:
-                case = _torch_case(m, buckets, size, torch_state)
+    def open_case(i, m):
+        """The method built and warmed up, or None (its failure recorded)."""
+        try:
+            case = path.case(m)
             for _ in range(args.warmup):
                 case.prepare()
-                case.run_step()
-            cases.append(case)
+                case.step()
+                case.release()
+            return case
         except Exception as exc:  # a PyTorch hook whose own arithmetic fails (the same on every rank)
             if m.kind == "gradcomp":
                 raise
             world.Barrier()
             results.append(dict(method=m.name, kind=m.kind, label=m.label, same_as=m.same_as,
                                 error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"))
-        _progress(rank, i + 1, total, m.name)
-    for case in cases:
-        case.begin()
-    times = {c.name: [] for c in cases}
-    errors = {}
-    if args.order == "blocks":
-        schedule = [(case, rep) for case in cases for rep in range(args.repeats)]
-    else:
-        schedule = [(case, rep) for rep in range(args.repeats) for case in cases]
-    for case, rep in schedule:
-        if args.order == "blocks" and rep == 0:
-            case.prepare()
-            case.run_step()  # one more untimed step: the previous method's memory churn settles
-        case.prepare()  # restoring overwritten buckets is not part of the step
+            return None
+        finally:
+            _progress(rank, i + 1, total, m.name)
+
+    def timed_step(case, rep):
+        nonlocal reference
+        case.prepare()  # restoring overwritten gradients is not part of the step
         world.Barrier()
-        t0 = time.perf_counter()
-        outs = case.run_step(timed=True)
-        times[case.name].append(time.perf_counter() - t0)
-        if rep == 0:  # after the clock; kept as one number (BERT-sized copies of every method's
-            # results would not fit in memory)
-            errors[case.name] = 0.0 if case.kind == "baseline" else _rel_error(outs, exact)
-        # Let go of this step's results before the next one, as training reuses its gradient
-        # memory: kept alive, the next step's results need fresh pages, and on this VM first
-        # touching 100 MB costs up to 400 ms (that was every method's second timed step).
-        del outs
-    _progress(rank, total - 1, total, "timed steps")
+        with case.timed():
+            f0 = _minor_faults()
+            t0 = time.perf_counter()
+            case.step()
+            t = time.perf_counter() - t0
+            f = _minor_faults() - f0
+        times[case.name].append(t)
+        faults[case.name].append(f)
+        if rep == 0:  # after the clock, kept as numbers (a copy per method would not fit in memory)
+            if case.kind == "baseline":
+                errors[case.name] = 0.0
+            else:
+                outs = case.outputs()
+                errors[case.name] = _rel_diff(outs, exact)
+                if case.name == reference_name:
+                    reference = [np.array(o, copy=True) for o in outs]
+                elif reference is not None and case.kind != "baseline":
+                    diffs[case.name] = _rel_diff(outs, reference)
+                del outs
+        # Let go of this step's results before the next one, as training reuses its gradient memory
+        case.release()
+
+    baselines = path.baselines()
+    for case in baselines:
+        for _ in range(args.warmup):
+            case.prepare()
+            case.step()
+            case.release()
+    cases = list(baselines)
     for case in cases:
-        slowest = np.array(times[case.name])
+        times[case.name], faults[case.name] = [], []
+    if args.order == "blocks":
+        closed = []
+        for case in cases:
+            case.begin()
+            for rep in range(args.repeats):
+                timed_step(case, rep)
+        for i, m in enumerate(methods):
+            case = open_case(i, m)
+            if case is None:
+                continue
+            times[case.name], faults[case.name] = [], []
+            case.prepare()
+            case.step()  # one more untimed step: the previous method's memory churn settles
+            case.release()
+            case.begin()
+            for rep in range(args.repeats):
+                timed_step(case, rep)
+            closed.append(_summary(case, args.repeats))
+            case.close()
+        finished = [_summary(c, args.repeats) for c in cases] + closed
+    else:
+        for i, m in enumerate(methods):
+            case = open_case(i, m)
+            if case is not None:
+                cases.append(case)
+                times[case.name], faults[case.name] = [], []
+        for case in cases:
+            case.begin()
+        for rep in range(args.repeats):
+            for case in cases:
+                timed_step(case, rep)
+        finished = [_summary(c, args.repeats) for c in cases]
+    _progress(rank, total - 1, total, "timed steps")
+    for row in finished:
+        name = row["method"]
+        slowest = np.array(times[name])
         world.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
-        nbytes, rounds = case.traffic(args.repeats)
-        err = errors[case.name]
-        results.append(dict(method=case.name, kind=case.kind, label=case.label, same_as=case.same_as,
-                            times_s=slowest.tolist(), time_s=float(np.median(slowest)),
-                            bytes_per_rank=nbytes, rounds_per_step=rounds, rel_error=err))
-    order = ["memcpy"] + [m.name for m in methods]
+        most = np.array(faults[name], dtype=np.int64)
+        world.Allreduce(MPI.IN_PLACE, most, op=MPI.MAX)
+        row.update(times_s=slowest.tolist(), time_s=float(np.median(slowest)),
+                   faults=most.tolist(), faults_per_step=float(np.median(most)),
+                   rel_error=errors[name])
+        if name in diffs:
+            row["rel_diff_vs_" + reference_name] = diffs[name]
+        results.append(row)
+    order = [c.name for c in baselines] + [m.name for m in methods]
     results.sort(key=lambda r: order.index(r["method"]))
+    for case in cases:
+        case.close()
+    path.close()
     _progress(rank, total, total, "done")
-    comm.close()
-    if "comm" in torch_state:
-        torch_state["comm"].close()
-    return dict(model=args.model, ranks=size, numel=numel(shapes), buckets=len(buckets),
-                bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup, order=args.order,
-                host=platform.node(), cpus=os.cpu_count(), network=os.environ.get("GRADCOMP_NETWORK", ""),
-                results=_with_ratios(results, numel(shapes), size))
+    n = numel(shapes)
+    by = {r["method"]: r for r in results}
+    job = dict(model=args.model, ranks=size, path=args.path, numel=n,
+               buckets=len(group(grads, args.bucket_mb)), bucket_mb=args.bucket_mb,
+               repeats=args.repeats, warmup=args.warmup, order=args.order, host=platform.node(),
+               cpus=os.cpu_count(), network=os.environ.get("GRADCOMP_NETWORK", ""),
+               settings=_settings(), tag=args.tag or "",
+               results=_with_ratios(results, n, size))
+    if "backward" in by and "time_s" in by["backward"]:
+        job["compute_s"] = by["backward"]["time_s"]
+    try:
+        import torch
+
+        job["torch"] = torch.__version__
+    except ImportError:
+        pass
+    if args.tag:
+        _apply_tag(job["results"], args.tag)
+    return job
+
+
+def _summary(case, steps) -> dict:
+    nbytes, rounds = case.traffic(steps)
+    row = dict(method=case.name, kind=case.kind, label=case.label, same_as=case.same_as,
+               bytes_per_rank=nbytes, rounds_per_step=rounds)
+    if case.spec is not None:
+        row["spec"] = case.spec
+    if case.compressor is not None:
+        row["compressor"] = repr(case.compressor)
+        row["label"] = case.label or row["compressor"]
+    return row
+
+
+def _apply_tag(rows, tag):
+    """Method names become ``NAME (TAG)`` (baselines keep theirs): rows of a run under a special
+    setting (``--tag "MPICH ring, tuned"``) never pass for the default ones in a report."""
+    for r in rows:
+        if r.get("kind") == "baseline":
+            continue
+        r["method"] = f"{r['method']} ({tag})"
+        if r.get("same_as"):
+            r["same_as"] = f"{r['same_as']} ({tag})"
 
 
 def _with_ratios(results, n, size):
@@ -298,10 +653,10 @@ def _with_ratios(results, n, size):
     for r in results:
         if "time_s" not in r:
             continue
-        for base in ("memcpy", "allreduce", "fp16"):
+        for base in ("memcpy", "backward", "ddp", "allreduce", "fp16"):
             if base in by and by[base]["time_s"] > 0:
                 r[f"time_vs_{base}"] = r["time_s"] / by[base]["time_s"]
-        if r["method"] != "memcpy":
+        if r["kind"] != "baseline":
             r["compression_ratio"] = fp32_bytes / r["bytes_per_rank"] if r["bytes_per_rank"] else None
         twin = by.get(r.get("same_as") or "")
         if twin is not None:
@@ -312,19 +667,26 @@ def _with_ratios(results, n, size):
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gradcomp.bench.worker",
                                 description="one benchmark job on every rank of an mpiexec launch")
+    p.add_argument("--path", choices=PATHS, default="reducer",
+                   help="reducer: GradientReducer on NumPy arrays (the README path); ddp: "
+                        "DistributedDataParallel with each method as its comm hook")
     p.add_argument("--model", default="resnet50", help="resnet50, bert-base or tiny")
-    p.add_argument("--methods", default="all", help=f"comma-separated from: all, gradcomp, torch, "
-                   f"{', '.join(METHODS)}")
+    p.add_argument("--methods", default="all",
+                   help="comma-separated: all, gradcomp, torch, everything, compressor specs "
+                        "(NAME[:key=value,...] from gradcomp.REGISTRY; gloo-SPEC over gloo), "
+                        "torch-* hooks, mpi-allreduce (see gradcomp.bench.methods)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 2 for PowerSGD)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 3 for PowerSGD)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--order", choices=("round-robin", "blocks"), default="round-robin",
                    help="timed steps round-robin over the methods (spreads load from other "
-                        "processes over all methods alike) or each method's steps in one block "
-                        "(steady state, as in training: no allocation churn from the other "
-                        "methods between steps)")
+                        "processes over all methods alike) or each method built, warmed up and "
+                        "timed in one block (steady state, as in training; one method's memory "
+                        "alive at a time)")
     p.add_argument("--torch", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--tag", default="", help="append ' (TAG)' to every method name in the results "
+                   "(a run under a non-default setting, e.g. 'MPICH ring, tuned')")
     p.add_argument("--out", required=True, help="JSON file rank 0 writes")
     return p
 

@@ -33,7 +33,7 @@ import weakref
 import numpy as np
 
 _TAG = 7301
-_MAX_COMMS = 62  # counts carried per goodbye message
+_MAX_COMMS = 31  # (communicator id, collectives) pairs carried per goodbye message
 _POLL_S = 0.2
 
 _guard: "JobGuard | None" = None
@@ -58,9 +58,9 @@ class JobGuard:
         self.world = MPI.COMM_WORLD
         self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
         self.comm = self.world.Dup()
-        self._communicators: list[weakref.ref] = []
-        self.departed: dict[int, np.ndarray] = {}  # rank -> collectives it completed, per communicator
-        self._buf = np.zeros(_MAX_COMMS + 1, np.int64)
+        self._communicators: dict[int, weakref.ref] = {}  # id -> communicator
+        self.departed: dict[int, dict[int, int]] = {}  # rank -> {communicator id: collectives done}
+        self._buf = np.zeros(2 * _MAX_COMMS + 1, np.int64)
         self._stop = threading.Event()
         self._aborting = False
         self._req = None
@@ -74,20 +74,30 @@ class JobGuard:
         atexit.register(self._at_exit)
 
     # -- registration ---------------------------------------------------------------------------------
-    def register(self, communicator) -> int:
-        """Number ``communicator`` (creation order, the same on every rank) and watch it."""
-        self._communicators.append(weakref.ref(communicator))
-        return len(self._communicators) - 1
+    def register(self, communicator, mpi_comm) -> int:
+        """Watch ``communicator`` (over ``mpi_comm``); returns its id, the same on each of its ranks:
+        a digest of its members' world ranks and how many watched communicators of the same
+        members came before (they are created collectively, so in the same order)."""
+        from ..bucket import digest
 
-    def check(self, number: int, index: int) -> None:
+        members = tuple(mpi_comm.Get_group().Translate_ranks(list(range(mpi_comm.Get_size())),
+                                                            self.world.Get_group()))
+        earlier = sum(1 for ref in self._communicators.values()
+                      if ref() is not None and getattr(ref(), "_members", None) == members)
+        communicator._members = members
+        ident = digest(repr((members, earlier))) & 0x3FFFFFFFFFFFFFFF
+        self._communicators[ident] = weakref.ref(communicator)
+        return ident
+
+    def check(self, ident: int, index: int) -> None:
         """Called before a communicator starts collective ``index`` (0-based): abort if a rank that
         left completed fewer collectives than that, because it will never join this one."""
-        for rank, counts in list(self.departed.items()):
-            done = int(counts[number]) if number < counts.shape[0] else 0
-            if index >= done:
+        for rank, done_by_comm in list(self.departed.items()):
+            done = done_by_comm.get(ident)
+            if done is not None and index >= done:
                 self.abort(f"rank {rank} left the job (its process exited) after {done} collectives "
-                           f"on gradcomp communicator #{number}; this rank needs collective "
-                           f"#{index + 1} from it, which can never complete")
+                           f"on this gradcomp communicator; this rank needs collective #{index + 1} "
+                           "from it, which can never complete")
 
     # -- ending the job ----------------------------------------------------------------------------------
     def abort(self, why: str, code: int = 1) -> None:
@@ -106,24 +116,23 @@ class JobGuard:
                        "(set GRADCOMP_ABORT_ON_EXCEPTION=0 to leave it to MPI)")
 
     def _live(self):
-        return [(i, ref()) for i, ref in enumerate(self._communicators) if ref() is not None]
+        return [(i, ref()) for i, ref in self._communicators.items() if ref() is not None]
 
     def _at_exit(self):
         if self.size == 1 or self.MPI.Is_finalized():
             return
-        for number, comm in self._live():
+        live = self._live()
+        for _, comm in live:
             if comm.broken is not None:
-                self.abort(f"exiting after a failed reduction on gradcomp communicator #{number}")
+                self.abort("exiting after a failed reduction on a gradcomp communicator")
             if comm.busy:
-                self.abort(f"exiting with gradcomp work still in flight on communicator #{number} "
-                           "(wait for every future before the process ends)")
-        counts = np.zeros(_MAX_COMMS + 1, np.int64)
-        live = dict(self._live())
-        n = min(len(self._communicators), _MAX_COMMS)
-        counts[0] = n
-        for number in range(n):
-            comm = live.get(number)
-            counts[1 + number] = comm.collectives if comm is not None else np.iinfo(np.int64).max
+                self.abort("exiting with gradcomp work still in flight (wait for every future "
+                           "before the process ends)")
+        counts = np.zeros_like(self._buf)
+        live = live[:_MAX_COMMS]
+        counts[0] = len(live)
+        for k, (ident, comm) in enumerate(live):
+            counts[1 + 2 * k], counts[2 + 2 * k] = ident, comm.collectives
         sends = [self.comm.Isend([counts, self.MPI.INT64_T], dest=r, tag=_TAG)
                  for r in range(self.size) if r != self.rank]
         self.MPI.Request.Waitall(sends)
@@ -141,14 +150,15 @@ class JobGuard:
             try:
                 while self._req.Test(status):
                     n = int(self._buf[0])
-                    self.departed[status.Get_source()] = self._buf[1:1 + n].copy()
+                    pairs = self._buf[1:1 + 2 * n].reshape(n, 2)
+                    self.departed[status.Get_source()] = {int(i): int(c) for i, c in pairs}
                     self._req = self.comm.Irecv([self._buf, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=_TAG)
                     self._check_running()
             except Exception:  # MPI finalized under us: the process is ending anyway
                 return
 
     def _check_running(self):
-        for number, comm in self._live():
+        for ident, comm in self._live():
             started = comm.collectives
             if comm.busy and started > 0:
-                self.check(number, started - 1)
+                self.check(ident, started - 1)

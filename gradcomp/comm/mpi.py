@@ -98,7 +98,7 @@ class MPICommunicator(OrderedCommunicator):
         self._blocks: dict[tuple, object] = {}
         pin_blas_threads(blas_threads)
         self._start("gradcomp-mpi", abort_grace_s, pipeline_depth)
-        self._number = self._guard.register(self)
+        self._ident = self._guard.register(self, self.comm) if self.size > 1 else None
 
     def __repr__(self):
         return f"MPICommunicator(rank={self.rank}, size={self.size}, cuda_aware={self.cuda_aware})"
@@ -107,8 +107,8 @@ class MPICommunicator(OrderedCommunicator):
         self.comm.Abort(code)
 
     def _count(self, kind: str, nbytes: float) -> None:
-        if self.size > 1:
-            self._guard.check(self._number, self.collectives)
+        if self._ident is not None:
+            self._guard.check(self._ident, self.collectives)
         super()._count(kind, nbytes)
 
     # -- buffers -----------------------------------------------------------------------------

@@ -18,22 +18,30 @@ from .quantize import QuantizePerChannel, QuantizePerTensor
 
 
 def _register_builtins() -> None:
+    from functools import partial
+
     from ..powersgd import BatchedPowerSGD, PowerSGD
+
+    def half(wrapper, inner):
+        def factory(**kwargs):
+            return wrapper(inner(**kwargs))
+        return factory
 
     register("allreduce", Allreduce)
     register("allgather", Allgather)
-    register("fp16", lambda: FP16(Allreduce()))
-    register("bf16", lambda: BF16(Allreduce()))
+    register("fp16", half(FP16, Allreduce))
+    register("bf16", half(BF16, Allreduce))
     register("quantize-tensor", QuantizePerTensor)
     register("quantize-channel", QuantizePerChannel)
     # PowerSGD: rank 2 after a 10-step warm-up (one epoch of the 4-rank digits demo).
-    register("powersgd", lambda: PowerSGD(rank=2, start_iter=10))
-    register("fp16-powersgd", lambda: FP16(PowerSGD(rank=2, start_iter=10)))
-    register("powersgd-noef", lambda: PowerSGD(rank=2, start_iter=10, error_feedback=False))
+    powersgd = partial(PowerSGD, rank=2, start_iter=10)
+    register("powersgd", powersgd)
+    register("fp16-powersgd", half(FP16, powersgd))
+    register("powersgd-noef", partial(powersgd, error_feedback=False))
     # One round per step sends half the factors each step: rank 4 costs what two-round rank 2 costs.
-    register("powersgd-1round", lambda: PowerSGD(rank=4, start_iter=10, rounds=1))
+    register("powersgd-1round", partial(PowerSGD, rank=4, start_iter=10, rounds=1))
     # The whole-bucket square mixes layers, so it needs more rank (rank 1 lost 9 points on digits).
-    register("batched-powersgd", lambda: BatchedPowerSGD(rank=8, start_iter=10))
+    register("batched-powersgd", partial(BatchedPowerSGD, rank=8, start_iter=10))
 
 
 _register_builtins()

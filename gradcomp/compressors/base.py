@@ -54,10 +54,28 @@ class Compressor:
     or by overriding ``config``), and, if stateful, ``agreement_state`` and the state-dict pair.
     """
 
-    #: what a NaN or Inf at one position of one rank's bucket does to the result (the conformance
-    #: kit checks it): "element" (that position only), "chunk" (its 512-value chunk), "tensor",
-    #: "bucket", or None (not declared).
+    # -- declared behaviour, checked by the conformance kit (gradcomp.conformance) ----------------
+    #: what a NaN or Inf at one position of one rank's bucket does to the result: "element" (that
+    #: position and nothing else), "chunk" (exactly its 512-value chunk), "tensor" (that position
+    #: and possibly more of its tensor, nothing outside), "bucket" (that position and possibly
+    #: anything else in the bucket), or None (not declared: the kit then only checks that replicas
+    #: agree and that later steps are clean).
     nan_effect: str | None = None
+    #: without an analytic ``error_bound`` and without error feedback: the largest relative error
+    #: ``|out - mean| / |mean|`` allowed on the kit's structured signal (low-rank, heavy-tailed
+    #: tensors plus per-rank noise). 1.0 is what returning zeros achieves.
+    relative_error_limit: float = 0.9
+
+    def error_bound(self, inputs, dtype):
+        """Largest allowed ``|result - mean|`` per element of one step, given every rank's input
+        (a (ranks, n) float64 array) and the bucket dtype; None when there is no analytic bound."""
+        return None
+
+    @property
+    def error_feedback_on(self) -> bool:
+        """Whether compression error is fed back into later steps: the kit then checks that the
+        error accumulated over many steps stays bounded instead of the error of each step."""
+        return False
 
     def __init__(self):
         self._stats = dict(calls=0, steps=0, input_bytes=0, bytes_sent=0.0, rounds=0,

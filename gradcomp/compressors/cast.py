@@ -48,14 +48,19 @@ class Cast(Compressor):
     def nan_effect(self):  # type: ignore[override]
         return self.inner.nan_effect
 
+    @property
+    def relative_error_limit(self):  # type: ignore[override]
+        return self.inner.relative_error_limit
+
+    @property
+    def error_feedback_on(self) -> bool:
+        return self.inner.error_feedback_on
+
     def error_bound(self, inputs, dtype):
         """The inner method's bound on half-precision inputs, plus the two casts."""
-        inner = getattr(self.inner, "error_bound", None)
-        if inner is None:
-            return None
         hdt = np.float16 if self.half == "float16" else ml_dtypes.bfloat16
         rounded = inputs.astype(hdt).astype(np.float64)
-        bound = inner(rounded, hdt)
+        bound = self.inner.error_bound(rounded, hdt)
         if bound is None:
             return None
         eps_h, eps = float(ml_dtypes.finfo(hdt).eps), float(ml_dtypes.finfo(dtype).eps)

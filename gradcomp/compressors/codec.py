@@ -64,11 +64,6 @@ class Codec(Compressor):
         """The dtype messages are decoded and summed in (allgather and two-stage)."""
         return np.dtype(np.float64) if dtype_name(compute) == "float64" else np.dtype(np.float32)
 
-    def error_bound(self, inputs: np.ndarray, dtype) -> np.ndarray | None:
-        """Largest allowed ``|result - mean|`` per element, given every rank's input (rows, as
-        float64) and the bucket dtype; None when there is no analytic bound."""
-        return None
-
     # -- the runner -----------------------------------------------------------------------------------
     def prepare(self, bucket, comm, workspace):
         return _prepare(self, bucket, comm, workspace, None)

@@ -148,6 +148,13 @@ class PowerSGD(Compressor):
         """Steps completed (``is_last`` buckets reduced), warm-up included."""
         return self._step
 
+    nan_effect = "tensor"
+    relative_error_limit = 0.5  # one power iteration on a low-rank signal (no error feedback)
+
+    @property
+    def error_feedback_on(self) -> bool:
+        return self.error_feedback
+
     # -- the local stage ---------------------------------------------------------------------------
     def prepare(self, bucket: Bucket, comm: Communicator, workspace) -> _Work:
         step = self._step
@@ -407,6 +414,8 @@ class BatchedPowerSGD(PowerSGD):
     Its warm-start factors belong to the bucket's layout (the square has no tensors), so they
     restart after DDP's bucket rebuild. Same parameters as ``PowerSGD`` (``batched`` is implied).
     """
+
+    nan_effect = "bucket"  # the square mixes every tensor of the bucket
 
     def __init__(self, rank: int = 1, start_iter: int = 1000, **kwargs):
         kwargs.pop("batched", None)

@@ -1,0 +1,130 @@
+"""The conformance kit: the contract every gradcomp compressor, built-in or third-party, must meet.
+
+    python -m gradcomp.conformance my_package.topk:make_topk          # your factory, 1-3 ranks
+    python -m gradcomp.conformance my_module:MyCodec --ranks 2,4
+    python -m gradcomp.conformance --registered fp16 powersgd          # registered names
+    python -m gradcomp.conformance --all-registered
+
+It runs the checks below under real ``mpiexec`` at each rank count and exits non-zero on any
+failure or hang (``--timeout``). ``module:factory`` is imported from the current directory; the
+factory takes no arguments and returns a fresh ``gradcomp.Compressor`` each call.
+
+The checks (``checks.CHECKS``):
+
+* ``shapes``: lengths 0, 1, 511, 512, 513, 1009 and a bucket with tensors, two buckets a step: the
+  output keeps the input's length and dtype, the input is untouched, every rank holds the same
+  bits, a scratch bucket gives the same bits, and each step is within the declared
+  ``error_bound`` (when the compressor declares one);
+* ``dtypes``: float16, bfloat16, float32, float64 buckets, the same promises;
+* ``accuracy``: on a structured signal (low-rank, heavy-tailed tensors plus per-rank noise), a
+  method with error feedback (``error_feedback_on``) must keep the error accumulated over 48 steps
+  under 25% of the summed means and shrinking; any other method must stay within its declared
+  ``relative_error_limit`` (default 0.9). A compressor that returns zeros or a constant fails;
+* ``non-finite``: NaN and Inf on one rank keep replicas identical, reach the output with the
+  declared ``nan_effect`` ("element", "chunk", "tensor", "bucket"), and later steps are clean;
+* ``checkpoint``: ``state_dict()`` is plain (``numpy.savez`` without pickling), a fresh compressor
+  loaded with it continues bit for bit, and empty, truncated, mistyped or unknown state is refused
+  with ``ValueError`` without changing anything;
+* ``mismatches``: lengths, dtypes, unusable buffers, other configurations and (for stateful
+  compressors) one rank a few steps ahead all raise ``CollectiveError`` on every rank, and the
+  communicator stays usable;
+* ``schedule``: inside ``Schedule`` the compressor reduces exactly as alone and hands its
+  error-feedback residuals to the next stage.
+
+Writing a compressor: a single-collective method subclasses ``gradcomp.Codec`` (``message_size``,
+``encode``, ``decode``, the collective, and what it promises: ``error_bound``, ``nan_effect``,
+``relative_error_limit``); wrap it in ``gradcomp.ErrorFeedback`` for error feedback. A multi-round
+method subclasses ``gradcomp.Compressor`` and implements ``run(bucket, comm)`` (or ``prepare`` +
+``finish``), declares its configuration through its ``__init__`` parameters and its
+step-dependent state in ``agreement_state``, and, if stateful, ``state_dict``/``load_state_dict``.
+Register it with ``gradcomp.register(name, factory)`` or the ``gradcomp.compressors`` entry point.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..launcher import run as launch
+
+
+@dataclass
+class Outcome:
+    target: str
+    ranks: int
+    passed: list[str]
+    failed: str | None      # the failing check and why, or None
+    output: str
+
+    @property
+    def ok(self) -> bool:
+        return self.failed is None
+
+
+def run(target: str, ranks: Sequence[int] = (1, 2, 3), checks: Sequence[str] | None = None,
+        timeout: float = 600) -> list[Outcome]:
+    """Run the kit on ``target`` (``module:factory`` or ``registry:SPEC``) at each rank count."""
+    from .checks import CHECKS
+
+    names = list(checks) if checks else list(CHECKS)
+    unknown = [c for c in names if c not in CHECKS]
+    if unknown:
+        raise ValueError(f"unknown checks {unknown}; known: {', '.join(CHECKS)}")
+    cwd = os.getcwd()
+    env = {"PYTHONPATH": cwd + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    outcomes = []
+    for n in ranks:
+        result = launch(n, ["-m", "gradcomp.conformance.checks", target, *names], timeout=timeout,
+                        env=env, cwd=cwd)
+        passed = re.findall(r"^CONFORMANCE-PASS (\S+)", result.output, re.M)
+        fail = re.search(r"^CONFORMANCE-FAIL (.*)$", result.output, re.M)
+        if result.hung:
+            failed = f"hang: no result within {timeout:g} s (after {', '.join(passed) or 'no check'})"
+        elif fail:
+            failed = fail.group(1)
+        elif result.returncode != 0 or len(passed) != len(names):
+            tail = "\n".join(result.output.strip().splitlines()[-12:])
+            failed = f"the job failed (exit {result.returncode}):\n{tail}"
+        else:
+            failed = None
+        outcomes.append(Outcome(target, n, passed, failed, result.output))
+    return outcomes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    from .. import REGISTRY
+    from .checks import CHECKS
+
+    p = argparse.ArgumentParser(prog="python -m gradcomp.conformance", description=__doc__.split("\n\n")[0])
+    p.add_argument("targets", nargs="*", metavar="MODULE:FACTORY")
+    p.add_argument("--registered", nargs="+", default=[], metavar="NAME",
+                   help="registered compressor names (or name:key=value specs)")
+    p.add_argument("--all-registered", action="store_true", help="every name in gradcomp.REGISTRY")
+    p.add_argument("--ranks", default="1,2,3", help="comma-separated rank counts (default 1,2,3)")
+    p.add_argument("--checks", default=",".join(CHECKS), help="comma-separated (default: all)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per mpiexec job")
+    p.add_argument("-v", "--verbose", action="store_true", help="print each job's output")
+    args = p.parse_args(argv)
+    targets = list(args.targets) + [f"registry:{n}" for n in args.registered]
+    if args.all_registered:
+        targets += [f"registry:{n}" for n in REGISTRY]
+    if not targets:
+        p.error("name a MODULE:FACTORY, --registered NAME or --all-registered")
+    ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
+    checks = [c for c in args.checks.split(",") if c.strip()]
+    failures = 0
+    for target in targets:
+        for outcome in run(target, ranks, checks, args.timeout):
+            status = "ok" if outcome.ok else "FAILED"
+            print(f"{target} at {outcome.ranks} rank(s): {status} ({len(outcome.passed)}/{len(checks)} checks)")
+            if args.verbose or not outcome.ok:
+                if outcome.failed:
+                    print("  " + outcome.failed.replace("\n", "\n  "))
+            failures += not outcome.ok
+    print(f"{len(targets)} compressor(s), {failures} failing job(s)")
+    sys.stdout.flush()
+    return 1 if failures else 0

@@ -1,0 +1,367 @@
+"""The conformance checks, run on every rank of one ``mpiexec`` job.
+
+    mpiexec -n 3 python -m gradcomp.conformance.checks TARGET [CHECK ...]
+
+TARGET is ``module:factory`` (importable from the current directory) or ``registry:SPEC``. Every
+check is collective and ends with every rank agreeing; an assertion that fails on one rank prints
+``CONFORMANCE-FAIL <check>: <why>`` and aborts the job (a failed check must not leave the other
+ranks waiting in the next collective). Rank 0 prints ``CONFORMANCE-PASS <check>`` per check.
+"""
+from __future__ import annotations
+
+import importlib
+import io
+import sys
+import traceback
+
+import ml_dtypes
+import numpy as np
+
+import gradcomp as gc
+
+from .signals import LAYOUT, LENGTHS, digest, numel, relative_error, structured, tensor_of
+
+STEPS = 14          # past the 10-step warm-up of the registered PowerSGD variants
+LONG = 48           # steps of the accumulated-error check
+NAN_AT = 700        # a position in the second 512-value chunk, inside LAYOUT's last matrix
+
+
+class Kit:
+    """What every check needs: the factory, the communicator, and collective helpers."""
+
+    def __init__(self, build, comm):
+        self.build, self.comm = build, comm
+        self.rank, self.size = comm.rank, comm.size
+
+    def everyone(self, value):
+        return self.comm.comm.allgather(value)  # the kit's own bookkeeping, not the library's
+
+    def same_everywhere(self, out, where: str) -> None:
+        digests = self.everyone(digest(out))
+        assert len(set(digests)) == 1, f"{where}: ranks hold different results"
+
+    def inputs(self, local) -> np.ndarray:
+        """Every rank's input, as a (ranks, n) float64 array."""
+        return np.stack(self.everyone(np.asarray(local).astype(np.float64)))
+
+    def reduce(self, comp, g, index=0, layout=None, last=True, scratch=False):
+        given = g.copy()
+        bucket = gc.Bucket(g, index, layout, last, scratch=scratch)
+        out = comp.reduce(bucket, self.comm).result()
+        assert out.dtype == g.dtype, f"output dtype {out.dtype} != input dtype {g.dtype}"
+        assert out.shape == g.shape, f"output shape {out.shape} != input shape {g.shape}"
+        if not scratch:
+            assert np.array_equal(g.view(np.uint8), given.view(np.uint8)), "the input buffer was modified"
+        return out
+
+    def check_bound(self, comp, local, out, dtype, where):
+        self.same_everywhere(out, where)
+        inputs = self.inputs(local)
+        limit = comp.error_bound(inputs, dtype)
+        if limit is None or not out.size:
+            return
+        err = np.abs(out.astype(np.float64) - inputs.mean(axis=0))
+        worst = int(np.argmax(err - limit))
+        assert (err <= limit).all(), (f"{where}: error {err[worst]:.3g} exceeds the declared bound "
+                                      f"{limit[worst]:.3g} at position {worst}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the checks
+# ---------------------------------------------------------------------------------------------
+def check_shapes(kit: Kit) -> None:
+    """Lengths 0, 1, 511-513 and a prime next to a bucket with a layout, two buckets a step, past
+    any warm-up: output length and dtype, input untouched, bit-identical replicas, the declared
+    per-step bound; a scratch bucket gives the same bits."""
+    rng = np.random.default_rng(100 + kit.rank)
+    for length in LENGTHS:
+        comp, twin = kit.build(), kit.build()
+        for step in range(STEPS):
+            a = rng.standard_normal(numel(LAYOUT)).astype(np.float32)
+            b = rng.standard_t(4, length).astype(np.float32)
+            out_a = kit.reduce(comp, a, 0, LAYOUT, last=False)
+            out_b = kit.reduce(comp, b, 1, last=True)
+            scratch_a = kit.reduce(twin, a.copy(), 0, LAYOUT, last=False, scratch=True)
+            scratch_b = kit.reduce(twin, b.copy(), 1, last=True, scratch=True)
+            assert np.array_equal(out_a.view(np.uint8), scratch_a.view(np.uint8)), "scratch bucket differs"
+            assert np.array_equal(out_b.view(np.uint8), scratch_b.view(np.uint8)), "scratch bucket differs"
+            kit.check_bound(comp, a, out_a, np.float32, f"layout bucket, step {step}")
+            kit.check_bound(comp, b, out_b, np.float32, f"length {length}, step {step}")
+        stats = comp.stats()
+        assert stats["calls"] == 2 * STEPS and stats["steps"] == STEPS, f"stats count {stats}"
+        if kit.size > 1 and length > 0:
+            assert stats["bytes_sent"] > 0, "no bytes counted"
+
+
+def check_dtypes(kit: Kit) -> None:
+    """float16, bfloat16, float32 and float64 buckets keep their dtype and the declared bound."""
+    rng = np.random.default_rng(7 + kit.rank)
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
+        comp = kit.build()
+        for step in range(STEPS):
+            x = (rng.standard_normal(777) * 0.1).astype(dtype)
+            out = kit.reduce(comp, x, 0, [(37, 21)])
+            kit.check_bound(comp, x, out, dtype, f"{np.dtype(dtype).name} step {step}")
+
+
+def check_accuracy(kit: Kit) -> None:
+    """On a structured signal (low-rank heavy-tailed tensors plus per-rank noise): methods with error
+    feedback keep the error accumulated over many steps small and shrinking; others stay within
+    their declared relative error. A compressor that returns zeros or a constant fails here."""
+    comp = kit.build()
+    shared = np.random.default_rng(11)
+    own = np.random.default_rng([12, kit.rank])
+    sum_out = np.zeros(numel(LAYOUT))
+    sum_mean = np.zeros(numel(LAYOUT))
+    lags, errors = {}, []
+    signal = structured(LAYOUT, shared, own)
+    for step in range(LONG):
+        x = (signal + 0.3 * np.abs(signal).mean() * own.standard_normal(signal.size)).astype(np.float32)
+        out = kit.reduce(comp, x, 0, LAYOUT)
+        kit.same_everywhere(out, f"step {step}")
+        mean = kit.inputs(x).mean(axis=0)
+        errors.append(relative_error(out, mean))
+        sum_out += out
+        sum_mean += mean
+        if step + 1 in (LONG // 2, LONG):
+            lags[step + 1] = relative_error(sum_out, sum_mean)
+    if comp.error_feedback_on:
+        half, full = lags[LONG // 2], lags[LONG]
+        assert full <= 0.25, (f"error feedback: after {LONG} steps the summed output is off by "
+                              f"{full:.3g} of the summed means (allowed 0.25)")
+        assert full <= 0.02 or full <= 0.8 * half, (
+            f"error feedback: the accumulated error does not shrink relative to the signal "
+            f"({half:.3g} after {LONG // 2} steps, {full:.3g} after {LONG})")
+    else:
+        limit = comp.relative_error_limit
+        worst = max(errors[STEPS:])
+        assert worst <= limit, (f"relative error {worst:.3g} on the structured signal exceeds the "
+                                f"declared limit {limit} (zeros score 1.0)")
+    if kit.rank == 0:
+        print(f"  accuracy: last-step relative error {errors[-1]:.3g}, accumulated {lags[LONG]:.3g}",
+              flush=True)
+
+
+def check_non_finite(kit: Kit) -> None:
+    """NaN and Inf on one rank: replicas still agree, the declared effect holds (``nan_effect``),
+    and the following steps are clean again."""
+    rng = np.random.default_rng(3 + kit.rank)
+    n = numel(LAYOUT)
+    for bad in (np.nan, np.inf):
+        comp = kit.build()
+        effect = comp.nan_effect
+        for step in range(STEPS + 3):
+            x = rng.standard_normal(n).astype(np.float32)
+            hit = step == STEPS - 1
+            if hit and kit.rank == kit.size - 1:
+                x[NAN_AT] = bad
+            out = kit.reduce(comp, x, 0, LAYOUT)
+            kit.same_everywhere(out, f"{bad} at step {step}")
+            finite = np.isfinite(out)
+            if hit:
+                assert not finite[NAN_AT], f"{bad} did not reach the output (a loss scaler would miss it)"
+                expect_bad = np.zeros(n, bool)
+                if effect == "element":
+                    expect_bad[NAN_AT] = True
+                elif effect == "chunk":
+                    expect_bad[NAN_AT // 512 * 512:(NAN_AT // 512 + 1) * 512] = True
+                elif effect in ("tensor", "bucket", None):
+                    expect_bad[tensor_of(LAYOUT, NAN_AT) if effect == "tensor" else slice(None)] = True
+                if effect in ("element", "chunk"):  # exact; "tensor"/"bucket" bound where it may go
+                    assert not finite[expect_bad].any(), f"{bad}: declared '{effect}' effect incomplete"
+                assert finite[~expect_bad].all(), f"{bad}: non-finite values outside the declared '{effect}'"
+            elif step > STEPS:
+                assert finite.all(), f"{bad}: still non-finite {step - STEPS + 1} steps later"
+
+
+def check_checkpoint(kit: Kit) -> None:
+    """``state_dict`` is plain (numpy.savez with allow_pickle=False), a fresh compressor loaded with it
+    continues bit for bit, and a damaged or empty state is refused with ValueError and changes
+    nothing."""
+    rng = np.random.default_rng([5, kit.rank])
+    steps = [[(1, None, False, rng.standard_normal(300).astype(np.float32)),
+              (0, LAYOUT, True, rng.standard_normal(numel(LAYOUT)).astype(np.float32))]
+             for _ in range(STEPS + 4)]
+    stop = STEPS - 2
+    straight, first = kit.build(), kit.build()
+    expected = [[kit.reduce(straight, g, i, lay, last) for i, lay, last, g in step] for step in steps]
+    for step in steps[:stop]:
+        for i, lay, last, g in step:
+            kit.reduce(first, g, i, lay, last)
+    saved = _savez_round_trip(first.state_dict())
+    resumed = kit.build()
+    resumed.load_state_dict(saved)
+    for k, step in enumerate(steps[stop:], start=stop):
+        for (i, lay, last, g), want in zip(step, expected[k]):
+            got = kit.reduce(resumed, g, i, lay, last)
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), \
+                f"resumed run differs at step {k}, bucket {i}"
+    end_a, end_b = _savez_round_trip(straight.state_dict()), _savez_round_trip(resumed.state_dict())
+    assert sorted(end_a) == sorted(end_b), "final states have different keys"
+    for key in end_a:
+        assert np.array_equal(np.asarray(end_a[key]), np.asarray(end_b[key])), f"final state {key!r} differs"
+    # damaged states: refused, nothing changed
+    before = _savez_round_trip(resumed.state_dict())
+    damaged = []
+    if saved:
+        damaged.append(("an empty state", {}))
+    for key, value in saved.items():
+        if isinstance(value, np.ndarray) and value.ndim >= 1 and value.size > 1:
+            damaged.append((f"{key!r} truncated", dict(saved, **{key: value.reshape(-1)[:-1]})))
+            damaged.append((f"{key!r} as int32", dict(saved, **{key: value.astype(np.int32)})))
+            break
+    damaged.append(("an unknown key", dict(saved, **{"no-such-key/x": np.zeros(3)})))
+    for what, state in damaged:
+        try:
+            resumed.load_state_dict(state)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"load_state_dict accepted {what}")
+        after = _savez_round_trip(resumed.state_dict())
+        assert sorted(after) == sorted(before) and all(
+            np.array_equal(np.asarray(after[k]), np.asarray(before[k])) for k in before), \
+            f"a refused load ({what}) changed the state"
+
+
+def check_mismatches(kit: Kit) -> None:
+    """Buckets, configurations or state that differ across ranks: CollectiveError on every rank,
+    never a hang, and the communicator stays usable."""
+    comp = kit.build()
+    last = kit.size - 1
+    good = np.ones(100, np.float32)
+    other = gc.FP16(gc.Allreduce()) if comp.describe() == "Allreduce()" else gc.Allreduce()
+    cases = [("length", np.ones(101, np.float32), None),
+             ("dtype", np.ones(100, np.float64), None),
+             ("cannot be a bucket", np.ones(100, np.int32), None),
+             ("cannot be a bucket", np.ones((10, 10), np.float32), None),
+             ("cannot be a bucket", np.ones(200, np.float32)[::2], None),
+             ("cannot be a bucket", np.ones(100, ">f4"), None),
+             ("compressor differs", good, other)]
+    for words, odd, odd_comp in cases:
+        if kit.size == 1 and words in ("length", "dtype", "compressor differs"):
+            continue  # nothing to disagree with
+        mine = odd_comp if (odd_comp is not None and kit.rank == last) else comp
+        x = odd if (kit.rank == last and odd_comp is None) else good
+        try:
+            mine.reduce(x, kit.comm).result()
+        except gc.CollectiveError as exc:
+            assert words in str(exc), f"CollectiveError without {words!r}: {exc}"
+        else:
+            raise AssertionError(f"no CollectiveError for a {words} mismatch")
+        if odd_comp is not None:  # the odd rank's own compressor stood still: start afresh
+            comp = kit.build()
+        out = comp.reduce(gc.Bucket(np.full(64, kit.rank, np.float32)), kit.comm).result()
+        kit.same_everywhere(out, f"the bucket after a {words} mismatch")
+    _check_state_mismatch(kit)
+
+
+def _check_state_mismatch(kit: Kit) -> None:
+    """One rank one step ahead (advanced alone on a one-rank communicator, then loaded): a
+    CollectiveError naming the state on every rank, when the state decides the collectives."""
+    if kit.size == 1:
+        return
+    from mpi4py import MPI
+
+    comp = kit.build()
+    ahead = kit.build()
+    if kit.rank == kit.size - 1:
+        alone = gc.MPICommunicator(MPI.COMM_SELF)
+        for _ in range(STEPS):
+            ahead.reduce(gc.Bucket(np.ones(numel(LAYOUT), np.float32), 0, LAYOUT), alone).result()
+        alone.close()
+        comp.load_state_dict(_savez_round_trip(ahead.state_dict()))
+    probe = gc.Bucket(np.ones(numel(LAYOUT), np.float32), 0, LAYOUT)
+    state = comp.agreement_state(probe, None)
+    differs = len(set(kit.everyone(repr(state)))) > 1
+    try:
+        comp.reduce(probe, kit.comm).result()
+    except gc.CollectiveError as exc:
+        assert differs, f"CollectiveError although the declared state agrees: {exc}"
+        assert "state differs" in str(exc), f"the error does not name the state: {exc}"
+    else:
+        assert not differs, "ranks at different steps reduced together without an error"
+
+
+def check_schedule(kit: Kit) -> None:
+    """Inside a Schedule the compressor reduces exactly as on its own (it counts its own steps),
+    and its error-feedback residuals are handed to the next stage, not lost."""
+    rng = np.random.default_rng([9, kit.rank])
+    switch_in, switch_out = 2, 2 + STEPS
+    sched = gc.Schedule([(0, gc.Allreduce()), (switch_in, kit.build()), (switch_out, gc.Allreduce())])
+    alone, exact = kit.build(), gc.Allreduce()
+    for step in range(switch_out + 2):
+        g = rng.standard_normal(numel(LAYOUT)).astype(np.float32)
+        got = kit.reduce(sched, g, 0, LAYOUT)
+        if step < switch_in:
+            want = kit.reduce(exact, g, 0, LAYOUT)
+        elif step < switch_out:
+            want = kit.reduce(alone, g, 0, LAYOUT)
+        else:
+            if step == switch_out:
+                bucket = gc.Bucket(g, 0, LAYOUT)
+                handed = alone.take_residual(bucket.keys)
+                g = g.copy()
+                for key, off, shape in bucket.placements():
+                    if key in handed:
+                        part = g[off:off + handed[key].size]
+                        part += handed[key].reshape(-1).astype(np.float32)
+            want = kit.reduce(exact, g, 0, LAYOUT)
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"Schedule differs at step {step}"
+
+
+CHECKS = {"shapes": check_shapes, "dtypes": check_dtypes, "accuracy": check_accuracy,
+          "non-finite": check_non_finite, "checkpoint": check_checkpoint,
+          "mismatches": check_mismatches, "schedule": check_schedule}
+
+
+def _savez_round_trip(state: dict) -> dict:
+    for key, value in state.items():
+        assert isinstance(key, str), f"state key {key!r} is not a string"
+        assert isinstance(value, (np.ndarray, np.generic, int, float, str)) and not isinstance(value, bool) \
+            or isinstance(value, (np.ndarray, np.generic)), f"state {key!r} is not a plain array or number: {type(value)}"
+    buf = io.BytesIO()
+    np.savez(buf, **state)
+    buf.seek(0)
+    with np.load(buf, allow_pickle=False) as f:
+        return {k: (f[k].item() if f[k].shape == () and f[k].dtype.kind in "iufU" else f[k]) for k in f.files}
+
+
+def load_factory(target: str):
+    """``module:attr`` (a factory or class, importable from the current directory) or
+    ``registry:SPEC``."""
+    kind, _, rest = target.partition(":")
+    if kind == "registry":
+        return lambda: gc.make(rest)
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")
+    factory = getattr(importlib.import_module(kind), rest)
+    comp = factory()
+    if not isinstance(comp, gc.Compressor):
+        raise TypeError(f"{target}() returned {type(comp).__name__}, not a gradcomp.Compressor")
+    return factory
+
+
+def main(argv) -> None:
+    from mpi4py import MPI
+
+    target, names = argv[0], argv[1:] or list(CHECKS)
+    world = MPI.COMM_WORLD
+    comm = gc.MPICommunicator()
+    kit = Kit(load_factory(target), comm)
+    for name in names:
+        try:
+            CHECKS[name](kit)
+        except BaseException as exc:
+            detail = f"{type(exc).__name__}: {exc}" if isinstance(exc, AssertionError) else traceback.format_exc()
+            sys.stdout.write(f"CONFORMANCE-FAIL {name} (rank {world.Get_rank()} of {world.Get_size()}): {detail}\n")
+            sys.stdout.flush()
+            world.Abort(1)
+        comm.comm.Barrier()
+        if world.Get_rank() == 0:
+            print(f"CONFORMANCE-PASS {name}", flush=True)
+    comm.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
