@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from .arrays import dtype_name
 from .bucket import Bucket, copy_in, digest, group
 from .comm import CollectiveError, Communicator, default_communicator
 from .compressors.agreement import gather_texts
@@ -96,7 +97,8 @@ def check_arrays(comm: Communicator, arrays: Sequence, bucket_cap_mb: float) -> 
         groups, problem = group(arrays, bucket_cap_mb), ""
     except (TypeError, ValueError) as exc:
         groups, problem = [], str(exc)
-    described = [f"{getattr(a, 'dtype', '?')} {tuple(getattr(a, 'shape', ()))}" for a in arrays]
+    described = [f"{dtype_name(a.dtype) if hasattr(a, 'dtype') else '?'} {tuple(getattr(a, 'shape', ()))}"
+                 for a in arrays]
     layout = "; ".join(described)
     mine = np.array([int(bool(problem)), len(groups), digest(layout)], dtype=np.int64)
     table = comm.allgather(mine)

@@ -38,6 +38,13 @@ class TensorStore:
         self._loose: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self):  # pickling and deepcopy: the values, as plain host arrays
+        return {"values": self.arrays()}
+
+    def __setstate__(self, state):
+        self.__init__()
+        self.load(state["values"])
+
     def __contains__(self, key: str) -> bool:
         return key in self._home or key in self._loose
 

@@ -1,9 +1,16 @@
 """``python -m gradcomp bench``: launch the jobs, show progress, write JSON, CSV, PNG and a summary.
 
-Each (model, number of ranks) is one ``mpiexec -n N`` launch of ``gradcomp.bench.worker``; the
-kernel figures come from one more process (``gradcomp.bench.kernels``). Results from capped-network
-runs (``bench/capped.sh``, files ``capped-*.json`` in the output folder) are folded into the
+Each (model, number of ranks, path) is one ``mpiexec -n N`` launch of ``gradcomp.bench.worker``
+(``MODEL-Nranks-PATH.json``; paths: ``reducer``, the README's NumPy ``GradientReducer``, and
+``ddp``, DistributedDataParallel with comm hooks, when torch is there); the kernel figures come from
+one more process (``gradcomp.bench.kernels``). Results from capped-network runs
+(``bench/capped_steps.sh``, files ``capped-*.json`` in the output folder) are folded into the
 figures and the summary when present.
+
+``report`` (``python -m gradcomp report DIR``) rebuilds the summary, CSV and figures from the JSON
+files in a folder; a folder with no per-run JSON files but a ``results.json`` (a committed
+results folder) is rebuilt from that, and a folder with neither is left untouched (nothing is ever
+written over earlier results with nothing).
 """
 from __future__ import annotations
 
@@ -11,44 +18,76 @@ import csv
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 
-from .methods import select
+from ..launcher import mpiexec  # noqa: F401  (also what the tests use to launch workers)
+from ..launcher import run as launch_ranks
+from .methods import select, torch_available
 
 CSV_FIELDS = ["model", "ranks", "network", "method", "kind", "same_as", "time_s", "time_vs_memcpy",
               "time_vs_allreduce", "time_vs_fp16", "time_vs_same_method", "bytes_per_rank",
-              "compression_ratio", "rel_error", "rounds_per_step", "error"]
+              "compression_ratio", "rel_error", "rounds_per_step", "error",
+              # added with the two paths (after the original columns: readers by position keep working)
+              "path", "tag", "label", "faults_per_step", "time_vs_ddp", "time_vs_backward",
+              "rel_diff_vs_ddp"]
+#: Hours a job may run before it is killed as a hang (BERT-base with every method takes long).
+JOB_TIMEOUT_S = 12 * 3600
+#: What ``report`` reads and writes itself (never a per-run result).
+OWN_FILES = ("results.json", "kernels.json")
 
 
-def mpiexec() -> str:
-    here = os.path.dirname(sys.executable)
-    found = shutil.which("mpiexec", path=here + os.pathsep + os.environ.get("PATH", ""))
-    if not found:
-        raise SystemExit("gradcomp bench: mpiexec not found (pip install mpich, or put it on PATH)")
-    return found
+def _follow(bar, log):
+    """An ``on_line`` for ``gradcomp.launcher.run``: ``@progress`` lines advance ``bar``, the rest
+    goes to ``log``."""
+    last = [0]
+
+    def on_line(line: str) -> bool:
+        if line.startswith("@progress "):
+            _, done, _total, name = line.rstrip("\n").split(" ", 3)
+            bar.update(int(done) - last[0])
+            last[0] = int(done)
+            bar.set_postfix_str(name[:40])
+        else:
+            log.write(line)
+            log.flush()
+        return False
+    return on_line
 
 
-def _launch(cmd: list[str], bar, log_path: str) -> None:
-    """Run ``cmd``, advancing ``bar`` on each ``@progress`` line; the rest goes to ``log_path``."""
+def _launch(ranks: int | None, args: list[str], bar, log_path: str) -> None:
+    """Run ``python *args`` (under ``mpiexec -n ranks``, or as one process when ``ranks`` is None),
+    advancing ``bar`` on each ``@progress`` line; the rest goes to ``log_path``."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        last = 0
-        for line in proc.stdout:
-            if line.startswith("@progress "):
-                _, done, _total, name = line.rstrip("\n").split(" ", 3)
-                bar.update(int(done) - last)
-                last = int(done)
-                bar.set_postfix_str(name[:40])
-            else:
-                log.write(line)
-        rc = proc.wait()
+        on_line = _follow(bar, log)
+        if ranks is None:
+            proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            for line in proc.stdout:
+                on_line(line)
+            rc = proc.wait()
+        else:
+            rc = launch_ranks(ranks, args, timeout=JOB_TIMEOUT_S, on_line=on_line).returncode
     if rc != 0:
         with open(log_path) as f:
             tail = f.read()[-3000:]
-        raise SystemExit(f"gradcomp bench: {' '.join(cmd)}\nfailed with exit code {rc}:\n{tail}")
+        what = "did not finish in time (killed)" if rc is None else f"failed with exit code {rc}"
+        raise SystemExit(f"gradcomp bench: {' '.join(args)}\n{what}:\n{tail}")
+
+
+def paths_of(args) -> list[str]:
+    """The worker paths to run: ``args.paths`` when the command line has that option, else
+    ``reducer`` and, when torch is there and not turned off, ``ddp``."""
+    text = getattr(args, "paths", None)
+    if text:
+        paths = [p.strip() for p in text.split(",") if p.strip()]
+        bad = [p for p in paths if p not in ("reducer", "ddp")]
+        if bad:
+            raise SystemExit(f"gradcomp bench: unknown path(s) {bad}: reducer, ddp")
+        return paths
+    with_torch = torch_available() if args.torch == "auto" else args.torch == "on"
+    return ["reducer", "ddp"] if with_torch else ["reducer"]
 
 
 def run(args) -> dict:
@@ -60,7 +99,10 @@ def run(args) -> dict:
     methods = select(args.methods, with_torch)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
-    total = len(models) * len(ranks) * (len(methods) + 2)
+    paths = paths_of(args)
+    if "ddp" in paths and args.torch == "off":
+        raise SystemExit("gradcomp bench: the ddp path needs torch (got --torch off)")
+    total = len(models) * len(ranks) * len(paths) * (len(methods) + 2)
     if args.kernels:
         from .kernels import count
         total += count(args.kernel_methods)
@@ -69,21 +111,26 @@ def run(args) -> dict:
     t0 = time.time()
     for model in models:
         for n in ranks:
-            out = os.path.join(outdir, f"{model}-{n}ranks.json")
-            cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "gradcomp.bench.worker",
-                   "--model", model, "--methods", ",".join(m.name for m in methods),
-                   "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-                   "--bucket-mb", str(args.bucket_mb), "--torch", args.torch, "--out", out]
-            bar.set_description(f"{model} x{n}")
-            _launch(cmd, bar, out[:-5] + ".log")
-            with open(out) as f:
-                jobs.append(json.load(f))
+            for path in paths:
+                out = os.path.join(outdir, f"{model}-{n}ranks-{path}.json")
+                cmd = ["-m", "gradcomp.bench.worker", "--path", path,
+                       "--model", model, "--methods", ",".join(m.name for m in methods),
+                       "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+                       "--bucket-mb", str(args.bucket_mb), "--torch", args.torch, "--out", out]
+                order = getattr(args, "order", None)
+                if order:
+                    cmd += ["--order", order]
+                bar.set_description(f"{model} x{n} {path}")
+                _launch(n, cmd, bar, out[:-5] + ".log")
+                with open(out) as f:
+                    jobs.append(json.load(f))
     kernel_rows = []
     if args.kernels:
         out = os.path.join(outdir, "kernels.json")
         bar.set_description("kernels")
-        _launch([sys.executable, "-m", "gradcomp.bench.kernels", "--mb", str(args.kernel_mb),
-                 "--repeats", str(max(args.repeats, 3)), "--methods", args.kernel_methods, "--out", out],
+        _launch(None, ["-m", "gradcomp.bench.kernels", "--mb", str(args.kernel_mb),
+                       "--repeats", str(max(args.repeats, 3)), "--methods", args.kernel_methods,
+                       "--out", out],
                 bar, out[:-5] + ".log")
         with open(out) as f:
             kernel_rows = json.load(f)["kernels"]
@@ -93,27 +140,45 @@ def run(args) -> dict:
 
 
 def load(outdir: str) -> tuple[list[dict], list[dict], list[dict]]:
-    """(jobs, kernel rows, capped runs) found in ``outdir``."""
+    """(jobs, kernel rows, capped runs) found in ``outdir``: the per-run JSON files (worker
+    outputs, ``capped-*.json``, ``kernels.json``); when there are none, what an earlier report
+    gathered in ``results.json`` (a committed results folder keeps only that)."""
     jobs, capped = [], []
     for path in sorted(glob.glob(os.path.join(outdir, "*.json"))):
         name = os.path.basename(path)
-        if name in ("results.json", "kernels.json"):
+        if name in OWN_FILES:
             continue
         with open(path) as f:
             data = json.load(f)
-        if "results" not in data:
+        if not isinstance(data, dict) or "results" not in data:
             continue
         (capped if name.startswith("capped-") else jobs).append(data)
     kernel_rows = []
     if os.path.exists(os.path.join(outdir, "kernels.json")):
         with open(os.path.join(outdir, "kernels.json")) as f:
             kernel_rows = json.load(f)["kernels"]
+    gathered = os.path.join(outdir, "results.json")
+    if not (jobs or capped or kernel_rows) and os.path.exists(gathered):
+        with open(gathered) as f:
+            data = json.load(f)
+        if isinstance(data, dict):
+            jobs, kernel_rows, capped = (list(data.get("jobs") or []), list(data.get("kernels") or []),
+                                         list(data.get("capped") or []))
     return jobs, kernel_rows, capped
 
 
-def report(outdir: str, jobs: list[dict], kernel_rows: list[dict], meta: dict, plots: bool = True) -> dict:
-    """Write results.json, results.csv, kernels.csv, summary.md and the PNGs; return the JSON."""
-    _, _, capped = load(outdir)
+def report(outdir: str, jobs: list[dict], kernel_rows: list[dict], meta: dict, plots: bool = True,
+           capped: list[dict] | None = None) -> dict:
+    """Write results.json, results.csv, kernels.csv, summary.md and the PNGs; return the JSON.
+
+    ``capped``: the capped runs (default: those ``load`` finds in ``outdir``). With no results at
+    all, nothing is written and SystemExit says so: a report never replaces earlier results with
+    an empty one."""
+    if capped is None:
+        _, _, capped = load(outdir)
+    if not (jobs or kernel_rows or capped):
+        raise SystemExit(f"gradcomp report: no benchmark results in {outdir} (no job, capped-*.json "
+                         "or kernels.json files, no results.json): nothing written")
     everything = dict(meta=meta, jobs=jobs, kernels=kernel_rows, capped=capped)
     with open(os.path.join(outdir, "results.json"), "w") as f:
         json.dump(everything, f, indent=1)
@@ -122,7 +187,8 @@ def report(outdir: str, jobs: list[dict], kernel_rows: list[dict], meta: dict, p
         w.writeheader()
         for job in jobs + capped:
             for r in job["results"]:
-                w.writerow(dict(r, model=job["model"], ranks=job["ranks"], network=job.get("network", "")))
+                w.writerow(dict(r, model=job["model"], ranks=job["ranks"], network=job.get("network", ""),
+                                path=job.get("path", ""), tag=job.get("tag", "")))
     if kernel_rows:
         with open(os.path.join(outdir, "kernels.csv"), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=["kernel", "mb", "time_s", "vs_memcpy", "gradcomp_cast_vs_this"],
@@ -145,18 +211,33 @@ def _fmt(v, spec):
     return "" if v is None else format(v, spec)
 
 
+def run_title(job) -> str:
+    """How a run is named in tables: network (or shared memory), ranks, path, tag."""
+    parts = [job.get("network") or "local", f"x{job['ranks']}"]
+    if job.get("path"):
+        parts.append(job["path"])
+    if job.get("tag"):
+        parts.append(f"({job['tag']})")
+    return " ".join(parts)
+
+
+def _is_baseline(r) -> bool:
+    return r.get("kind") == "baseline" or r["method"] == "memcpy"
+
+
 def capped_table(capped) -> str:
     """One markdown table, a column group per capped run: step ms and the ratios."""
-    runs = sorted(capped, key=lambda c: -(_rate(c.get("network", "")) or 0))
+    runs = sorted(capped, key=lambda c: (-(_rate(c.get("network", "")) or 0), c.get("path", ""),
+                                         c.get("tag", "")))
     if not runs:
         return ""
-    head = "| method |" + "".join(f" {c['network']} x{c['ranks']}: step ms | / fp32 | / fp16 | / torch same |"
+    head = "| method |" + "".join(f" {run_title(c)}: step ms | / fp32 | / fp16 | / torch same |"
                                   for c in runs)
     lines = [head, "|---|" + "---|---|---|---|" * len(runs)]
     names = []
     for c in runs:
         for r in c["results"]:
-            if r["method"] != "memcpy" and r["method"] not in names:
+            if not _is_baseline(r) and r["method"] not in names:
                 names.append(r["method"])
     for name in names:
         cells = []
@@ -171,14 +252,15 @@ def capped_table(capped) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bytes_table(jobs, model) -> str:
-    """MiB each rank sends per step, one column per number of ranks."""
-    mine = sorted((j for j in jobs if j["model"] == model), key=lambda j: j["ranks"])
+def bytes_table(jobs, model, path=None) -> str:
+    """MiB each rank sends per step, one column per number of ranks (jobs of one path)."""
+    mine = sorted((j for j in jobs if j["model"] == model and j.get("path") == path),
+                  key=lambda j: j["ranks"])
     if not mine:
         return ""
     lines = ["| method |" + "".join(f" {j['ranks']} ranks |" for j in mine) + " ratio at the most ranks |",
              "|---|" + "---|" * (len(mine) + 1)]
-    names = [r["method"] for r in mine[-1]["results"] if r["method"] != "memcpy"]
+    names = [r["method"] for r in mine[-1]["results"] if not _is_baseline(r)]
     for name in names:
         cells = []
         last = None
@@ -197,6 +279,34 @@ def _rate(text):
     return _rate_gbit(text)
 
 
+PATH_NAMES = {"reducer": "GradientReducer on NumPy arrays (the README path)",
+              "ddp": "DistributedDataParallel, each method its comm hook"}
+
+
+def job_table(job) -> list[str]:
+    """One run's rows: times and ratios, traffic, error, page faults."""
+    ddp = any(r["method"] == "ddp" for r in job["results"])
+    out = ["| method | step ms | / fp32 allreduce | / fp16 allreduce | / same method |"
+           + (" / DDP |" if ddp else "") + " MiB per rank | ratio | rel. error |"
+           + (" vs DDP |" if ddp else "") + " faults/step |",
+           "|---|---|---|---|---|" + ("---|" if ddp else "") + "---|---|---|" + ("---|" if ddp else "") + "---|"]
+    for r in job["results"]:
+        if "error" in r:
+            out.append(f"| {r['method']} | fails: {r['error'][:90]} |" + " |" * (7 + 2 * ddp))
+            continue
+        cells = [r["method"], f"{r['time_s'] * 1e3:.1f}", _fmt(r.get("time_vs_allreduce"), ".3f"),
+                 _fmt(r.get("time_vs_fp16"), ".3f"), _fmt(r.get("time_vs_same_method"), ".2f")]
+        if ddp:
+            cells.append(_fmt(r.get("time_vs_ddp"), ".3f"))
+        cells += [f"{r['bytes_per_rank'] / 2**20:.2f}", _fmt(r.get("compression_ratio"), ".1f"),
+                  f"{r['rel_error']:.2e}"]
+        if ddp:
+            cells.append(_fmt(r.get("rel_diff_vs_ddp"), ".1e"))
+        cells.append(_fmt(r.get("faults_per_step"), ".0f"))
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
 def summarize(jobs, kernel_rows, capped) -> str:
     """Markdown tables: one per job (and per capped run), plus the kernel table."""
     out = []
@@ -204,23 +314,25 @@ def summarize(jobs, kernel_rows, capped) -> str:
         out.append("### capped network, side by side\n")
         out.append(capped_table(capped))
     for model in sorted({j["model"] for j in jobs}):
-        out.append(f"### {model}: MiB sent per rank per step\n")
-        out.append(bytes_table(jobs, model))
+        for path in sorted({j.get("path") for j in jobs if j["model"] == model}, key=str):
+            where = f" ({path} path)" if path else ""
+            out.append(f"### {model}{where}: MiB sent per rank per step\n")
+            out.append(bytes_table(jobs, model, path))
     for job in jobs + capped:
         net = f", network {job['network']}" if job.get("network") else ", shared memory (one host)"
+        path = f", {PATH_NAMES.get(job['path'], job['path'])}" if job.get("path") else ""
+        tag = f", {job['tag']}" if job.get("tag") else ""
         out.append(f"### {job['model']} ({job['numel']:,} floats, {job['buckets']} buckets), "
-                   f"{job['ranks']} ranks{net}\n")
-        out.append("| method | step ms | / fp32 allreduce | / fp16 allreduce | / same method | "
-                   "MiB per rank | ratio | rel. error |")
-        out.append("|---|---|---|---|---|---|---|---|")
-        for r in job["results"]:
-            if "error" in r:
-                out.append(f"| {r['method']} | fails: {r['error'][:90]} | | | | | | |")
-                continue
-            out.append(f"| {r['method']} | {r['time_s'] * 1e3:.1f} | {_fmt(r.get('time_vs_allreduce'), '.3f')} | "
-                       f"{_fmt(r.get('time_vs_fp16'), '.3f')} | {_fmt(r.get('time_vs_same_method'), '.2f')} | "
-                       f"{r['bytes_per_rank'] / 2**20:.2f} | {_fmt(r.get('compression_ratio'), '.1f')} | "
-                       f"{r['rel_error']:.2e} |")
+                   f"{job['ranks']} ranks{net}{path}{tag}\n")
+        notes = []
+        if job.get("compute_s") is not None:
+            notes.append(f"compute alone (forward + backward without DDP): {job['compute_s'] * 1e3:.1f} ms "
+                         "of each step")
+        if job.get("settings"):
+            notes.append("set in the environment: " + ", ".join(f"`{k}={v}`" for k, v in job["settings"].items()))
+        if notes:
+            out.append("; ".join(notes) + "\n")
+        out += job_table(job)
         out.append("")
     if kernel_rows:
         out.append(f"### kernels, {kernel_rows[0]['mb']:g} MB float32 buffer, one process\n")

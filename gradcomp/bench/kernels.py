@@ -82,7 +82,8 @@ def measure(mb: float = 100.0, repeats: int = 7, methods: str = "gradcomp", prog
             bucket = Bucket(x, 0, [(n,)], True)
         for _ in range(3):  # PowerSGD compresses from its third step
             comp.run(bucket, comm)
-        tasks.append((f"{m.name} ({m.label}) on 1 rank", lambda comp=comp, b=bucket: comp.run(b, comm)))
+        label = f"{m.name} ({m.label})" if m.label else m.name
+        tasks.append((f"{label} on 1 rank", lambda comp=comp, b=bucket: comp.run(b, comm)))
 
     rows = []
     for i, (name, fn) in enumerate(tasks):

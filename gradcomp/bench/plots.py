@@ -62,15 +62,21 @@ def _save(fig, path: str, layout: bool = True) -> None:
 
 
 def _timed(rows):
-    return [r for r in rows if "time_s" in r and r["method"] != "memcpy"]
+    """Rows of methods that ran (baselines left out: ``memcpy``, ``backward``)."""
+    return [r for r in rows if "time_s" in r and r["method"] != "memcpy" and r.get("kind") != "baseline"]
 
 
 def family(method: str) -> str:
-    """Which family a method belongs to, from its name (``torch-`` and ``gloo-`` prefixes dropped)."""
-    base = method
-    for prefix in ("torch-", "gloo-"):
+    """Which family a method belongs to, from its name: ``torch-``, ``gloo-`` and ``mpi-``
+    prefixes, a `` (tag)`` suffix and a spec's ``:key=value,...`` are dropped; ``ddp`` (DDP's own
+    allreduce) is exact."""
+    base = method.split(" (", 1)[0]
+    for prefix in ("torch-", "gloo-", "mpi-"):
         if base.startswith(prefix):
             base = base[len(prefix):]
+    base = base.split(":", 1)[0]
+    if base == "ddp":
+        return "exact"
     if "powersgd" in base:
         return "low rank (PowerSGD)"
     if base.startswith("quantize"):
@@ -83,7 +89,7 @@ def family(method: str) -> str:
 
 
 def implementation(row: dict) -> str:
-    if row.get("kind") == "torch" or row["method"].startswith("torch-"):
+    if row.get("kind") == "torch" or row["method"].startswith(("torch-", "ddp")):
         return "PyTorch hook (gloo)"
     if row["method"].startswith("gloo-"):
         return "gradcomp (gloo)"
@@ -112,7 +118,8 @@ def time_vs_bandwidth(job: dict, capped: list[dict], path: str):
     rows = _timed(job["results"])
     measured = []  # (rate Gbit/s, network name, row) from capped runs of the same model and ranks
     for c in capped:
-        if c.get("ranks") != job["ranks"] or c.get("model") != job["model"]:
+        if (c.get("ranks") != job["ranks"] or c.get("model") != job["model"]
+                or c.get("path") != job.get("path")):
             continue
         rate = _rate_gbit(c.get("network", ""))
         if rate is None:
@@ -168,7 +175,8 @@ def time_vs_bandwidth(job: dict, capped: list[dict], path: str):
     claim = ("lines: model = step measured on this host (shared memory) + bytes sent per rank / bandwidth"
              + (f"\ndots: measured on a tc-capped link ({', '.join(n for _, n in nets)})" if nets else
                 "\nmodel only: no capped-link measurements for this model and number of ranks"))
-    fig.suptitle(f"{job['model']}, {job['ranks']} ranks: time per step against link bandwidth\n{claim}",
+    where = f", {job['path']} path" if job.get("path") else ""
+    fig.suptitle(f"{job['model']}, {job['ranks']} ranks{where}: time per step against link bandwidth\n{claim}",
                  fontsize=9)
     _save(fig, path)
     return fig
@@ -263,6 +271,7 @@ def error_vs_ratio(job: dict, path: str):
     ax.set_xlabel("compression ratio (fp32 allreduce bytes / bytes sent)")
     ax.set_ylabel("relative error of one step (L2)")
     net = f", network {job['network']}" if job.get("network") else ""
+    net += f", {job['path']} path" if job.get("path") else ""
     ax.set_title(f"{job['model']}, {job['ranks']} ranks{net}, heavy-tailed gradients: error against "
                  "compression\n(lower right is better; methods on the same spot share a label)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
@@ -409,8 +418,9 @@ def capped_bars(capped: list[dict], path: str):
     for k, c in enumerate(runs):
         by = {r["method"]: r for r in _timed(c["results"])}
         vals = [by[m].get("time_vs_allreduce", np.nan) if m in by else np.nan for m in methods]
+        extra = "".join(f", {c[key]}" for key in ("path", "tag") if c.get(key))
         ax.barh(np.arange(len(methods)) + k * width, vals, height=width,
-                label=f"{c.get('network')} x {c['ranks']} ranks")
+                label=f"{c.get('network')} x {c['ranks']} ranks{extra}")
     ax.set_yticks(np.arange(len(methods)) + 0.4 - width / 2, methods, fontsize=8)
     ax.invert_yaxis()
     ax.axvline(1.0, color="k", linewidth=0.8)
@@ -424,17 +434,19 @@ def capped_bars(capped: list[dict], path: str):
 def all_figures(jobs: list[dict], kernel_rows: list[dict], capped: list[dict], outdir: str) -> list[str]:
     """Write every figure the data allows; returns the paths."""
     paths = []
-    for model in sorted({j["model"] for j in jobs}):
-        mine = [j for j in jobs if j["model"] == model]
+    # one set of figures per model and path (``-PATH`` in the name when the jobs say their path)
+    for model, path in sorted({(j["model"], j.get("path") or "") for j in jobs}):
+        mine = [j for j in jobs if j["model"] == model and (j.get("path") or "") == path]
         biggest = max(mine, key=lambda j: j["ranks"])
-        p = os.path.join(outdir, f"time_vs_bandwidth-{model}.png")
+        name = f"{model}-{path}" if path else model
+        p = os.path.join(outdir, f"time_vs_bandwidth-{name}.png")
         time_vs_bandwidth(biggest, capped, p)
         paths.append(p)
-        p = os.path.join(outdir, f"error_vs_ratio-{model}.png")
+        p = os.path.join(outdir, f"error_vs_ratio-{name}.png")
         error_vs_ratio(biggest, p)
         paths.append(p)
-        p = os.path.join(outdir, f"bytes_vs_ranks-{model}.png")
-        bytes_vs_ranks(jobs, model, p)
+        p = os.path.join(outdir, f"bytes_vs_ranks-{name}.png")
+        bytes_vs_ranks(mine, model, p)
         paths.append(p)
     if kernel_rows:
         p = os.path.join(outdir, "kernels.png")
@@ -445,7 +457,9 @@ def all_figures(jobs: list[dict], kernel_rows: list[dict], capped: list[dict], o
         capped_bars(capped, p)
         paths.append(p)
         for c in capped:
-            p = os.path.join(outdir, f"error_vs_ratio-capped-{c.get('network') or 'run'}.png")
+            name = "-".join(str(c[k]) for k in ("path", "tag") if c.get(k)).replace(" ", "_").replace(",", "")
+            name = f"{c.get('network') or 'run'}" + (f"-{name}" if name else "")
+            p = os.path.join(outdir, f"error_vs_ratio-capped-{name}.png")
             error_vs_ratio(c, p)
             paths.append(p)
     return paths
