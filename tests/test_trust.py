@@ -246,3 +246,8 @@ def test_errors_that_say_what_to_do():
     comp = gc.PowerSGD(rank=2)
     s = comp.stats()
     assert s["compressing"] is False and s["warmup_steps_left"] == 1000
+    code = ("import torch, gradcomp\n"
+            "try:\n    gradcomp.allreduce_gradients([torch.ones(3)], gradcomp.Allreduce())\n"
+            "except gradcomp.CollectiveError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert "torch tensor: use gradcomp.torch" in out, out

@@ -13,15 +13,17 @@ one bucket at a time (their callback-launched rounds would otherwise interleave 
 different ranks). Baseline row ``memcpy``: the refill itself.
 
 ``ddp``: the DDP hook path. Every method gets its own ``torch.nn.parallel.DistributedDataParallel``
-(gloo, CPU, ``bucket_cap_mb``) over a module holding ``nn.Parameter``s of the model's shapes (the
-parameter storage is shared by all models; DDP's buckets are each model's own). Its backward is
-synthetic and cheap: the loss's gradient with respect to each parameter is a fixed per-rank
-heavy-tailed tensor (a custom autograd function hands it back; autograd copies it into a fresh
-``.grad`` as for any backward), the same work for every method. A step is ``zero_grad`` + forward +
-backward, timed whole: DDP runs the hooks during the backward and waits for them before it
-returns. The gradients are released right after each step, outside the clock, so one model's
-gradients are alive at a time. Rows: ``backward`` (the same module without DDP: the compute alone,
-no communication), ``ddp`` (DDP without a hook: its built-in allreduce, the reference), every
+(gloo, CPU, ``bucket_cap_mb``, DDP's other defaults) over a module holding ``nn.Parameter``s of the
+model's shapes (the parameter storage is shared by all models; DDP's buckets are each model's own).
+Its backward is synthetic and cheap, the same work for every method: a custom autograd function
+hands back, as each parameter's gradient, a tensor over the rank's fixed heavy-tailed gradient
+array, which autograd takes as ``.grad`` without a copy, as it takes the fresh gradients of a real
+backward. The arrays are refilled before each step, outside the clock, as on the reducer path
+(DDP writes the means into ``.grad``, here those arrays). So the step's allocations are DDP's and
+the hook's, not a model's. A step is ``zero_grad(set_to_none=True)`` + forward + backward, timed
+whole: DDP runs the hooks during the backward and waits for them before it returns. Rows:
+``backward`` (the same module without DDP: the compute and autograd's bookkeeping alone, no
+communication), ``ddp`` (DDP without a hook: its built-in allreduce, the reference), every
 gradcomp spec through ``gradcomp.torch.register(model, gradcomp.make(spec))`` (MPI under mpiexec;
 ``gloo-`` methods over ``TorchCommunicator``), and PyTorch's hooks through
 ``model.register_comm_hook``. Models are built once and warmed up (DDP rebuilds its buckets after
@@ -336,8 +338,10 @@ def _torch_classes():
         import torch
 
         class FixedGradient(torch.autograd.Function):
-            """loss = 0, d loss / d params[i] = consts[i]: a backward that costs what autograd's
-            bookkeeping costs (a fresh ``.grad`` per parameter), the same for every method."""
+            """loss = 0, d loss / d params[i] = consts[i]. The gradients are handed over as new
+            tensors over the consts' memory, which autograd's AccumulateGrad then takes as
+            ``.grad`` without a copy (nothing else refers to them): the backward costs autograd's
+            bookkeeping only, the same for every method."""
 
             @staticmethod
             def forward(ctx, consts, *params):
@@ -346,7 +350,7 @@ def _torch_classes():
 
             @staticmethod
             def backward(ctx, grad_output):
-                return (None, *ctx.consts)
+                return (None, *(c.detach() for c in ctx.consts))
 
         class Gradients(torch.nn.Module):
             """Parameters of the model's shapes over shared storage; gradients ``consts``."""
@@ -372,9 +376,15 @@ class DDPPath:
         _start_torch()
         self.args, self.size = args, size
         self.numel = sum(g.size for g in grads)
-        self.consts = [torch.from_numpy(g) for g in grads]  # each rank's own fixed gradients
+        self.grads = grads  # each rank's own gradients, refilled before each step
+        self.saved = [g.copy() for g in grads]
+        self.consts = [torch.from_numpy(g) for g in grads]
         self.storage = [torch.zeros(g.shape) for g in grads]  # parameter values, for every model
         self.shared: dict = {}
+
+    def refill(self):
+        for g, s in zip(self.grads, self.saved):
+            np.copyto(g, s)
 
     def module(self):
         return _torch_classes()["module"](self.storage, self.consts)
@@ -399,6 +409,9 @@ class DDPPath:
 
 
 class _ModelCase(_Case):
+    def prepare(self):
+        self.path.refill()  # DDP wrote the last step's means into them
+
     def step(self):
         self.model.zero_grad(set_to_none=True)
         loss = self.model()
@@ -417,6 +430,7 @@ class _ModelCase(_Case):
 class _Backward(_ModelCase):
     def __init__(self, path):
         super().__init__("backward", "forward + backward without DDP (the compute alone)")
+        self.path = path
         self.model = path.module()
 
 

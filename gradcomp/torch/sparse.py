@@ -46,7 +46,7 @@ def reduce_sparse(compressor: Compressor, comm: Communicator, tensor: torch.Tens
         cat_idx = np.concatenate([all_idx[r, :, :counts[r]] for r in range(size)], axis=1)
         cat_val = np.concatenate([all_val[r, :counts[r]] for r in range(size)], axis=0)
         mean = torch.sparse_coo_tensor(torch.from_numpy(cat_idx), torch.from_numpy(cat_val),
-                                       dense_shape).coalesce()
+                                       dense_shape, check_invariants=False).coalesce()
         return mean.to(tensor.device)
 
     return comm.submit(run)
