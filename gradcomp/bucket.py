@@ -134,10 +134,11 @@ def group(arrays: Sequence, bucket_cap_mb: float = 25.0) -> list[list[int]]:
     size = 0
     key = None
     for i, a in enumerate(arrays):
+        if type(a).__module__.split(".")[0] == "torch":
+            raise TypeError(f"array {i}: got a torch tensor: use gradcomp.torch (a DDP hook), or pass "
+                            "NumPy views of CPU tensors (tensor.numpy())")
         if not hasattr(a, "dtype") or not hasattr(a, "shape"):
-            hint = (" (a torch tensor: use gradcomp.torch, or pass tensor.numpy() views)"
-                    if type(a).__module__.split(".")[0] == "torch" else "")
-            raise TypeError(f"array {i}: expected a NumPy or CuPy array, got {type(a).__name__}{hint}")
+            raise TypeError(f"array {i}: expected a NumPy or CuPy array, got {type(a).__name__}")
         if dtype_name(a.dtype) not in FLOAT_DTYPES:
             raise TypeError(f"array {i}: gradients must be float16/bfloat16/float32/float64, "
                             f"got {dtype_name(a.dtype)}")

@@ -97,8 +97,7 @@ def check_arrays(comm: Communicator, arrays: Sequence, bucket_cap_mb: float) -> 
         groups, problem = group(arrays, bucket_cap_mb), ""
     except (TypeError, ValueError) as exc:
         groups, problem = [], str(exc)
-    described = [f"{dtype_name(a.dtype) if hasattr(a, 'dtype') else '?'} {tuple(getattr(a, 'shape', ()))}"
-                 for a in arrays]
+    described = [_describe(a) for a in arrays]
     layout = "; ".join(described)
     mine = np.array([int(bool(problem)), len(groups), digest(layout)], dtype=np.int64)
     table = comm.allgather(mine)
@@ -140,6 +139,13 @@ def allreduce_gradients(arrays: Sequence, compressor: Compressor, comm: Communic
         _reducers[compressor] = reducer
     reducer.step(arrays)
     return arrays
+
+
+def _describe(array) -> str:
+    try:
+        return f"{dtype_name(array.dtype)} {tuple(array.shape)}"
+    except (AttributeError, TypeError):
+        return type(array).__name__
 
 
 def _module(array):

@@ -20,7 +20,8 @@ hands back, as each parameter's gradient, a tensor over the rank's fixed heavy-t
 array, which autograd takes as ``.grad`` without a copy, as it takes the fresh gradients of a real
 backward. The arrays are refilled before each step, outside the clock, as on the reducer path
 (DDP writes the means into ``.grad``, here those arrays). So the step's allocations are DDP's and
-the hook's, not a model's. A step is ``zero_grad(set_to_none=True)`` + forward + backward, timed
+the hook's, not a model's (``--backward fresh`` clones the gradients every step instead, as a real
+backward allocates them). A step is ``zero_grad(set_to_none=True)`` + forward + backward, timed
 whole: DDP runs the hooks during the backward and waits for them before it returns. Rows:
 ``backward`` (the same module without DDP: the compute and autograd's bookkeeping alone, no
 communication), ``ddp`` (DDP without a hook: its built-in allreduce, the reference), every
@@ -344,24 +345,26 @@ def _torch_classes():
             bookkeeping only, the same for every method."""
 
             @staticmethod
-            def forward(ctx, consts, *params):
-                ctx.consts = consts
+            def forward(ctx, consts, fresh, *params):
+                ctx.consts, ctx.fresh = consts, fresh
                 return params[0].new_zeros(())
 
             @staticmethod
             def backward(ctx, grad_output):
-                return (None, *(c.detach() for c in ctx.consts))
+                if ctx.fresh:  # --backward fresh: new gradient tensors every step
+                    return (None, None, *(c.clone() for c in ctx.consts))
+                return (None, None, *(c.detach() for c in ctx.consts))
 
         class Gradients(torch.nn.Module):
             """Parameters of the model's shapes over shared storage; gradients ``consts``."""
 
-            def __init__(self, storage, consts):
+            def __init__(self, storage, consts, fresh=False):
                 super().__init__()
                 self.params = torch.nn.ParameterList([torch.nn.Parameter(s) for s in storage])
-                self.consts = consts
+                self.consts, self.fresh = consts, fresh
 
             def forward(self):
-                return FixedGradient.apply(self.consts, *self.params)
+                return FixedGradient.apply(self.consts, self.fresh, *self.params)
 
         _TORCH_CLASSES.update(function=FixedGradient, module=Gradients)
     return _TORCH_CLASSES
@@ -387,7 +390,7 @@ class DDPPath:
             np.copyto(g, s)
 
     def module(self):
-        return _torch_classes()["module"](self.storage, self.consts)
+        return _torch_classes()["module"](self.storage, self.consts, self.args.backward == "fresh")
 
     def ddp(self):
         from torch.nn.parallel import DistributedDataParallel
@@ -624,6 +627,7 @@ def run(args) -> dict:
                repeats=args.repeats, warmup=args.warmup, order=args.order, host=platform.node(),
                cpus=os.cpu_count(), network=os.environ.get("GRADCOMP_NETWORK", ""),
                settings=_settings(), tag=args.tag or "",
+               backward=args.backward if args.path == "ddp" else None,
                results=_with_ratios(results, n, size))
     if "backward" in by and "time_s" in by["backward"]:
         job["compute_s"] = by["backward"]["time_s"]
@@ -699,6 +703,12 @@ def parser() -> argparse.ArgumentParser:
                         "timed in one block (steady state, as in training; one method's memory "
                         "alive at a time)")
     p.add_argument("--torch", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--backward", choices=("handover", "fresh"), default="handover",
+                   help="ddp path: the synthetic backward hands autograd tensors over the fixed "
+                        "gradients, taken as .grad without a copy (default: the step's "
+                        "allocations are DDP's and the hook's), or clones them every step "
+                        "(fresh: a new 4-bytes-per-parameter gradient each step, as a real "
+                        "backward allocates, with its page faults and memory traffic)")
     p.add_argument("--tag", default="", help="append ' (TAG)' to every method name in the results "
                    "(a run under a non-default setting, e.g. 'MPICH ring, tuned')")
     p.add_argument("--out", required=True, help="JSON file rank 0 writes")
