@@ -29,11 +29,13 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import gradcomp
+from gradcomp.registry import compressor_spec
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--compressor", default="allreduce", choices=sorted(gradcomp.REGISTRY))
+    p.add_argument("--compressor", default="allreduce", type=compressor_spec,
+                   help="a registry name or name:key=value,... (e.g. powersgd:rank=4)")
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.1, help="peak learning rate (cosine decay to 0)")

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
+from gradcomp.registry import compressor_spec
 import gradcomp.torch as gt
 
 
@@ -99,7 +100,8 @@ def train(compressor: str, epochs: int = 30, per_rank_batch: int = 32, lr: float
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compressor", default="allreduce", choices=sorted(gradcomp.REGISTRY))
+    parser.add_argument("--compressor", default="allreduce", type=compressor_spec,
+                        help="a registry name or name:key=value,... (e.g. powersgd:rank=4)")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)

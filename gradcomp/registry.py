@@ -99,6 +99,20 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name.strip(), kwargs
 
 
+def compressor_spec(text: str) -> str:
+    """An ``argparse`` type for ``--compressor`` options: a registry name or ``name:key=value,...``
+    whose name is registered (so a typo fails at once, naming the known names)."""
+    import argparse
+
+    try:
+        name, _ = parse_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if name != "none" and name not in REGISTRY:
+        raise argparse.ArgumentTypeError(f"unknown compressor {name!r}; known: {', '.join(REGISTRY)}")
+    return text
+
+
 def make(spec: str, **overrides):
     """A fresh compressor by registry name (``gradcomp.REGISTRY`` lists the names), with the
     factory's defaults overridden by keyword: ``make("powersgd", rank=4)``, or in one string,
