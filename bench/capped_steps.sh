@@ -3,25 +3,56 @@
 #
 # The step-time benchmark on a really capped network: a ResNet-50-sized gradient (25,557,032
 # floats in ~25 MB buckets) on NRANKS ranks (default 4), at each RATE (default "1gbit 500mbit"),
-# every gradcomp compressor against the fp32 and fp16 allreduce and PyTorch's own hooks over gloo,
-# all on the same capped link (bench/capped.sh). Results: OUT/capped-RATE.json (default OUT:
-# results/bench), then the summary, CSV and figures are rebuilt with `python -m gradcomp report`.
-# Needs root (exits 77 without, like capped.sh). REPEATS / WARMUP / METHODS / ORDER (round-robin,
-# the default, or blocks: each method's steps together, as in training) override the defaults;
-# MODEL=bert-base runs BERT-base's parameter shapes instead (give it its own OUT folder).
+# every gradcomp compressor in gradcomp.REGISTRY (plus the targets' PowerSGD specs) against the
+# fp32 and fp16 allreduce and PyTorch's own hooks over gloo, all on the same capped link
+# (bench/capped.sh), on each worker path:
+#   reducer  GradientReducer on NumPy arrays (the README path)    -> OUT/capped-RATE-reducer.json
+#   ddp      DistributedDataParallel, each method its comm hook   -> OUT/capped-RATE-ddp.json
+# then the summary, CSV and figures are rebuilt with `python -m gradcomp report OUT` (default OUT:
+# results/bench). Needs root (exits 77 without, like capped.sh).
+#
+# Environment:
+#   PATHS="reducer ddp"  the worker paths to run (default both; "reducer" or "ddp" for one)
+#   REPEATS / WARMUP / METHODS / ORDER (round-robin, the default, or blocks: each method's steps
+#   together, as in training) override the worker's defaults; METHODS takes compressor specs
+#   (powersgd:rank=4,start_iter=2), torch-* hooks, gloo-SPEC, all (see gradcomp.bench.methods).
+#   MODEL=bert-base runs BERT-base's parameter shapes instead (give it its own OUT folder).
+#   MPICH_RING=1 adds, per RATE, an explicit comparison run with MPICH's ring allreduce selected
+#   (MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring, not a default: capped.sh sets no MPICH algorithm
+#   or allocator variable itself): gradcomp's fp32 allreduce and mpi-allreduce (one MPI_Allreduce
+#   per bucket) on the reducer path, rows tagged "(MPICH ring, tuned)", in
+#   OUT/capped-RATE-reducer-mpich-ring.json. The target it checks: gradcomp's fp32 step no slower
+#   than MPICH's best algorithm for the same bytes (mpi-allreduce's "/ fp32" column <= 1 means
+#   MPICH's ring beats gradcomp's reduce-scatter + allgather on this link).
 set -eu
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(dirname "$HERE")
 OUT=${1:-results/bench}
 RATES=${2:-1gbit 500mbit}
 NRANKS=${3:-4}
+PATHS=${PATHS:-reducer ddp}
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || PY=$(command -v python3)
+for path in $PATHS; do
+    case "$path" in reducer|ddp) ;; *) echo "capped_steps.sh: unknown path '$path' (reducer, ddp)" >&2; exit 2;; esac
+done
 mkdir -p "$OUT"
+worker() {  # worker RATE PATH OUTFILE [extra worker options...]
+    local rate=$1 path=$2 out=$3
+    shift 3
+    "$HERE/capped.sh" "$rate" "$NRANKS" "$PY" -m gradcomp.bench.worker --path "$path" \
+        --model "${MODEL:-resnet50}" --repeats "${REPEATS:-5}" --warmup "${WARMUP:-3}" \
+        --order "${ORDER:-round-robin}" --out "$out" "$@"
+}
 for rate in $RATES; do
-    echo "== $rate x $NRANKS ranks ==" >&2
-    "$HERE/capped.sh" "$rate" "$NRANKS" "$PY" -m gradcomp.bench.worker --model "${MODEL:-resnet50}" \
-        --methods "${METHODS:-all}" --repeats "${REPEATS:-5}" --warmup "${WARMUP:-3}" --order "${ORDER:-round-robin}" \
-        --out "$OUT/capped-$rate.json"
+    for path in $PATHS; do
+        echo "== $rate x $NRANKS ranks, $path path ==" >&2
+        worker "$rate" "$path" "$OUT/capped-$rate-$path.json" --methods "${METHODS:-all}"
+    done
+    if [ "${MPICH_RING:-0}" = 1 ]; then
+        echo "== $rate x $NRANKS ranks, reducer path, MPICH ring (MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring) ==" >&2
+        MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring worker "$rate" reducer "$OUT/capped-$rate-reducer-mpich-ring.json" \
+            --methods allreduce,mpi-allreduce --tag "MPICH ring, tuned"
+    fi
 done
 "$PY" -m gradcomp report "$OUT"

@@ -12,7 +12,8 @@ from .bucket import Bucket
 from .comm import (CollectiveError, Communicator, CommunicatorBroken, MPICommunicator,
                    default_communicator)
 from .compressors import (BF16, FP16, REGISTRY, Allgather, Allreduce, Codec, Compressor,
-                          ErrorFeedback, QuantizePerChannel, QuantizePerTensor, make, register)
+                          ErrorFeedback, OneBit, QuantizedAllreduce, QuantizePerChannel,
+                          QuantizePerTensor, RandomK, TopK, make, register)
 from .powersgd import BatchedPowerSGD, PowerSGD
 from .reducer import GradientReducer, allreduce_gradients
 from .schedule import Schedule
@@ -21,5 +22,6 @@ __version__ = "0.2.0"
 
 __all__ = ["Bucket", "Communicator", "MPICommunicator", "CollectiveError", "CommunicatorBroken",
            "default_communicator", "Compressor", "Codec", "ErrorFeedback", "Allreduce", "Allgather",
-           "FP16", "BF16", "QuantizePerTensor", "QuantizePerChannel", "PowerSGD", "BatchedPowerSGD",
+           "FP16", "BF16", "QuantizePerTensor", "QuantizePerChannel", "QuantizedAllreduce", "OneBit",
+           "TopK", "RandomK", "PowerSGD", "BatchedPowerSGD",
            "Schedule", "REGISTRY", "make", "register", "GradientReducer", "allreduce_gradients"]

@@ -175,6 +175,29 @@ def tensor_arrays(state: dict, prefix: str, owner: str, shapes: Mapping[str, tup
     return out
 
 
+def shape_entries(store: TensorStore) -> dict:
+    """``shape/<key>``: the shape of each stored tensor, so that a load can check the arrays even
+    when the caller does not know the model's tensors."""
+    return {f"shape/{k}": np.array(v.shape, dtype=np.int64) for k, v in store.arrays().items()}
+
+
+def pop_shapes(state: dict, owner: str, known: Mapping[str, tuple] | None) -> dict[str, tuple]:
+    """Pop the ``shape/<key>`` entries; combined with the caller's ``known`` shapes (which win,
+    and must agree with what was saved). Returns the shapes to check arrays against."""
+    recorded = {}
+    for name in [k for k in state if k.startswith("shape/")]:
+        value = check_array(state.pop(name), name, owner, dtypes=("int64", "int32"), ndim=1)
+        if (value < 0).any():
+            raise ValueError(f"{owner} state: {name!r} holds a negative extent")
+        recorded[name[len("shape/"):]] = tuple(int(d) for d in value)
+    for key, shape in (known or {}).items():
+        if key in recorded and recorded[key] != tuple(shape):
+            raise ValueError(f"{owner} state: tensor {key!r} was saved with shape {recorded[key]}, but "
+                             f"this model's has shape {tuple(shape)}")
+        recorded[key] = tuple(shape)
+    return recorded
+
+
 def reject_leftovers(state: dict, owner: str) -> None:
     if state:
         raise ValueError(f"{owner} state: unexpected keys {sorted(state)[:8]}")

@@ -2,8 +2,13 @@
 
 * ``gradcomp.halfcast`` (behind ``arrays.cast``) is bit-identical to NumPy's float16 casts.
 * The blocked NumPy quantization kernels are bit-identical to the documented reference sequence.
+* The benchmark's methods follow ``gradcomp.REGISTRY`` (a registered name joins ``--methods all``
+  with no edit to the bench); specs with commas parse; PyTorch's hooks point at their gradcomp twins.
+* The worker on a tiny model, 2 real ranks, on both paths (``reducer``: ``GradientReducer``;
+  ``ddp``: real DistributedDataParallel with comm hooks): finite times, page-fault counts, bytes,
+  exact fp32 results, gradcomp's allreduce equal to DDP's own (fp32 rounding).
 * ``python -m gradcomp bench`` on a tiny model, 1 and 2 real ranks, writes JSON, CSV and PNGs whose
-  numbers make sense (bytes per rank, errors).
+  numbers make sense (bytes per rank, errors); ``report`` never writes empty results over results.
 * ``bench/capped.sh`` really puts ranks in their own namespaces and cleans up, also on failure
   (skipped without root or without iproute2).
 """
@@ -156,71 +161,227 @@ def _quantize_cases():
     return cases
 
 
+def _kernel_quantize(x, bits, width):
+    """(params, codes) from the quantizers' shared kernels (``compressors.quantize.kernels``)."""
+    from gradcomp.compressors.quantize.kernels import chunk_count, quantize
+
+    width = width or max(x.shape[0], 1)
+    params = np.empty((2, chunk_count(x.shape[0], width)), np.float32)
+    codes = np.empty(x.shape[0], np.uint8)
+    quantize(x, params, codes, width, (1 << bits) - 1)
+    return params, codes
+
+
+def _kernel_dequantize_add(acc, params, codes, width):
+    from gradcomp.compressors.quantize.kernels import dequantize
+
+    dequantize(acc, params, codes, width or max(acc.shape[0], 1), add=True)
+
+
 @pytest.mark.parametrize("bits,width", [(8, 512), (4, 512), (1, 512), (8, 3), (8, 100000), (8, None)])
 def test_quantize_kernels_match_the_reference_bit_for_bit(bits, width):
-    q = QuantizePerTensor(bits) if width is None else QuantizePerChannel(bits, width)
     for name, x in _quantize_cases().items():
-        params, codes = q.quantize(x)
+        params, codes = _kernel_quantize(x, bits, width)
         ref_params, ref_codes = _reference_quantize(x, bits, width)
         assert np.array_equal(params.view(np.uint32), ref_params.view(np.uint32)), name
         assert np.array_equal(codes, ref_codes), name
         acc = np.random.default_rng(3).standard_normal(x.size).astype(np.float32)
         ref = acc.copy()
-        q.dequantize_add(acc, params, codes)
+        _kernel_dequantize_add(acc, params, codes, width)
         _reference_dequantize_add(ref, ref_params, ref_codes, width)
         assert np.array_equal(acc.view(np.uint32), ref.view(np.uint32)), name
 
 
-# -- the bench CLI, on real ranks ------------------------------------------------------------------------
+def test_quantizers_use_those_kernels():
+    """The allgather quantizers' round trip through a message gives the kernels' bits."""
+    x = _quantize_cases()["t2-70001"]
+    for q, bits, width in ((QuantizePerChannel(8, 512), 8, 512), (QuantizePerTensor(4), 4, None)):
+        message = np.empty(q.message_size(x.size), np.uint8)
+        q.encode(x, message, None)
+        out = np.empty_like(x)
+        q.decode(message, out, None)
+        params, codes = _kernel_quantize(x, bits, width)
+        expected = np.zeros_like(x)
+        _kernel_dequantize_add(expected, params, codes, width)
+        assert np.array_equal(out.view(np.uint32), expected.view(np.uint32)), type(q).__name__
+
+
+# -- the method list: one registry ----------------------------------------------------------------------
+def test_method_list_follows_the_registry():
+    """``all`` is every registered name (PowerSGD-like factories, which take ``start_iter``, as
+    ``NAME:start_iter=2``) plus the extra target specs; a newly registered name joins it with no
+    edit to the bench, and leaves it again when unregistered."""
+    import gradcomp
+    from gradcomp.bench import methods
+
+    names = [m.name for m in methods.select("all", with_torch=False)]
+    for name in gradcomp.REGISTRY:
+        takes_start_iter = name.startswith(("powersgd", "fp16-powersgd", "batched-powersgd"))
+        assert (f"{name}:start_iter=2" if takes_start_iter else name) in names, name
+    assert "powersgd:rank=4,start_iter=2" in names and "powersgd:rank=1,start_iter=2" in names
+    assert all(m.kind == "gradcomp" and m.transport == "mpi"
+               for m in methods.select("all", with_torch=False))
+    plain, tunable = "zz-bench-plain", "zz-bench-tunable"
+    gradcomp.register(plain, gradcomp.Allreduce)
+    gradcomp.register(tunable, lambda **kw: gradcomp.PowerSGD(**{"rank": 1, "start_iter": 10, **kw}))
+    try:
+        chosen = {m.name: m for m in methods.select("all", with_torch=False)}
+        assert plain in chosen and f"{tunable}:start_iter=2" in chosen
+        assert chosen[f"{tunable}:start_iter=2"].build().start_iter == 2
+        assert f"{tunable}:start_iter=2" in [m.name for m in methods.select("gradcomp", with_torch=False)]
+        assert methods.resolve(f"{tunable}:start_iter=3,rank=2").build().rank == 2
+    finally:
+        dict.__delitem__(gradcomp.REGISTRY, plain)
+        dict.__delitem__(gradcomp.REGISTRY, tunable)
+    names = [m.name for m in methods.select("all", with_torch=False)]
+    assert plain not in names and f"{tunable}:start_iter=2" not in names
+
+
+def test_method_specs_with_commas_and_their_pytorch_twins():
+    from gradcomp.bench.methods import select
+
+    chosen = select("allreduce,powersgd:start_iter=2,rank=4,torch-fp16,powersgd-r1,gloo-fp16,"
+                    "mpi-allreduce", with_torch=True)
+    assert [m.name for m in chosen] == ["allreduce", "powersgd:rank=4,start_iter=2", "torch-fp16",
+                                        "powersgd:rank=1,start_iter=2", "gloo-fp16", "mpi-allreduce"]
+    by = {m.name: m for m in chosen}
+    assert by["allreduce"].same_as == "torch-allreduce" and by["torch-fp16"].same_as == "fp16"
+    assert by["powersgd:rank=4,start_iter=2"].same_as == "torch-powersgd-r4"
+    assert by["gloo-fp16"].transport == "gloo" and by["gloo-fp16"].same_as == "torch-fp16"
+    assert by["powersgd:rank=4,start_iter=2"].build().rank == 4
+    everything = [m.name for m in select("everything", with_torch=True)]
+    assert "torch-quantize-tensor" in everything
+    assert "torch-quantize-tensor" not in [m.name for m in select("all", with_torch=True)]
+    with pytest.raises(ValueError, match="needs torch"):
+        select("torch-fp16", with_torch=False)
+    with pytest.raises(ValueError, match="unknown method"):
+        select("no-such-method", with_torch=False)
+
+
+REGISTERED_WORKER = r"""
+import sys
+import gradcomp
+gradcomp.register("zz-bench-new", gradcomp.Allreduce)
+from gradcomp.bench.worker import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_registered_name_is_benchmarked_with_no_edit(tmp_path):
+    """A compressor registered before the worker starts is run by ``--methods all``."""
+    from gradcomp.launcher import run
+
+    out = tmp_path / "all.json"
+    done = run(2, ["-c", REGISTERED_WORKER, "--model", "tiny", "--methods", "all", "--torch", "off",
+                   "--repeats", "1", "--warmup", "3", "--out", str(out)], timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.output[-3000:]
+    by = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert by["zz-bench-new"]["time_s"] > 0 and by["zz-bench-new"]["rel_error"] < 1e-6
+    assert "powersgd:start_iter=2" in by and by["powersgd:start_iter=2"]["compression_ratio"] > 1
+
+
+# -- the worker, on real ranks, on both paths -------------------------------------------------------------
+WORKER_METHODS = "allreduce,fp16,powersgd:rank=4,start_iter=2,torch-allreduce,torch-fp16"
+
+
+def _worker(tmp_path, ranks, *options, name="job"):
+    from gradcomp.launcher import run
+
+    out = tmp_path / f"{name}.json"
+    done = run(ranks, ["-m", "gradcomp.bench.worker", "--model", "tiny", *options, "--out", str(out)],
+               timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.output[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("path", ["reducer", "ddp"])
+def test_worker_measures_each_path(tmp_path, path):
+    """Both paths run every method with finite times, page-fault counts and bytes; fp32 methods
+    are exact, and on the ddp path gradcomp's allreduce gives DDP's own result (fp32 rounding)."""
+    pytest.importorskip("torch")
+    from gradcomp.bench.methods import split_methods
+
+    data = _worker(tmp_path, 2, "--path", path, "--methods", WORKER_METHODS, "--repeats", "2",
+                   "--warmup", "3")
+    assert data["path"] == path and data["ranks"] == 2
+    by = {r["method"]: r for r in data["results"]}
+    baselines = ["memcpy"] if path == "reducer" else ["backward", "ddp"]
+    assert list(by) == baselines + split_methods(WORKER_METHODS)
+    n = data["numel"]
+    for name, r in by.items():
+        assert "error" not in r, (name, r.get("error"))
+        assert len(r["times_s"]) == 2 and all(np.isfinite(t) and t > 0 for t in r["times_s"]), name
+        assert r["time_s"] > 0 and np.isfinite(r["time_s"]), name
+        assert len(r["faults"]) == 2 and r["faults_per_step"] >= 0, name
+    fp32 = 2 * (2 - 1) / 2 * 4 * n
+    for name in ("allreduce", "torch-allreduce") + (("ddp",) if path == "ddp" else ()):
+        assert by[name]["bytes_per_rank"] == pytest.approx(fp32), name
+        assert by[name]["rel_error"] < 1e-6, name
+    for name in ("fp16", "torch-fp16"):
+        assert by[name]["bytes_per_rank"] == pytest.approx(fp32 / 2), name
+        assert 1e-5 < by[name]["rel_error"] < 1e-2, name
+    psgd = by["powersgd:rank=4,start_iter=2"]
+    assert 0 < psgd["bytes_per_rank"] < fp32 / 2 and psgd["compression_ratio"] > 2
+    assert psgd["label"] == "PowerSGD rank 4" and psgd["same_as"] == "torch-powersgd-r4"
+    assert by["fp16"]["time_vs_same_method"] > 0 and by["allreduce"]["time_vs_allreduce"] == 1.0
+    if path == "ddp":
+        assert data["compute_s"] > 0 and by["backward"]["kind"] == "baseline"
+        # DDP's built-in allreduce (gloo) and gradcomp's (MPI) sum in different orders: equal to
+        # fp32 rounding; PyTorch's allreduce_hook runs the very same gloo allreduce
+        assert by["allreduce"]["rel_diff_vs_ddp"] < 1e-6
+        assert by["torch-allreduce"]["rel_diff_vs_ddp"] < 1e-6
+        assert by["fp16"]["rel_diff_vs_ddp"] == pytest.approx(by["fp16"]["rel_error"], rel=0.05)
+        assert by["ddp"]["time_vs_ddp"] == 1.0
+
+
 def test_bench_cli_writes_json_csv_and_figures(tmp_path):
     out = tmp_path / "results"
-    methods = "allreduce,fp16,allgather,quantize-channel,powersgd-r1"
+    methods = "allreduce,fp16,allgather,quantize-channel,powersgd:rank=1,start_iter=2"
+    names = ["allreduce", "fp16", "allgather", "quantize-channel", "powersgd:rank=1,start_iter=2"]
     cmd = [sys.executable, "-m", "gradcomp", "bench", "--models", "tiny", "--ranks", "1,2",
            "--methods", methods, "--torch", "off", "--repeats", "2", "--warmup", "3",
-           "--kernel-mb", "1", "--repeats", "2", "--quiet", "--out", str(out)]
+           "--kernel-mb", "1", "--kernel-methods", "allreduce,fp16,powersgd:rank=1,start_iter=2",
+           "--quiet", "--out", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (out / "tiny-2ranks-reducer.json").exists()  # --torch off: the reducer path only
     data = json.loads((out / "results.json").read_text())
     assert sorted(j["ranks"] for j in data["jobs"]) == [1, 2]
+    assert {j["path"] for j in data["jobs"]} == {"reducer"}
     two = next(j for j in data["jobs"] if j["ranks"] == 2)
     by = {r["method"]: r for r in two["results"]}
-    assert set(by) == {"memcpy"} | set(methods.split(","))
+    assert set(by) == {"memcpy"} | set(names)
     n = two["numel"]
     assert by["allreduce"]["bytes_per_rank"] == pytest.approx(2 * (2 - 1) / 2 * 4 * n)
     assert by["fp16"]["bytes_per_rank"] == pytest.approx(by["allreduce"]["bytes_per_rank"] / 2)
     assert by["allgather"]["bytes_per_rank"] == pytest.approx(4 * n)
     assert by["allreduce"]["rel_error"] < 1e-6
     assert 1e-5 < by["fp16"]["rel_error"] < 1e-2
-    assert by["powersgd-r1"]["compression_ratio"] > 2
+    assert by["powersgd:rank=1,start_iter=2"]["compression_ratio"] > 2
     for r in two["results"]:
-        assert r["time_s"] > 0 and len(r["times_s"]) == 2
+        assert r["time_s"] > 0 and len(r["times_s"]) == 2 and "faults_per_step" in r
     one = next(j for j in data["jobs"] if j["ranks"] == 1)
     assert all(r["bytes_per_rank"] == 0 for r in one["results"])
     rows = list(csv.DictReader((out / "results.csv").open()))
-    assert len(rows) == 2 * (1 + len(methods.split(",")))
+    assert len(rows) == 2 * (1 + len(names))
+    assert {r["path"] for r in rows} == {"reducer"} and all(r["faults_per_step"] != "" for r in rows)
     kernels = list(csv.DictReader((out / "kernels.csv").open()))
     assert kernels[0]["kernel"] == "memcpy" and float(kernels[0]["vs_memcpy"]) == 1.0
-    for png in ("time_vs_bandwidth-tiny.png", "error_vs_ratio-tiny.png", "bytes_vs_ranks-tiny.png",
-                "kernels.png"):
+    for png in ("time_vs_bandwidth-tiny-reducer.png", "error_vs_ratio-tiny-reducer.png",
+                "bytes_vs_ranks-tiny-reducer.png", "kernels.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
-    assert "| allreduce |" in (out / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "| allreduce |" in summary and "faults/step" in summary
 
 
 def test_worker_blocks_order_times_every_method(tmp_path):
     """``--order blocks`` (what a training run looks like: one method's steps in a row) gives each
     method its own repeats and the same bytes (and, for stateless methods, errors) as the
     round-robin order."""
-    from gradcomp.bench.driver import mpiexec
-
     results = {}
     for order in ("blocks", "round-robin"):
-        out = tmp_path / f"{order}.json"
-        cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "gradcomp.bench.worker", "--model", "tiny",
-               "--methods", "allreduce,fp16,powersgd-r1", "--torch", "off", "--repeats", "3",
-               "--warmup", "3", "--order", order, "--out", str(out)]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        data = json.loads(out.read_text())
+        data = _worker(tmp_path, 2, "--methods", "allreduce,fp16,powersgd:rank=1,start_iter=2",
+                       "--torch", "off", "--repeats", "3", "--warmup", "3", "--order", order, name=order)
         assert data["order"] == order
         results[order] = {r["method"]: r for r in data["results"]}
     for name, r in results["blocks"].items():
@@ -230,6 +391,56 @@ def test_worker_blocks_order_times_every_method(tmp_path):
         if name in ("allreduce", "fp16"):  # stateless: the same first timed step in both orders
             assert r["rel_error"] == pytest.approx(other["rel_error"], rel=1e-6, abs=1e-12), name
     assert results["blocks"]["fp16"]["rel_error"] > 1e-5
+
+
+# -- python -m gradcomp report ----------------------------------------------------------------------------
+def _report(folder):
+    return subprocess.run([sys.executable, "-m", "gradcomp", "report", str(folder), "--no-plots"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_report_on_an_empty_folder_writes_nothing(tmp_path):
+    done = _report(tmp_path)
+    assert done.returncode != 0 and "nothing written" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def _gathered_results():
+    """A results.json as a committed results folder keeps it (no per-run JSON files beside it)."""
+    path = os.path.join(ROOT, "bench", "figures", "results.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("jobs") or data.get("capped"):
+            return data
+    rows = [dict(method="memcpy", kind="baseline", time_s=0.01, times_s=[0.01], bytes_per_rank=0.0,
+                 rel_error=0.0),
+            dict(method="allreduce", kind="gradcomp", time_s=2.0, times_s=[2.0], bytes_per_rank=1.5e8,
+                 rel_error=3e-8, time_vs_allreduce=1.0, compression_ratio=1.0)]
+    return dict(meta={}, jobs=[], kernels=[], capped=[dict(model="resnet50", ranks=4, numel=25557032,
+                                                            buckets=5, network="1gbit", results=rows)])
+
+
+def test_report_on_a_gathered_folder_keeps_its_results(tmp_path):
+    """``report`` on a folder that holds only results.json (bench/figures) rebuilds from it instead
+    of writing empty results over it."""
+    from gradcomp.bench import driver
+
+    data = _gathered_results()
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    (tmp_path / "summary.md").write_text("earlier summary\n")
+    done = _report(tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    after = json.loads((tmp_path / "results.json").read_text())
+    assert len(after["capped"]) == len(data["capped"]) and len(after["jobs"]) == len(data["jobs"])
+    assert after["capped"] and after["capped"][0]["results"] == data["capped"][0]["results"]
+    assert "| allreduce |" in (tmp_path / "summary.md").read_text()
+    assert len(list(csv.DictReader((tmp_path / "results.csv").open()))) > 0
+    # and called directly with nothing, report refuses and leaves the files alone
+    before = (tmp_path / "results.json").read_bytes()
+    with pytest.raises(SystemExit):
+        driver.report(str(tmp_path), [], [], {}, plots=False, capped=[])
+    assert (tmp_path / "results.json").read_bytes() == before
 
 
 # -- bench/capped.sh ------------------------------------------------------------------------------------
@@ -258,6 +469,8 @@ w = MPI.COMM_WORLD
 addr = open('/proc/net/fib_trie').read()
 assert '10.77.0.%d' % (w.rank + 1) in addr, 'rank %d is not in its own namespace' % w.rank
 assert os.environ['GRADCOMP_NETWORK'] == '200mbit'
+chosen = [k for k in os.environ if k.startswith('MALLOC_') or ('ALGORITHM' in k and k.startswith('MPIR_CVAR_'))]
+assert not chosen, 'capped.sh set %s' % chosen
 x = np.full(1000, w.rank + 1.0)
 w.Allreduce(MPI.IN_PLACE, x)
 assert (x == w.size * (w.size + 1) / 2).all()
@@ -268,14 +481,17 @@ sys.exit(int(os.environ.get('FAIL_WITH', '0')))
 
 @pytest.mark.parametrize("fail_with", [0, 3])
 def test_capped_runs_ranks_in_their_own_namespaces_and_cleans_up(fail_with):
-    """Each rank runs inside its namespace over TCP; namespaces go away on success and on failure."""
+    """Each rank runs inside its namespace over TCP, with no MPICH algorithm or allocator variable
+    set by the script; namespaces go away on success and on failure."""
     why = _capped_available()
     if why:
         pytest.skip(why)
     before = _our_namespaces()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MALLOC_", "MPIR_CVAR_"))}  # what the script itself sets shows
     done = subprocess.run([CAPPED, "200mbit", "2", sys.executable, "-c", RANK_PROGRAM],
                           capture_output=True, text=True, timeout=180,
-                          env=dict(os.environ, FAIL_WITH=str(fail_with)))
+                          env=dict(env, FAIL_WITH=str(fail_with)))
     if fail_with:
         assert done.returncode != 0
     else:
@@ -283,6 +499,35 @@ def test_capped_runs_ranks_in_their_own_namespaces_and_cleans_up(fail_with):
         assert "rank 0 ok" in done.stdout and "rank 1 ok" in done.stdout
         assert "rank 1 sent" in done.stderr
     assert _our_namespaces() == before
+
+
+def test_capped_steps_runs_both_paths_and_the_mpich_ring_row(tmp_path):
+    """``bench/capped_steps.sh`` writes one JSON per path (``capped-RATE-PATH.json``), with
+    ``MPICH_RING=1`` a tagged run with MPICH's ring selected, and rebuilds the report."""
+    why = _capped_available()
+    if why:
+        pytest.skip(why)
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "MPIR_CVAR_"))}
+    env.update(MODEL="tiny", METHODS="allreduce,torch-allreduce", REPEATS="1", MPICH_RING="1",
+               PYTHON=sys.executable)
+    before = _our_namespaces()
+    done = subprocess.run([os.path.join(ROOT, "bench", "capped_steps.sh"), str(tmp_path), "1gbit", "2"],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert _our_namespaces() == before
+    for path in ("reducer", "ddp"):
+        data = json.loads((tmp_path / f"capped-1gbit-{path}.json").read_text())
+        assert data["path"] == path and data["network"] == "1gbit" and data["ranks"] == 2
+        assert "MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM" not in data["settings"]
+        assert {"allreduce", "torch-allreduce"} <= {r["method"] for r in data["results"]}
+    ring = json.loads((tmp_path / "capped-1gbit-reducer-mpich-ring.json").read_text())
+    assert ring["settings"]["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM"] == "ring"
+    by = {r["method"]: r for r in ring["results"]}
+    assert {"allreduce (MPICH ring, tuned)", "mpi-allreduce (MPICH ring, tuned)"} <= set(by)
+    assert by["mpi-allreduce (MPICH ring, tuned)"]["rel_error"] < 1e-6
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| mpi-allreduce (MPICH ring, tuned) |" in summary and "1gbit x2 ddp" in summary
 
 
 def test_capped_rejects_bad_arguments():

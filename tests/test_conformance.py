@@ -39,7 +39,7 @@ class Halve(gradcomp.Codec):
     def encode(self, x, message, workspace):
         message[...] = x
 
-    def decode(self, message, out, add=False):
+    def decode(self, message, out, workspace, add=False):
         if add:
             out += message
         else:
@@ -68,13 +68,13 @@ class Zeros(gradcomp.Codec):
     def encode(self, x, message, workspace):
         message[...] = 0
 
-    def decode(self, message, out, add=False):
+    def decode(self, message, out, workspace, add=False):
         if not add:
             out[...] = 0
 
 
 class Constant(Zeros):
-    def decode(self, message, out, add=False):
+    def decode(self, message, out, workspace, add=False):
         out[...] = 0.5
 
 

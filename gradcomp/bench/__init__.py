@@ -1,9 +1,13 @@
 """Benchmarks: ``python -m gradcomp bench`` (see ``gradcomp.cli``) and the capped-network step time.
 
 * ``shapes``: the parameter shapes of ResNet-50 and BERT-base, and heavy-tailed fake gradients.
-* ``methods``: what is compared, gradcomp compressors and PyTorch's own DDP hooks, by name.
-* ``worker``: runs on every rank under ``mpiexec``; times whole steps (all buckets), counts bytes
-  per rank, measures the error against the exact mean; rank 0 writes one JSON file.
+* ``methods``: what is compared: every compressor in ``gradcomp.REGISTRY`` by spec (a registered
+  name joins ``--methods all`` with no edit here) and PyTorch's own DDP hooks.
+* ``worker``: runs on every rank under ``mpiexec``; on one of two paths, ``reducer`` (the README's
+  ``GradientReducer`` on NumPy arrays) or ``ddp`` (real DistributedDataParallel, each method its
+  comm hook), times whole steps, counts page faults and bytes per rank, measures the error against
+  the exact mean; rank 0 writes one JSON file.
+* ``hookbucket``: a GradBucket stand-in for calling PyTorch's hooks outside DDP.
 * ``kernels``: single-process kernel throughput as a multiple of a memcpy of the same buffer.
 * ``driver``: launches the workers for each number of ranks, shows progress, writes JSON/CSV.
 * ``plots``: PNG figures (matplotlib, Agg backend).

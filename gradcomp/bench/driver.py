@@ -96,13 +96,16 @@ def run(args) -> dict:
     outdir = os.path.abspath(args.out)
     os.makedirs(outdir, exist_ok=True)
     with_torch = None if args.torch == "auto" else args.torch == "on"
-    methods = select(args.methods, with_torch)
+    try:
+        select(args.methods, with_torch)  # an unknown name fails here, before any launch
+    except ValueError as exc:
+        raise SystemExit(f"gradcomp bench: {exc}") from None
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
     paths = paths_of(args)
     if "ddp" in paths and args.torch == "off":
         raise SystemExit("gradcomp bench: the ddp path needs torch (got --torch off)")
-    total = len(models) * len(ranks) * len(paths) * (len(methods) + 2)
+    total = len(models) * len(ranks) * sum(len(select(args.methods, with_torch, path)) + 2 for path in paths)
     if args.kernels:
         from .kernels import count
         total += count(args.kernel_methods)
@@ -113,8 +116,8 @@ def run(args) -> dict:
         for n in ranks:
             for path in paths:
                 out = os.path.join(outdir, f"{model}-{n}ranks-{path}.json")
-                cmd = ["-m", "gradcomp.bench.worker", "--path", path,
-                       "--model", model, "--methods", ",".join(m.name for m in methods),
+                cmd = ["-m", "gradcomp.bench.worker", "--path", path,  # the worker expands all per path
+                       "--model", model, "--methods", args.methods,
                        "--repeats", str(args.repeats), "--warmup", str(args.warmup),
                        "--bucket-mb", str(args.bucket_mb), "--torch", args.torch, "--out", out]
                 order = getattr(args, "order", None)
@@ -227,7 +230,9 @@ def _is_baseline(r) -> bool:
 
 def capped_table(capped) -> str:
     """One markdown table, a column group per capped run: step ms and the ratios."""
-    runs = sorted(capped, key=lambda c: (-(_rate(c.get("network", "")) or 0), c.get("path", ""),
+    paths = ("", "reducer", "ddp")
+    runs = sorted(capped, key=lambda c: (-(_rate(c.get("network", "")) or 0),
+                                         paths.index(c["path"]) if c.get("path") in paths else 3,
                                          c.get("tag", "")))
     if not runs:
         return ""

@@ -6,7 +6,8 @@ buffer is a flat float32 array of heavy-tailed values (default 100 MB, as in the
 figures), and every time is a median of repeats measured in the same run as the memcpy it is
 divided by. Also measured here: the float32 -> float16 -> float32 round trip by NumPy's ``astype``,
 by ``gradcomp.arrays.cast`` and by PyTorch (1 thread, and its default thread count), and the
-per-channel int8 round trip (``quantize`` + ``dequantize_add``).
+per-channel int8 round trip (the quantizers' ``quantize`` and ``dequantize`` kernels, into
+preallocated parameters, codes and accumulator).
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import numpy as np
 
 from ..arrays import cast
 from ..bucket import Bucket
-from ..compressors import QuantizePerChannel
 from .methods import select
 
 
@@ -59,13 +59,17 @@ def measure(mb: float = 100.0, repeats: int = 7, methods: str = "gradcomp", prog
         tasks.append(("fp16 round trip, torch 1 thread", torch_rt(1)))
         tasks.append((f"fp16 round trip, torch {default_threads} threads", torch_rt(default_threads)))
 
-    q = QuantizePerChannel()
+    from ..compressors.quantize.kernels import chunk_count, dequantize, quantize
+
+    width = 512
+    params = np.empty((2, chunk_count(n, width)), np.float32)
+    codes = np.empty(n, np.uint8)
     acc = np.zeros(n, np.float32)
 
-    def int8_rt():  # into a preallocated accumulator, as run() adds every rank's codes into one
-        params, codes = q.quantize(x)
-        q.dequantize_add(acc, params, codes)
-    tasks.append(("int8 per-channel round trip (quantize + dequantize_add)", int8_rt))
+    def int8_rt():  # into a preallocated accumulator, as a decode adds every rank's codes into one
+        quantize(x, params, codes, width, 255)
+        dequantize(acc, params, codes, width, add=True)
+    tasks.append(("int8 per-channel round trip (quantize + dequantize, add)", int8_rt))
 
     from mpi4py import MPI
 

@@ -77,6 +77,7 @@ class Method:
     same_as: str | None = None  # the method of the other kind that does the same thing
     label: str = ""
     broken: str = ""  # why it is left out of "all" (it still runs when named)
+    broken_paths: tuple = ()  # ((worker path, why), ...): left out of "all" on that path only
     transport: str = "mpi"  # gradcomp: "mpi", "gloo" (TorchCommunicator) or "mpi-allreduce"
     hook: Callable | None = field(default=None, repr=False)  # torch: (world_size) -> (state, hook)
 
@@ -102,6 +103,10 @@ class Method:
                 shared[MPI_ALLREDUCE] = MPICommunicator(large_allreduce_bytes=_NEVER_SPLIT)
             return shared[MPI_ALLREDUCE]
         return None
+
+    def broken_for(self, path: str | None) -> str:
+        """Why this method is left out of ``all`` on ``path`` ("" when it is not)."""
+        return self.broken or dict(self.broken_paths).get(path, "")
 
     def needs_torch(self) -> bool:
         return self.kind == "torch" or self.transport == "gloo"
@@ -179,7 +184,10 @@ TORCH_HOOKS = [
     Method("torch-fp16", "torch", transport="gloo", same_as="fp16", label="torch fp16_compress_hook",
            hook=_torch_hook("fp16")),
     Method("torch-bf16", "torch", transport="gloo", same_as="bf16", label="torch bf16_compress_hook",
-           hook=_torch_hook("bf16")),
+           hook=_torch_hook("bf16"),
+           broken_paths=(("ddp", "PyTorch 2.13: DistributedDataParallel.register_comm_hook refuses "
+                                 "bf16_compress_hook without CUDA 11+ and NCCL 2.10+ (or XPU and XCCL); "
+                                 "called outside DDP (reducer path) it runs over gloo"),)),
     Method("torch-quantize-tensor", "torch", transport="gloo", same_as="quantize-tensor",
            label="torch quantization_pertensor_hook", broken=_GLOO_QUANTIZE,
            hook=_torch_hook("quantize-tensor")),
@@ -213,12 +221,12 @@ def _gradcomp(spec: str, transport: str = "mpi") -> Method:
     return Method(spec, "gradcomp", spec, twin, label)
 
 
-def all_methods(with_torch: bool = True, broken: bool = False) -> list[Method]:
-    """``all`` (``broken=True``: ``everything``), read from the registry now."""
+def all_methods(with_torch: bool = True, broken: bool = False, path: str | None = None) -> list[Method]:
+    """``all`` (``broken=True``: ``everything``) on worker path ``path``, read from the registry now."""
     out = [_gradcomp(s) for s in gradcomp_specs()]
     if with_torch:
         out += [_gradcomp(s, "gloo") for s in GLOO_SPECS if parse_spec(s)[0] in REGISTRY]
-        out += [m for m in TORCH_HOOKS if broken or not m.broken]
+        out += [m for m in TORCH_HOOKS if broken or not m.broken_for(path)]
     return out
 
 
@@ -270,17 +278,17 @@ def torch_available() -> bool:
     return True
 
 
-def select(spec: str, with_torch: bool | None = None) -> list[Method]:
-    """Methods named in ``spec`` (see ``split_methods``; ``all`` = every available one that works;
-    ``gradcomp`` / ``torch`` = those of one kind; ``everything`` adds the PyTorch hooks that fail
-    in this PyTorch version, see ``Method.broken``). Methods that need torch, where it is missing,
-    are dropped from ``all`` and rejected when named explicitly."""
+def select(spec: str, with_torch: bool | None = None, path: str | None = None) -> list[Method]:
+    """Methods named in ``spec`` (see ``split_methods``; ``all`` = every available one that works
+    on worker path ``path``; ``gradcomp`` / ``torch`` = those of one kind; ``everything`` adds the
+    PyTorch hooks that fail in this PyTorch version, see ``Method.broken_for``). Methods that need
+    torch, where it is missing, are dropped from ``all`` and rejected when named explicitly."""
     if with_torch is None:
         with_torch = torch_available()
     out = []
     for part in split_methods(spec):
         if part in ("all", "gradcomp", "torch", "everything"):
-            out += [m for m in all_methods(with_torch, broken=part == "everything")
+            out += [m for m in all_methods(with_torch, broken=part == "everything", path=path)
                     if part in ("all", "everything", m.kind)]
             continue
         m = resolve(part)

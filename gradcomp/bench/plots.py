@@ -16,6 +16,10 @@
 * ``kernels.png``: kernel time as a multiple of memcpy.
 * ``capped.png``: measured step time on the capped link as a fraction of the fp32 allreduce step.
 
+Jobs that say their worker path (``reducer`` or ``ddp``) get one set of figures per model and path
+(``time_vs_bandwidth-MODEL-PATH.png``, ...) and are matched with capped runs of the same path.
+Baseline rows (``memcpy``, ``backward``: ``kind == "baseline"``) are never drawn as methods.
+
 Every function returns the (closed) matplotlib figure, so tests can inspect what was drawn.
 """
 from __future__ import annotations
@@ -79,7 +83,7 @@ def family(method: str) -> str:
         return "exact"
     if "powersgd" in base:
         return "low rank (PowerSGD)"
-    if base.startswith("quantize"):
+    if base.startswith(("quantize", "int8")):
         return "int8 quantized"
     if base in ("fp16", "bf16"):
         return "half precision"

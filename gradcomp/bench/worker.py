@@ -261,6 +261,8 @@ class _ReducerCase(_GradcompTraffic, _Case):
         super().__init__(m.name, m.label, m)
         self.path = path
         self.compressor = m.build()
+        if m.transport == "gloo":
+            _start_torch()  # TorchCommunicator needs the process group
         comm = m.communicator(path.shared) or path.comm
         self.reducer = GradientReducer(path.grads, self.compressor, comm, path.args.bucket_mb)
 
@@ -501,7 +503,8 @@ def run(args) -> dict:
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    methods = select(args.methods, with_torch=None if args.torch == "auto" else args.torch == "on")
+    methods = select(args.methods, with_torch=None if args.torch == "auto" else args.torch == "on",
+                     path=args.path)
     if args.path == "ddp" and args.torch == "off":
         raise SystemExit("gradcomp.bench.worker: --path ddp needs torch (got --torch off)")
     shapes = model_shapes(args.model)
@@ -631,12 +634,8 @@ def run(args) -> dict:
                results=_with_ratios(results, n, size))
     if "backward" in by and "time_s" in by["backward"]:
         job["compute_s"] = by["backward"]["time_s"]
-    try:
-        import torch
-
-        job["torch"] = torch.__version__
-    except ImportError:
-        pass
+    if "torch" in sys.modules:  # (importing it only to say which would cost seconds)
+        job["torch"] = sys.modules["torch"].__version__
     if args.tag:
         _apply_tag(job["results"], args.tag)
     return job

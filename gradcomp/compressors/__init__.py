@@ -14,7 +14,8 @@ from .base import Compressor
 from .cast import BF16, FP16, Cast
 from .codec import Codec
 from .feedback import ErrorFeedback
-from .quantize import QuantizePerChannel, QuantizePerTensor
+from .quantize import OneBit, QuantizedAllreduce, QuantizePerChannel, QuantizePerTensor
+from .sparse import RandomK, TopK
 
 
 def _register_builtins() -> None:
@@ -43,8 +44,20 @@ def _register_builtins() -> None:
     # The whole-bucket square mixes layers, so it needs more rank (rank 1 lost 9 points on digits).
     register("batched-powersgd", partial(BatchedPowerSGD, rank=8, start_iter=10))
 
+    # Two-stage quantizers and sparsifiers, with error feedback (and without, to compare).
+    def feedback(codec, error_feedback=True, **kwargs):
+        inner = codec(**kwargs)
+        return ErrorFeedback(inner) if error_feedback else inner
+
+    for name, codec in (("int8", partial(QuantizedAllreduce, bits=8)),
+                        ("int4", partial(QuantizedAllreduce, bits=4)),
+                        ("onebit", OneBit), ("topk", TopK), ("randomk", RandomK)):
+        register(name, partial(feedback, codec))
+        register(f"{name}-noef", partial(feedback, codec, error_feedback=False))
+
 
 _register_builtins()
 
 __all__ = ["Compressor", "Codec", "ErrorFeedback", "Allreduce", "Allgather", "Cast", "FP16", "BF16",
-           "QuantizePerTensor", "QuantizePerChannel", "REGISTRY", "register", "make"]
+           "QuantizePerTensor", "QuantizePerChannel", "QuantizedAllreduce", "OneBit", "TopK",
+           "RandomK", "REGISTRY", "register", "make"]

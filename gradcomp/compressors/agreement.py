@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import FLOAT_DTYPES, dtype_name
+from ..arrays import dtype_name
 from ..bucket import Bucket, buffer_problem, digest
 from ..comm import CollectiveError, Communicator
 
@@ -52,9 +52,7 @@ def agree(comm: Communicator, bucket, compressor, prepared=None,
         # ranks that cannot take part: say who and why (their texts), nothing else matters
         reasons = gather_texts(comm, texts[0])
         detail = "; ".join(f"rank {r}: {reasons[r][4:]}" for r in bad)
-        raise CollectiveError(f"gradcomp: rank(s) {bad} passed a buffer that cannot be a bucket, or "
-                              f"could not compress it ({detail}); a bucket must be a 1-D contiguous "
-                              f"{'/'.join(FLOAT_DTYPES)} array in the machine's byte order")
+        raise CollectiveError(f"gradcomp: rank(s) {bad} cannot take part in this reduction ({detail})")
     col = differs[0]
     values = gather_texts(comm, texts[col])
     per_rank = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))

@@ -30,7 +30,7 @@ class Allgather(Codec):
     def encode(self, x, message, workspace):
         message[...] = x
 
-    def decode(self, message, out, add=False):
+    def decode(self, message, out, workspace, add=False):
         if add:
             add_into(out, message)
         else:

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..arrays import is_device_array, synchronize
+from ..arrays import FLOAT_DTYPES, is_device_array, synchronize
 from ..bucket import Bucket, buffer_problem
 from ..comm import Communicator, Workspace, default_communicator, wire_bytes
 from .agreement import agree
@@ -95,6 +95,9 @@ class Compressor:
         self._bind(comm)
         buffer = getattr(bucket, "buffer", bucket)
         problem = buffer_problem(buffer) if not isinstance(bucket, Bucket) else None
+        if problem is not None:
+            problem = (f"passed a buffer that cannot be a bucket: {problem} (a bucket is a 1-D "
+                       f"contiguous {'/'.join(FLOAT_DTYPES)} array in the machine's byte order)")
         if problem is None and not isinstance(bucket, Bucket):
             bucket = Bucket(buffer)
         if problem is None:

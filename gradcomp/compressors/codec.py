@@ -4,7 +4,8 @@ A codec says how to turn a vector into a message and back:
 
 * ``message_size(n)``: the message's length (in ``message_dtype`` units) for ``n`` values;
 * ``encode(x, message, workspace)``: write ``x``'s message;
-* ``decode(message, out, add)``: write (or add) the message's reconstruction into ``out``;
+* ``decode(message, out, workspace, add)``: write (or add) the message's reconstruction into
+  ``out``;
 
 and declares which collective carries it (``collective``):
 
@@ -53,8 +54,14 @@ class Codec(Compressor):
     def encode(self, x, message, workspace: Workspace) -> None:
         raise NotImplementedError
 
-    def decode(self, message, out, add: bool = False) -> None:
+    def decode(self, message, out, workspace: Workspace, add: bool = False) -> None:
         raise NotImplementedError
+
+    def start(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> Any:
+        """Called first, in submission order, for each bucket: decisions that depend on step
+        counters (random-k's coordinates). Its result is ``prepared.decision`` (see
+        ``agreement_state``); default none."""
+        return None
 
     def compute_dtype(self, dtype):
         """The dtype ``encode`` sees: float64 buckets stay float64, others are widened to float32."""
@@ -77,6 +84,7 @@ class _Prepared:
     x: Any               # the (widened, error-corrected) vector that was encoded
     message: Any         # this rank's message (two-stage: size slices' messages, back to back)
     slice_len: int       # two-stage: values per slice (a multiple of the chunk)
+    decision: Any = None  # what ``Codec.start`` returned
 
 
 def _slice_len(codec: Codec, n: int, size: int) -> int:
@@ -87,6 +95,7 @@ def _slice_len(codec: Codec, n: int, size: int) -> int:
 def _prepare(codec: Codec, bucket: Bucket, comm, workspace: Workspace, feedback) -> _Prepared:
     g = bucket.buffer
     n = bucket.numel
+    decision = codec.start(bucket, comm, workspace)
     compute = codec.compute_dtype(g.dtype)
     two_stage = codec.collective == "two-stage"
     slice_len = _slice_len(codec, n, comm.size) if two_stage else n
@@ -112,11 +121,11 @@ def _prepare(codec: Codec, bucket: Bucket, comm, workspace: Workspace, feedback)
         own = workspace.array(codec, "own", padded, compute, like=g)
         if two_stage:
             for r in range(comm.size):
-                codec.decode(message[r * size:(r + 1) * size], own[r * slice_len:(r + 1) * slice_len])
+                codec.decode(message[r * size:(r + 1) * size], own[r * slice_len:(r + 1) * slice_len], workspace)
         else:
-            codec.decode(message, own)
+            codec.decode(message, own, workspace)
         feedback.keep_residual(bucket, x[:n], own[:n])
-    return _Prepared(x, message, slice_len)
+    return _Prepared(x, message, slice_len, decision)
 
 
 def _output(bucket: Bucket, dtype):
@@ -147,7 +156,7 @@ def _finish(codec: Codec, bucket: Bucket, comm, prepared: _Prepared, feedback):
             xp.divide(message, message.dtype.type(size), out=message)
         summed = comm.allreduce(message, overwrite=True)
         out = _output(bucket, compute)
-        codec.decode(summed, out)
+        codec.decode(summed, out, ws)
         return _narrow(bucket, out)
     if codec.collective == "allgather":
         rows = comm.allgather(message, out=ws.array(codec, "rows", size * message.shape[0],
@@ -155,7 +164,7 @@ def _finish(codec: Codec, bucket: Bucket, comm, prepared: _Prepared, feedback):
         acc = _output(bucket, compute)
         acc[...] = 0
         for r in range(size):
-            codec.decode(rows[r], acc, add=True)
+            codec.decode(rows[r], acc, ws, add=True)
         if size > 1:
             xp.divide(acc, acc.dtype.type(size), out=acc)
         return _narrow(bucket, acc)
@@ -166,7 +175,7 @@ def _finish(codec: Codec, bucket: Bucket, comm, prepared: _Prepared, feedback):
     mine = ws.array(codec, "slice", slice_len, compute, like=g)
     mine[...] = 0
     for r in range(size):
-        codec.decode(rows[r], mine, add=True)
+        codec.decode(rows[r], mine, ws, add=True)
     if size > 1:
         xp.divide(mine, mine.dtype.type(size), out=mine)
     if feedback is not None:
@@ -175,7 +184,7 @@ def _finish(codec: Codec, bucket: Bucket, comm, prepared: _Prepared, feedback):
     codec.encode(mine, second, ws)
     if feedback is not None:
         own = ws.array(codec, "own2", slice_len, compute, like=g)
-        codec.decode(second, own)
+        codec.decode(second, own, ws)
         feedback.keep_owner_residual(bucket, comm, mine, own, slice_len)
     gathered = comm.allgather(second, out=ws.array(codec, "gathered", size * msg_len, message.dtype, like=g))
     padded = slice_len * size
@@ -185,7 +194,7 @@ def _finish(codec: Codec, bucket: Bucket, comm, prepared: _Prepared, feedback):
     else:
         full = ws.array(codec, "full", padded, compute, like=g)
     for r in range(size):
-        codec.decode(gathered[r], full[r * slice_len:(r + 1) * slice_len])
+        codec.decode(gathered[r], full[r * slice_len:(r + 1) * slice_len], ws)
     if full is not out:
         out[...] = full[:n]
     return _narrow(bucket, out)

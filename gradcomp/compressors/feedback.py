@@ -20,7 +20,7 @@ import numpy as np
 
 from ..arrays import array_module, subtract_into, add_into
 from ..bucket import Bucket, digest
-from ..state import TensorStore, reject_leftovers, tensor_arrays
+from ..state import TensorStore, pop_shapes, reject_leftovers, shape_entries, tensor_arrays
 from .base import Compressor
 from .codec import Codec, _finish, _prepare
 
@@ -44,6 +44,13 @@ class ErrorFeedback(Compressor):
     @property
     def error_feedback_on(self) -> bool:
         return True  # the accumulated error is what is bounded (see the conformance kit)
+
+    @property
+    def relative_error_limit(self):  # type: ignore[override]
+        return self.inner.relative_error_limit
+
+    def agreement_state(self, bucket, prepared):
+        return self.inner.agreement_state(bucket, prepared)
 
     def prepare(self, bucket, comm, workspace):
         return _prepare(self.inner, bucket, comm, workspace, self)
@@ -82,19 +89,34 @@ class ErrorFeedback(Compressor):
         return self.residuals.pop(keys)
 
     def state_dict(self) -> dict:
-        out = {f"residual/{k}": v for k, v in self.residuals.arrays().items()}
+        out: dict = {"config": self.describe()}
+        out.update({f"residual/{k}": v for k, v in self.residuals.arrays().items()})
+        out.update(shape_entries(self.residuals))
         out.update({f"owner/{k}": v for k, v in self.owner_residuals.arrays().items()})
+        out.update({f"inner/{k}": v for k, v in self.inner.state_dict().items()})
         return out
 
     def load_state_dict(self, state: Mapping, shapes: Mapping[str, tuple] | None = None) -> None:
         state = dict(state)
         owner = type(self).__name__
+        if "config" not in state:
+            raise ValueError(f"{owner} state: missing 'config' (expected the output of state_dict())")
+        saved = str(np.asarray(state.pop("config")))
+        if saved != self.describe():
+            raise ValueError(f"{owner} state: saved by {saved}, but this compressor is {self.describe()}")
+        shapes = pop_shapes(state, owner, shapes)
         residuals = tensor_arrays(state, "residual/", owner, shapes)
+        missing = sorted(k for k in residuals if k not in shapes)
+        if missing:
+            raise ValueError(f"{owner} state: no 'shape/{missing[0]}' for 'residual/{missing[0]}'")
         owners = tensor_arrays(state, "owner/", owner, None)
         for key, value in owners.items():
             if value.ndim != 1:
                 raise ValueError(f"{owner} state: 'owner/{key}' must be 1-D, got shape {value.shape}")
+        inner = {k[len("inner/"):]: state.pop(k) for k in [k for k in state if k.startswith("inner/")]}
         reject_leftovers(state, owner)
+        if inner or self.inner.state_dict():
+            self.inner.load_state_dict(inner, shapes)  # checks its part before anything changes
         self.residuals.load(residuals)
         self.owner_residuals.load(owners)
 

@@ -22,7 +22,7 @@ import gradcomp as gc
 from .signals import LAYOUT, LENGTHS, digest, numel, relative_error, structured, tensor_of
 
 STEPS = 14          # past the 10-step warm-up of the registered PowerSGD variants
-LONG = 48           # steps of the accumulated-error check
+LONG = 300          # steps of the accumulated-error check (random-k at 1% needs a few hundred)
 NAN_AT = 700        # a position in the second 512-value chunk, inside LAYOUT's last matrix
 
 
@@ -127,8 +127,8 @@ def check_accuracy(kit: Kit) -> None:
             lags[step + 1] = relative_error(sum_out, sum_mean)
     if comp.error_feedback_on:
         half, full = lags[LONG // 2], lags[LONG]
-        assert full <= 0.25, (f"error feedback: after {LONG} steps the summed output is off by "
-                              f"{full:.3g} of the summed means (allowed 0.25)")
+        assert full <= 0.5, (f"error feedback: after {LONG} steps the summed output is off by "
+                             f"{full:.3g} of the summed means (allowed 0.5)")
         assert full <= 0.02 or full <= 0.8 * half, (
             f"error feedback: the accumulated error does not shrink relative to the signal "
             f"({half:.3g} after {LONG // 2} steps, {full:.3g} after {LONG})")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
-from ..state import check_array, reject_leftovers, take_int, tensor_arrays
+from ..state import check_array, pop_shapes, reject_leftovers, shape_entries, take_int, tensor_arrays
 
 if TYPE_CHECKING:
     from .compressor import PowerSGD
@@ -32,6 +32,7 @@ def powersgd_state(comp: "PowerSGD") -> dict:
     for prefix, store in (("residual/", comp._errors), ("q/", comp._q), ("p/", comp._p)):
         for key, value in store.arrays().items():
             out[prefix + key] = value
+    out.update(shape_entries(comp._errors))
     return out
 
 
@@ -60,7 +61,11 @@ def load_powersgd(comp: "PowerSGD", state: Mapping, shapes: Mapping[str, tuple] 
     if gauss is None or np.asarray(gauss).shape != () or not np.isfinite(float(np.asarray(gauss))):
         raise ValueError(f"{owner} state: 'rng/gauss' must be a finite number, got {gauss!r}")
     counts = {k: take_int(state, k, owner) if k in state else 0 for k in comp._counts}
+    shapes = pop_shapes(state, owner, shapes)
     residuals = tensor_arrays(state, "residual/", owner, shapes)
+    missing = sorted(k for k in residuals if k not in shapes)
+    if missing:
+        raise ValueError(f"{owner} state: no 'shape/{missing[0]}' for 'residual/{missing[0]}'")
     factors = {}
     for which, rows_of in (("q", lambda shape: math.prod(shape[1:])), ("p", lambda shape: shape[0])):
         values = tensor_arrays(state, f"{which}/", owner)
@@ -71,7 +76,7 @@ def load_powersgd(comp: "PowerSGD", state: Mapping, shapes: Mapping[str, tuple] 
                                  f"{comp.rank}, got shape {value.shape}")
             if not np.isfinite(value).all():
                 raise ValueError(f"{owner} state: {name!r} holds NaN or Inf")
-            if shapes is not None and key in shapes and len(shapes[key]) >= 2:
+            if key in shapes and len(shapes[key]) >= 2:
                 shape = tuple(shapes[key])
                 r = min(shape[0], math.prod(shape[1:]), comp.rank)
                 expect = (rows_of(shape), r)

@@ -1,0 +1,82 @@
+"""8-bit (or fewer) affine quantization per tensor or per 512-value channel, allgathered.
+
+Each rank quantizes its own bucket with its own parameters, so nothing needs agreeing on before
+the data moves. One allgather carries every rank's message, ``[offset, scale per chunk (float32)
+| codes (uint8)]``; every rank dequantizes every sender's codes with that sender's parameters and
+averages them in float32, in rank order, so all ranks hold the same bits. This is what PyTorch's
+quantization hooks do; its traffic grows with the number of ranks (``twostage`` does not).
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from ...params import check_int
+from ..codec import Codec
+from .kernels import chunk_count, dequantize, quantize
+
+
+class QuantizePerChannel(Codec):
+    """Quantize each run of ``channel_size`` consecutive values with its own scale and offset.
+
+    One outlier then only coarsens its own 512 values instead of the whole bucket, which is why
+    per-channel error is far lower on heavy-tailed gradients. A bucket whose length is not a
+    multiple of ``channel_size`` gets one shorter last chunk. Costs ``8 / channel_size`` extra bytes
+    per value for the parameters (1.6% at 512). Traffic: ``(N-1) * (n + 8 * chunks)`` bytes per rank.
+    """
+
+    collective = "allgather"
+    nan_effect = "chunk"
+
+    def __init__(self, bits: int = 8, channel_size: int | None = 512):
+        super().__init__()
+        self.bits = check_int("bits", bits, 1, 8)
+        self.channel_size = None if channel_size is None else check_int("channel_size", channel_size, 1)
+        self.levels = (1 << self.bits) - 1
+
+    def _width(self, n: int) -> int:
+        return self.channel_size if self.channel_size is not None else max(n, 1)
+
+    def message_size(self, n):
+        return 8 * chunk_count(n, self._width(n)) + n
+
+    def _views(self, message, n):
+        chunks = chunk_count(n, self._width(n))
+        return message[:8 * chunks].view(np.float32).reshape(2, chunks), message[8 * chunks:]
+
+    def encode(self, x, message, workspace):
+        params, codes = self._views(message, x.shape[0])
+        quantize(x, params, codes, self._width(x.shape[0]), self.levels)
+
+    def decode(self, message, out, workspace, add=False):
+        params, codes = self._views(message, out.shape[0])
+        dequantize(out, params, codes, self._width(out.shape[0]), add)
+
+    def error_bound(self, inputs, dtype):
+        """Each code is within half a step of its value: the mean over senders of half their
+        chunk's step, plus float32 rounding of the offsets and the sum."""
+        width = self._width(inputs.shape[1])
+        return chunk_error_bound(inputs, width, self.levels, dtype)
+
+
+def chunk_error_bound(inputs, width, levels, dtype):
+    n = inputs.shape[1]
+    half_steps = np.zeros(n)
+    for start in range(0, n, width):
+        part = inputs[:, start:start + width].astype(np.float32)
+        step = (part.max(axis=1) - part.min(axis=1)).astype(np.float64) / levels
+        half_steps[start:start + width] = step.mean() / 2
+    peak = np.abs(inputs).max(initial=0.0)
+    eps32 = float(np.finfo(np.float32).eps)
+    return (half_steps * 1.001 + 8 * eps32 * peak
+            + float(ml_dtypes.finfo(dtype).eps) * np.abs(inputs.mean(axis=0)))
+
+
+class QuantizePerTensor(QuantizePerChannel):
+    """One scale and offset for the whole bucket: the smallest message (8 bytes of parameters),
+    but one large gradient coarsens every other value in the bucket. See ``QuantizePerChannel``."""
+
+    nan_effect = "bucket"
+
+    def __init__(self, bits: int = 8):
+        super().__init__(bits=bits, channel_size=None)

@@ -1,0 +1,94 @@
+"""Compiled (numba) kernels of affine chunk quantization: one pass per 512-value chunk while it is
+in the L1 cache, the float32 operations of the NumPy kernels (``kernels``) in the same order, so
+the bits are the same. Only imported where ``gradcomp.jit.available()``."""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ...jit import _f32_from_bits
+
+_kernel = njit(cache=True, boundscheck=False, nogil=True)
+
+_INF_KEY = np.int32(0x7F800000)  # order key (below) of +inf
+_NEG_INF_KEY = np.int32(-0x7F800001)  # and of -inf
+
+@njit(inline="always")
+def _order_key(b):
+    """float32 bits (as int32) -> an int32 that sorts like the float (-0 just below +0, NaNs
+    beyond the infinities); its own inverse. Integer min/max vectorize and have no NaN or
+    signed-zero ambiguity, unlike float comparisons."""
+    return b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF))
+
+@_kernel
+def _has_both_zeros(bits):
+    """True when ``bits`` (float32 as int32) hold both +0.0 and -0.0."""
+    plus = minus = False
+    for i in range(bits.shape[0]):
+        plus |= bits[i] == np.int32(0)
+        minus |= bits[i] == np.int32(-0x80000000)
+    return plus and minus
+
+@_kernel
+def quantize_chunks(x, bits, width, levels, params, codes, redo):
+    """Per-chunk affine quantization of float32 ``x`` (``bits`` is x viewed as int32) in one
+    pass per chunk: ``params[0] = min``, ``params[1] = (max - min) / levels``, codes =
+    clip(rint((x - min) * (1 / scale)), 0, levels) as uint8 (1 instead of 1/scale where scale
+    is not > 0) -- the float32 operations of the NumPy kernels, in the same order.
+
+    Chunks whose result this loop cannot promise bit for bit are marked ``redo[c] = True`` and
+    left to the NumPy kernels: a NaN or Inf (NaN payloads and the flags follow NumPy's
+    sequence), a range whose scale or inverse is not finite, and a chunk whose minimum or
+    maximum is a zero held with both signs (NumPy's SIMD min may return either zero).
+    Returns how many chunks were marked.
+
+    The inner loops run over per-chunk slices from 0 to their length: LLVM vectorizes that
+    form, not a loop over ``range(start, stop)`` of the whole array (8x slower here)."""
+    redone = 0
+    top = np.float32(levels)
+    for c in range(params.shape[1]):
+        start = c * width
+        xs = x[start:start + width]
+        bs = bits[start:start + width]
+        cs = codes[start:start + width]
+        kmin = np.int32(0x7FFFFFFF)
+        kmax = np.int32(-0x80000000)
+        for i in range(bs.shape[0]):
+            k = _order_key(bs[i])
+            kmin = min(kmin, k)
+            kmax = max(kmax, k)
+        lo = _f32_from_bits(np.uint32(_order_key(kmin) & 0xFFFFFFFF))
+        hi = _f32_from_bits(np.uint32(_order_key(kmax) & 0xFFFFFFFF))
+        scale = (hi - lo) / top
+        inv = np.float32(1.0) / (scale if scale > np.float32(0.0) else np.float32(1.0))
+        params[0, c] = lo
+        params[1, c] = scale
+        bad = not (kmax < _INF_KEY and kmin > _NEG_INF_KEY
+                   and np.isfinite(scale) and np.isfinite(inv))
+        if not bad and (kmin == np.int32(-1) or kmax == np.int32(0)):  # an extreme is -0 or +0
+            bad = _has_both_zeros(bs)
+        if bad:
+            redo[c] = True
+            redone += 1
+            continue
+        for i in range(xs.shape[0]):
+            q = np.rint((xs[i] - lo) * inv)
+            cs[i] = np.uint8(min(max(q, np.float32(0.0)), top))
+    return redone
+
+@_kernel
+def dequantize_add_chunks(acc, params, codes, width):
+    """``acc += codes * scale`` then ``acc += offset`` per chunk, as two float32 roundings
+    (the NumPy kernels' sequence, no fused multiply-add); chunks whose offset or scale is not
+    finite become NaN. Per-chunk slices, as in ``quantize_chunks``."""
+    for c in range(params.shape[1]):
+        start = c * width
+        a = acc[start:start + width]
+        cs = codes[start:start + width]
+        lo = params[0, c]
+        scale = params[1, c]
+        if not (np.isfinite(lo) and np.isfinite(scale)):
+            a[:] = np.float32(np.nan)
+            continue
+        for i in range(a.shape[0]):
+            a[i] = (a[i] + np.float32(cs[i]) * scale) + lo

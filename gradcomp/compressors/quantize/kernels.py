@@ -1,0 +1,214 @@
+"""Affine quantization of 512-value chunks (offset = the chunk's minimum, scale = range / levels),
+and bit packing for codes narrower than a byte.
+
+``quantize(x, params, codes, width, levels)`` and ``dequantize(acc, params, codes, width, add)``
+pick the fastest kernel once for every quantizer: the compiled one-pass loops (``compiled``) for
+contiguous NumPy float32, else NumPy kernels working a block of chunks at a time (about ten
+passes over each block, but in the L2 cache), else whole-array operations (CuPy). All give the
+same bits.
+
+Non-finite values: a chunk holding NaN or Inf gets non-finite parameters, which every rank sees;
+such a chunk dequantizes to NaN, so a loss scaler notices, and no other chunk is touched.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...arrays import array_module, compiled_kernels
+
+_BLOCK = 1 << 18  # values per NumPy block (1 MiB of float32 scratch: fewer Python round trips)
+_ROUND_MAGIC = np.float32(2.0 ** 23)
+
+
+def chunk_count(n: int, width: int) -> int:
+    return -(-n // width) if n else 0
+
+
+def _compiled(*arrays):
+    """The compiled kernels module when they can take ``arrays`` (contiguous NumPy arrays, numba
+    present and enabled), else None."""
+    if all(type(a) is np.ndarray and a.flags.c_contiguous for a in arrays) and compiled_kernels():
+        from . import compiled
+
+        return compiled
+    return None
+
+
+def _runs(flags):
+    """(first, stop) of each run of consecutive True values in a bool vector."""
+    idx = np.flatnonzero(flags)
+    for run in np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1):
+        if run.size:
+            yield int(run[0]), int(run[-1]) + 1
+
+
+def _split(n: int, width: int):
+    rows, tail = divmod(n, width)
+    return rows, tail
+
+
+def _scale(xp, lo, hi, levels):
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (hi - lo) / xp.float32(levels)
+
+
+def _inverse(xp, scale):
+    """The factor that maps (value - offset) to codes; 1 where the chunk is constant."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        return xp.float32(1.0) / xp.where(scale > 0, scale, xp.float32(1.0))
+
+
+def _finish_codes(xp, q, inv, levels):
+    """q = (x - offset) in place -> rint((x - offset) / scale) clipped to the levels; codes of
+    non-finite chunks are 0 (those chunks are flagged by their params)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        q *= inv[:, None]
+        xp.rint(q, out=q)
+        xp.clip(q, 0, levels, out=q)
+        q[~xp.isfinite(q)] = 0
+
+
+def _pieces(n, width):
+    """The blocks the NumPy kernels work on, as (start, stop, chunk slice): runs of whole chunks
+    of about ``_BLOCK`` values (the tail chunk on its own), or, for chunks longer than a block
+    (per tensor, say), block-sized parts that share their chunk's slice."""
+    rows, _ = _split(n, width)
+    if width <= _BLOCK:
+        per = _BLOCK // width
+        for r0 in range(0, rows, per):
+            r1 = min(r0 + per, rows)
+            yield r0 * width, r1 * width, slice(r0, r1)
+        if n > rows * width:
+            yield rows * width, n, slice(rows, rows + 1)
+        return
+    for c, start in enumerate(range(0, n, width)):
+        stop = min(start + width, n)
+        for b in range(start, stop, _BLOCK):
+            yield b, min(b + _BLOCK, stop), slice(c, c + 1)
+
+
+def quantize(x, params, codes, width: int, levels: int) -> None:
+    """Write float32 ``x``'s per-chunk offsets and scales into ``params`` (2, chunks) and its codes
+    (0..levels) into ``codes`` (uint8, ``x``'s length)."""
+    xp = array_module(x)
+    n = x.shape[0]
+    if xp is np:
+        jit = _compiled(x, params, codes) if x.dtype == np.float32 else None
+        if jit is None:
+            _quantize_blocked(x, params, codes, width, levels)
+            return
+        redo = np.zeros(params.shape[1], bool)
+        if jit.quantize_chunks(x, x.view(np.int32), width, levels, params, codes, redo):
+            # chunks the compiled loop leaves to the NumPy kernels (non-finite values, ranges whose
+            # scale or inverse is not finite, a +0/-0 tie at an extreme): same bits that way
+            for c0, c1 in _runs(redo):
+                start, stop = c0 * width, min(c1 * width, n)
+                _quantize_blocked(x[start:stop], params[:, c0:c1], codes[start:stop], width, levels)
+        return
+    rows, _ = _split(n, width)
+    parts = ((x[:rows * width].reshape(rows, width), codes[:rows * width].reshape(rows, width), slice(0, rows)),
+             (x[rows * width:].reshape(1, -1), codes[rows * width:].reshape(1, -1), slice(rows, rows + 1)))
+    for part, out, sl in parts:
+        if part.size == 0:
+            continue
+        lo, hi = part.min(axis=1), part.max(axis=1)
+        scale = _scale(xp, lo, hi, levels)
+        q = part - lo[:, None]
+        _finish_codes(xp, q, _inverse(xp, scale), levels)
+        out[...] = q
+        params[0, sl] = lo
+        params[1, sl] = scale
+
+
+def _quantize_blocked(x, params, codes, width, levels):
+    scratch = np.empty(min(_BLOCK, x.shape[0]), np.float32)
+    whole_chunks = width <= _BLOCK  # else each chunk's parameters come first, in one pass
+    if not whole_chunks:
+        for c, start in enumerate(range(0, x.shape[0], width)):
+            part = x[start:start + width]
+            lo, hi = part.min(keepdims=True), part.max(keepdims=True)
+            params[0, c:c + 1] = lo
+            params[1, c:c + 1] = _scale(np, lo, hi, levels)
+    for start, stop, chunks in _pieces(x.shape[0], width):
+        k = chunks.stop - chunks.start
+        part, out = x[start:stop].reshape(k, -1), codes[start:stop].reshape(k, -1)
+        if whole_chunks:
+            params[0, chunks] = part.min(axis=1)
+            params[1, chunks] = _scale(np, params[0, chunks], part.max(axis=1), levels)
+        _encode_block(part, out, params[0, chunks], params[1, chunks], scratch, levels)
+
+
+def _encode_block(part, out, lo, scale, scratch, levels):
+    """codes of a (chunks, width) block with per-chunk ``lo`` and ``scale``."""
+    inv = _inverse(np, scale)
+    q = scratch[:part.size].reshape(part.shape)
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.subtract(part, lo[:, None], out=q)
+    finite = np.isfinite(lo).all() and np.isfinite(scale).all() and np.isfinite(inv).all()
+    if not finite:  # a chunk with NaN/Inf, an overflowing or subnormal range: the reference sequence
+        _finish_codes(np, q, inv, levels)
+        out[...] = q
+        return
+    # Finite chunks need no clip: 0 <= fl(x - lo) <= fl(max - min) = d, and with a finite 1/scale
+    # fl(d * fl(1/fl(d/levels))) is within 4 ulp of ``levels``, so q < levels + 0.5 rounds into
+    # [0, levels]; rint + narrowing is one float add of 2**23 (round half to even, the integer in
+    # the low mantissa bits) and an integer copy (tests compare with the reference bit for bit).
+    np.multiply(q, inv[:, None], out=q)
+    np.add(q, _ROUND_MAGIC, out=q)
+    np.copyto(out, q.view(np.uint32), casting="unsafe")
+
+
+def dequantize(acc, params, codes, width: int, add: bool = False) -> None:
+    """``acc (+)= codes * scale + offset`` per chunk, as two float32 roundings on every path;
+    chunks with non-finite parameters become NaN."""
+    xp = array_module(acc)
+    if not add:
+        acc[...] = 0
+    if xp is np:
+        jit = _compiled(acc, params, codes) if acc.dtype == np.float32 else None
+        if jit is not None:
+            jit.dequantize_add_chunks(acc, params, codes, width)
+            return
+        scratch = np.empty(min(_BLOCK, acc.shape[0]), np.float32)
+        for start, stop, chunks in _pieces(acc.shape[0], width):
+            k = chunks.stop - chunks.start
+            _decode_add(np, acc[start:stop].reshape(k, -1), codes[start:stop].reshape(k, -1),
+                        params[0, chunks], params[1, chunks], scratch)
+        return
+    rows, _ = _split(acc.shape[0], width)
+    parts = ((acc[:rows * width].reshape(rows, width), codes[:rows * width].reshape(rows, width), slice(0, rows)),
+             (acc[rows * width:].reshape(1, -1), codes[rows * width:].reshape(1, -1), slice(rows, rows + 1)))
+    for a, c, sl in parts:
+        if a.size:
+            _decode_add(xp, a, c, params[0, sl], params[1, sl])
+
+
+def _decode_add(xp, a, c, lo, scale, scratch=None):
+    with np.errstate(invalid="ignore", over="ignore"):
+        if scratch is None:
+            a += c * scale[:, None]
+        else:
+            t = scratch[:a.size].reshape(a.shape)
+            np.copyto(t, c)  # uint8 -> float32, exact
+            np.multiply(t, scale[:, None], out=t)
+            np.add(a, t, out=a)
+        a += lo[:, None]
+    bad = ~(xp.isfinite(lo) & xp.isfinite(scale))
+    if bad.any():
+        a[bad] = xp.nan
+
+
+# ---------------------------------------------------------------------------------------------
+# codes narrower than a byte
+# ---------------------------------------------------------------------------------------------
+def pack4(codes, out) -> None:
+    """Two 4-bit codes per byte (even index in the low nibble); ``codes`` has an even length."""
+    xp = array_module(codes)
+    xp.left_shift(codes[1::2], 4, out=out)
+    xp.bitwise_or(out, codes[0::2], out=out)
+
+
+def unpack4(packed, out) -> None:
+    xp = array_module(packed)
+    xp.bitwise_and(packed, 15, out=out[0::2])
+    xp.right_shift(packed, 4, out=out[1::2])
