@@ -17,6 +17,11 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", default="2,3,4", help="comma-separated numbers of ranks (default: %(default)s)")
     p.add_argument("--methods", default="all",
                    help="comma-separated method names, or all / gradcomp / torch (default: %(default)s)")
+    p.add_argument("--paths", default=None,
+                   help="comma-separated: reducer (GradientReducer, the NumPy path), ddp (real DDP with "
+                        "the hook); default: both when torch is there")
+    p.add_argument("--order", choices=("round-robin", "blocks"), default="round-robin",
+                   help="timed steps round-robin over the methods, or each method's steps together")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per method; the median is kept")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 3 so PowerSGD compresses)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB (DDP's default: 25)")

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from gradcomp import jit
-from gradcomp.compressors import QuantizePerChannel, QuantizePerTensor
-from gradcomp.compressors import quantize as quantize_module
+from gradcomp.compressors.quantize import kernels as quantize_module
+from gradcomp.compressors.quantize.kernels import chunk_count, dequantize, quantize
 
 from .test_bench import _quantize_cases, _reference_dequantize_add, _reference_quantize
 
@@ -26,12 +26,31 @@ SHAPES = [(8, 512), (4, 512), (1, 512), (8, 3), (8, 100000), (8, 300000), (8, No
 def path(request, monkeypatch):
     """Run a test on one path: 'numpy' hides the compiled kernels from quantize.py."""
     if request.param == "numpy":
-        monkeypatch.setattr(quantize_module, "compiled_kernels", lambda: None)
+        monkeypatch.setattr(quantize_module, "_compiled", lambda *a: None)
     return request.param
 
 
+class _Quantizer:
+    """The kernels with one chunk width (None: the whole vector) and bit count."""
+
+    def __init__(self, bits, width):
+        self.levels, self.width = (1 << bits) - 1, width
+
+    def _width(self, n):
+        return self.width or max(n, 1)
+
+    def quantize(self, x):
+        params = np.empty((2, chunk_count(x.size, self._width(x.size))), np.float32)
+        codes = np.empty(x.size, np.uint8)
+        quantize(x, params, codes, self._width(x.size), self.levels)
+        return params, codes
+
+    def dequantize_add(self, acc, params, codes):
+        dequantize(acc, params, codes, self._width(acc.size), add=True)
+
+
 def _make(bits, width):
-    return QuantizePerTensor(bits) if width is None else QuantizePerChannel(bits, width)
+    return _Quantizer(bits, width)
 
 
 def _round_trip(q, x, acc):
@@ -98,7 +117,7 @@ def test_compiled_and_numpy_paths_give_the_same_bits(bits, width, monkeypatch):
         acc0 = np.random.default_rng(4).standard_normal(x.size).astype(np.float32)
         acc0[::5] = -0.0
         with monkeypatch.context() as m:
-            m.setattr(quantize_module, "compiled_kernels", lambda: None)
+            m.setattr(quantize_module, "_compiled", lambda *a: None)
             expected = _round_trip(q, x, acc0)
         got = _round_trip(q, x, acc0)
         for e, g, what in zip(expected, got, ("params", "codes", "acc")):
@@ -108,11 +127,13 @@ def test_compiled_and_numpy_paths_give_the_same_bits(bits, width, monkeypatch):
 
 @pytest.mark.skipif(not COMPILED, reason="numba kernels unavailable")
 def test_numpy_arrays_use_the_compiled_kernels(monkeypatch):
+    from gradcomp.compressors.quantize import compiled
+
     calls = []
     for name in ("quantize_chunks", "dequantize_add_chunks"):
-        kernel = getattr(jit, name)
-        monkeypatch.setattr(jit, name, lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
-    q = QuantizePerChannel()
+        kernel = getattr(compiled, name)
+        monkeypatch.setattr(compiled, name, lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
+    q = _make(8, 512)
     x = np.arange(2000, dtype=np.float32)
     q.dequantize_add(np.zeros(2000, np.float32), *q.quantize(x))
     assert calls == ["quantize_chunks", "dequantize_add_chunks"]
@@ -121,7 +142,7 @@ def test_numpy_arrays_use_the_compiled_kernels(monkeypatch):
 def test_dequantize_add_takes_parameters_from_an_unaligned_message(path):
     """run() reads each sender's parameters as a float32 view into a uint8 message, which need
     not be 4-byte aligned."""
-    q = QuantizePerChannel()
+    q = _make(8, 512)
     x = np.random.default_rng(7).standard_t(2, 3000).astype(np.float32)
     params, codes = q.quantize(x)
     raw = np.zeros(1 + params.nbytes + codes.size, np.uint8)

@@ -1,0 +1,72 @@
+"""What the two-stage quantizers and the sparsifiers promise beyond the conformance kit: traffic
+flat in the number of ranks, the coordinates they send, bit packing."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import gradcomp as gc
+from gradcomp.compressors.quantize.kernels import pack4, unpack4
+from tests.mpi_launch import run_ranks
+
+
+def test_pack4_round_trip():
+    codes = np.random.default_rng(0).integers(0, 16, 1000).astype(np.uint8)
+    packed = np.empty(500, np.uint8)
+    pack4(codes, packed)
+    back = np.empty(1000, np.uint8)
+    unpack4(packed, back)
+    assert np.array_equal(back, codes) and packed.nbytes * 2 == codes.nbytes
+
+
+def rank_traffic():
+    """Bytes per rank of the two-stage methods: 2(N-1)/N of one message (bits/32 of the float32
+    bucket plus chunk parameters), whatever N; the allgather quantizer's grows as (N-1)."""
+    comm = gc.MPICommunicator()
+    n, size = 512 * 96, comm.size
+    x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+    expected = {"int8-noef": n + 8 * n / 512, "int4-noef": n / 2 + 8 * n / 512,
+                "onebit-noef": n / 8 + 4 * n / 512}
+    for name, message in expected.items():
+        comp = gc.make(name)
+        comp.reduce(x, comm).result()
+        sent = comp.stats()["bytes_sent"]
+        assert sent == pytest.approx(2 * (size - 1) / size * message), (name, sent)
+    comp = gc.make("quantize-channel")
+    comp.reduce(x, comm).result()
+    assert comp.stats()["bytes_sent"] == pytest.approx((size - 1) * (n + 8 * n / 512))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_two_stage_traffic_is_flat_in_ranks(n):
+    run_ranks(n, "tests.test_codecs:rank_traffic")
+
+
+def rank_sparsifiers():
+    """top-k without feedback sends each rank's k largest magnitudes; random-k sends the same k
+    coordinates on every rank (no indices travel), different ones each step."""
+    comm = gc.MPICommunicator()
+    n = 10_000
+    rng = np.random.default_rng(comm.rank)
+    x = rng.standard_normal(n).astype(np.float32)
+    out = gc.make("topk-noef").reduce(x, comm).result()
+    everyone = np.stack(comm.comm.allgather(x))
+    k = math.ceil(0.01 * n)
+    expect = np.zeros(n)
+    for row in everyone:
+        top = np.argsort(np.abs(row))[-k:]
+        expect[top] += row[top]
+    assert np.allclose(out, expect / comm.size, atol=1e-6)
+    comp = gc.make("randomk-noef")
+    first = comp.reduce(gc.Bucket(x.copy(), 0), comm).result()
+    second = comp.reduce(gc.Bucket(x.copy(), 0), comm).result()
+    chosen = np.flatnonzero(first)
+    assert chosen.size == k and np.flatnonzero(second).size == k
+    assert not np.array_equal(chosen, np.flatnonzero(second)), "the same coordinates two steps running"
+    assert np.allclose(first[chosen], everyone[:, chosen].mean(axis=0), atol=1e-6)
+
+
+def test_sparsifiers_send_what_they_promise():
+    run_ranks(3, "tests.test_codecs:rank_sparsifiers")
