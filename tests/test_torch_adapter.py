@@ -38,9 +38,12 @@ ITERS = 8
 
 # Largest |update - reference update| / max|reference update| accepted in the no_sync test for
 # lossy methods (exact ones must agree within float32 rounding). Unknown names get DEFAULT_TOL.
-LOSSY_TOL = {"fp16": 5e-3, "bf16": 4e-2, "quantize-tensor": 0.25, "quantize-channel": 0.1}
+# Sign and sparse codes are far from the exact run after three steps by nature (error feedback
+# pays the rest back later): for them this only bounds the damage; the replay check is exact.
+LOSSY_TOL = {"fp16": 5e-3, "bf16": 4e-2, "quantize-tensor": 0.25, "quantize-channel": 0.1,
+             "int8": 0.05, "int8-noef": 0.05, "int4": 0.3, "int4-noef": 0.3}
 EXACT = {"allreduce", "allgather"}
-DEFAULT_TOL = 0.5
+DEFAULT_TOL = 1.5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,7 +336,7 @@ def check_hook_is_transparent(e, name: str, comm, iters: int = 12):
         def run(self, bucket, comm):
             given = bucket.buffer.copy()  # before: a DDP bucket is scratch, reduced in place
             out = self.inner.run(bucket, comm)
-            log.append((given, bucket.index, bucket.shapes, bucket.is_last, out.copy()))
+            log.append((given, bucket.index, bucket.shapes, bucket.is_last, bucket.keys, out.copy()))
             return out
 
     step_grads = []
@@ -350,8 +353,8 @@ def check_hook_is_transparent(e, name: str, comm, iters: int = 12):
         opt.zero_grad()
     fresh = gc.make(name)
     outs, step = [], 0
-    for buf, index, shapes, is_last, out in log:
-        again = fresh.reduce(gc.Bucket(buf, index, shapes, is_last), comm).result()
+    for buf, index, shapes, is_last, keys, out in log:
+        again = fresh.reduce(gc.Bucket(buf, index, shapes, is_last, keys=keys), comm).result()
         assert_bitwise([again], [out], f"{name}: replay of bucket {index} outside DDP")
         outs.append(out)
         if is_last:
