@@ -13,6 +13,7 @@
 #
 # Environment:
 #   PATHS="reducer ddp"  the worker paths to run (default both; "reducer" or "ddp" for one)
+#   REDUCER_ARRAYS=views (default: gradients in GradientReducer.gradients) or own (copied in/out)
 #   REPEATS / WARMUP / METHODS / ORDER (round-robin, the default, or blocks: each method's steps
 #   together, as in training) override the worker's defaults; METHODS takes compressor specs
 #   (powersgd:rank=4,start_iter=2), torch-* hooks, gloo-SPEC, all (see gradcomp.bench.methods).
@@ -42,7 +43,7 @@ worker() {  # worker RATE PATH OUTFILE [extra worker options...]
     shift 3
     "$HERE/capped.sh" "$rate" "$NRANKS" "$PY" -m gradcomp.bench.worker --path "$path" \
         --model "${MODEL:-resnet50}" --repeats "${REPEATS:-5}" --warmup "${WARMUP:-3}" \
-        --order "${ORDER:-round-robin}" --out "$out" "$@"
+        --order "${ORDER:-round-robin}" --reducer-arrays "${REDUCER_ARRAYS:-views}" --out "$out" "$@"
 }
 for rate in $RATES; do
     for path in $PATHS; do

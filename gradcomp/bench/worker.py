@@ -265,15 +265,19 @@ class _ReducerCase(_GradcompTraffic, _Case):
             _start_torch()  # TorchCommunicator needs the process group
         comm = m.communicator(path.shared) or path.comm
         self.reducer = GradientReducer(path.grads, self.compressor, comm, path.args.bucket_mb)
+        # views: the gradients live in the reducer's buffers (reducer.gradients, the README's
+        # recommended form); own: the user's own arrays, copied in and out by step()
+        self.arrays = self.reducer.gradients if path.args.reducer_arrays == "views" else path.grads
 
     def prepare(self):
-        self.path.refill()
+        for g, s in zip(self.arrays, self.path.saved):
+            np.copyto(g, s)
 
     def step(self):
-        self.reducer.step()
+        self.reducer.step(self.arrays)
 
     def outputs(self):
-        return self.path.grads
+        return self.arrays
 
     def close(self):
         self.reducer = None
@@ -629,7 +633,7 @@ def run(args) -> dict:
                buckets=len(group(grads, args.bucket_mb)), bucket_mb=args.bucket_mb,
                repeats=args.repeats, warmup=args.warmup, order=args.order, host=platform.node(),
                cpus=os.cpu_count(), network=os.environ.get("GRADCOMP_NETWORK", ""),
-               settings=_settings(), tag=args.tag or "",
+               settings=_settings(), tag=args.tag or "", reducer_arrays=args.reducer_arrays,
                backward=args.backward if args.path == "ddp" else None,
                results=_with_ratios(results, n, size))
     if "backward" in by and "time_s" in by["backward"]:
@@ -684,6 +688,9 @@ def _with_ratios(results, n, size):
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gradcomp.bench.worker",
                                 description="one benchmark job on every rank of an mpiexec launch")
+    p.add_argument("--reducer-arrays", choices=("views", "own"), default="views",
+                   help="reducer path: gradients in GradientReducer.gradients (views into its "
+                        "buffers, the README's form) or in arrays of their own (copied in and out)")
     p.add_argument("--path", choices=PATHS, default="reducer",
                    help="reducer: GradientReducer on NumPy arrays (the README path); ddp: "
                         "DistributedDataParallel with each method as its comm hook")

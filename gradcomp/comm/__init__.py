@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 
 from .base import (Communicator, OrderedCommunicator, launched_by_mpi, partition, pin_blas_threads,
-                   sum_by_alltoall, torchrun_world, wire_bytes)
+                   torchrun_world, wire_bytes)
 from .mpi import LARGE_ALLREDUCE_BYTES, MPICommunicator, detect_cuda_aware
 from .pipeline import CollectiveError, CommunicatorBroken, Pipeline, Workspace
 
@@ -33,5 +33,5 @@ def default_communicator() -> MPICommunicator:
 
 __all__ = ["Communicator", "MPICommunicator", "OrderedCommunicator", "CollectiveError",
            "CommunicatorBroken", "Pipeline", "Workspace", "default_communicator", "wire_bytes",
-           "partition", "pin_blas_threads", "sum_by_alltoall", "detect_cuda_aware",
+           "partition", "pin_blas_threads", "detect_cuda_aware",
            "launched_by_mpi", "torchrun_world", "LARGE_ALLREDUCE_BYTES"]

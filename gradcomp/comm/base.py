@@ -81,6 +81,13 @@ def _default_grace() -> float:
     return float(os.environ.get("GRADCOMP_ABORT_GRACE_S", "10"))
 
 
+def default_depth(depth: int | None) -> int:
+    """The pipeline depth: ``depth``, else ``GRADCOMP_PIPELINE_DEPTH``, else 1."""
+    if depth is not None:
+        return int(depth)
+    return int(os.environ.get("GRADCOMP_PIPELINE_DEPTH", "1"))
+
+
 def pin_blas_threads(threads: int | None) -> None:
     """Limit BLAS to ``threads`` per process (None: leave it alone).
 
@@ -215,35 +222,6 @@ class OrderedCommunicator:
         return self.submit(lambda _p, _e: self._broadcast(array, root))
 
 
-def sum_by_alltoall(comm, array, overwrite: bool = False):
-    """Sum over ranks with plain byte collectives: reduce-scatter by alltoall, each block's
-    ``size`` addends summed by its owner in rank order in the array's own dtype, allgather.
-
-    For device buffers handed to a CUDA-aware MPI (which a Python MPI operation cannot read) and
-    dtypes MPI cannot add: the same bytes on the wire as a ring allreduce, and every rank gets
-    bit-identical sums because each block is added once, by one owner, in a fixed order.
-    """
-    from ..arrays import add_into, array_module
-
-    xp = array_module(array)
-    n = array.shape[0]
-    size = comm.size
-    if size == 1:
-        return array if overwrite else array.copy()
-    block = -(-n // size)
-    padded = xp.zeros(block * size, dtype=array.dtype)
-    padded[:n] = array
-    blocks = comm.alltoall(padded)
-    total = blocks[0].copy()
-    for r in range(1, size):
-        add_into(total, blocks[r])
-    gathered = comm.allgather(total).reshape(-1)[:n]
-    if overwrite:
-        array[...] = gathered
-        return array
-    return gathered
-
-
 def launched_by_mpi() -> bool:
     """True when an MPI launcher started this process (or MPI is already initialized)."""
     import sys
@@ -269,4 +247,4 @@ def torchrun_world() -> int | None:
 
 
 __all__ = ["Communicator", "CommunicatorBroken", "OrderedCommunicator", "wire_bytes", "partition",
-           "pin_blas_threads", "sum_by_alltoall", "launched_by_mpi", "torchrun_world"]
+           "pin_blas_threads", "default_depth", "launched_by_mpi", "torchrun_world"]

@@ -4,12 +4,14 @@ Only the buffer (upper-case) mpi4py API is used: nothing received from a peer is
 (DESIGN invariant 5).
 
 Allreduce is bandwidth-optimal whatever MPICH's default: buffers of at least
-``large_allreduce_bytes`` (256 KiB by default) are summed by ``MPI_Reduce_scatter`` and
-``MPI_Allgatherv``, each rank sending ``2(N-1)/N`` of the buffer; smaller ones by
-``MPI_Allreduce``, whose latency-bound algorithms win there. On a 1 Gbit/s link at 4 ranks
-(BENCHMARKS.md, "Allreduce algorithm") MPICH's default for ResNet-50's 25 MB buckets took 1.3x
-(float32) to 1.7x (float16) the time of reduce-scatter + allgather, which matched MPICH's own
-ring (selectable only by an environment variable before MPI starts).
+``large_allreduce_bytes`` (256 KiB by default) are summed by a ring reduce-scatter
+(``MPI_Sendrecv`` and gradcomp's own adds) and ``MPI_Allgatherv``, each rank sending ``2(N-1)/N``
+of the buffer; smaller ones by ``MPI_Allreduce``, whose latency-bound algorithms win there. On a
+1 Gbit/s link at 4 ranks (BENCHMARKS.md, "Allreduce algorithm") MPICH's default for ResNet-50's
+25 MB buckets took 1.4x (float32) to 1.7x (float16) as long; the ring matched MPICH's own ring,
+which only an environment variable set before MPI starts selects. The adds being gradcomp's,
+float16/bfloat16 need no MPI operation, and device buffers given to a CUDA-aware MPI are summed
+the same way.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import numpy as np
 
 from ..arrays import add_into, array_module, dtype_name, is_device_array, synchronize
 from . import exits
-from .base import OrderedCommunicator, pin_blas_threads, sum_by_alltoall, torchrun_world
+from .base import OrderedCommunicator, default_depth, pin_blas_threads, torchrun_world
 
 LARGE_ALLREDUCE_BYTES = 256 * 1024
 
@@ -76,7 +78,7 @@ class MPICommunicator(OrderedCommunicator):
     """
 
     def __init__(self, comm=None, *, cuda_aware: bool | None = None, blas_threads: int | None = 1,
-                 abort_grace_s: float | None = None, pipeline_depth: int = 1,
+                 abort_grace_s: float | None = None, pipeline_depth: int | None = None,
                  large_allreduce_bytes: int = LARGE_ALLREDUCE_BYTES):
         MPI = _import_mpi()
         self._MPI = MPI
@@ -97,7 +99,7 @@ class MPICommunicator(OrderedCommunicator):
         self._half_ops: dict[str, object] = {}
         self._blocks: dict[tuple, object] = {}
         pin_blas_threads(blas_threads)
-        self._start("gradcomp-mpi", abort_grace_s, pipeline_depth)
+        self._start("gradcomp-mpi", abort_grace_s, default_depth(pipeline_depth))
         self._ident = self._guard.register(self, self.comm) if self.size > 1 else None
 
     def __repr__(self):
@@ -168,26 +170,21 @@ class MPICommunicator(OrderedCommunicator):
             buf = self._blocks[key] = xp.empty(max(n, 1), like.dtype)
         return buf[:n]
 
-    def _device_half(self, array) -> bool:
-        return (dtype_name(array.dtype) not in ("float32", "float64") and is_device_array(array)
-                and self.cuda_aware)
-
     # -- the collectives, on the wire thread ---------------------------------------------------
     def _allreduce(self, array, overwrite=False):
-        if self._device_half(array):
-            return sum_by_alltoall(self, array, overwrite)
         if self.size == 1:
             self._count("allreduce", 0)
             return array if overwrite else array.copy()
         buf, xp = self._prepare(array)
         scratch = overwrite or buf is not array  # the caller's scratch, or our own staging copy
-        out = buf if scratch else array_module(buf).empty_like(buf)
-        if buf.nbytes >= self.large_allreduce_bytes:
-            counts, offsets = self.partition(buf.shape[0])
-            block = self._block(buf, counts[self.rank])
-            self._reduce_scatter_into(buf, block, counts)
-            self._allgather_into(block, out, counts, offsets)
+        if buf.nbytes >= self.large_allreduce_bytes or not self._mpi_can_add(buf):
+            out = buf if scratch else _copy(buf)
+            counts, offsets = self.partition(out.shape[0])
+            self._ring_reduce_scatter(out, counts, offsets)
+            mine = slice(offsets[self.rank], offsets[self.rank] + counts[self.rank])
+            self._allgather_in_place(out, counts, offsets)
         else:
+            out = buf if scratch else array_module(buf).empty_like(buf)
             data, mpitype, op = self._sum_type(buf)
             self._count("allreduce", buf.nbytes)
             if scratch:
@@ -196,42 +193,69 @@ class MPICommunicator(OrderedCommunicator):
                 self.comm.Allreduce([data, mpitype], [self._sum_type(out)[0], mpitype], op=op)
         return self._finish(out, xp, array if overwrite and xp is not np else None)
 
-    def _reduce_scatter_into(self, buf, block, counts):
-        data, mpitype, op = self._sum_type(buf)
-        self._count("reduce_scatter", buf.nbytes)
-        self.comm.Reduce_scatter([data, mpitype], [self._sum_type(block)[0], mpitype], counts, op=op)
+    def _mpi_can_add(self, buf) -> bool:
+        """MPI adds host buffers (float16/bfloat16 with a Python operation) and device float32/64
+        (CUDA-aware MPI); a Python operation cannot read device memory."""
+        return not is_device_array(buf) or dtype_name(buf.dtype) in ("float32", "float64")
 
-    def _allgather_into(self, block, out, counts, offsets):
+    def _ring_reduce_scatter(self, buf, counts, offsets):
+        """In place: afterwards ``buf``'s block ``rank`` holds the sum over ranks of that block.
+
+        A ring: at step s every rank sends one block to its right neighbour and adds the block
+        arriving from its left into its own copy, so each rank sends (N-1)/N of the buffer and
+        every block's sum is built once, along one chain, in a fixed order (replicas get the same
+        bits after the allgather). The adds are gradcomp's own kernels, so float16/bfloat16 need
+        no MPI operation, on host or device buffers. On a 1 Gbit/s link this matched MPICH's ring
+        allreduce and beat MPI_Reduce_scatter's pairwise exchange (BENCHMARKS.md)."""
+        right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        incoming = self._block(buf, max(counts))
+        self._count("reduce_scatter", buf.nbytes)
+        for step in range(self.size - 1):
+            send = (self.rank - step - 1) % self.size
+            recv = (self.rank - step - 2) % self.size
+            got = incoming[:counts[recv]]
+            self.comm.Sendrecv(self._bytes(buf[offsets[send]:offsets[send] + counts[send]]), right, 71,
+                               self._bytes(got), left, 71)
+            add_into(buf[offsets[recv]:offsets[recv] + counts[recv]], got)
+
+    def _allgather_in_place(self, out, counts, offsets):
+        """Every rank's block of ``out`` (each already in its place) to every rank."""
         self._count("reduce_scatter", out.nbytes)  # (N-1)/N of the whole, like the first half
         item = out.dtype.itemsize
-        self.comm.Allgatherv(self._bytes(block), [out.reshape(-1).view(array_module(out).uint8),
-                                                 ([c * item for c in counts], [o * item for o in offsets]),
-                                                 self._MPI.BYTE])
+        self.comm.Allgatherv(self._MPI.IN_PLACE, [out.reshape(-1).view(array_module(out).uint8),
+                                                  ([c * item for c in counts], [o * item for o in offsets]),
+                                                  self._MPI.BYTE])
 
     def _reduce_scatter(self, array, out=None):
         counts, offsets = self.partition(array.shape[0])
-        mine = counts[self.rank]
-        if self._device_half(array) or self.size == 1:
-            total = sum_by_alltoall(self, array)
-            block = total[offsets[self.rank]:offsets[self.rank] + mine]
-            if out is None:
-                return block.copy()
+        mine = slice(offsets[self.rank], offsets[self.rank] + counts[self.rank])
+        buf, xp = self._prepare(array)
+        work = buf if buf is not array else _copy(buf)  # the ring works in place
+        if self.size > 1:
+            self._ring_reduce_scatter(work, counts, offsets)
+        else:
+            self._count("reduce_scatter", 0)
+        block = work[mine]
+        if out is None:
+            return self._finish(block.copy(), xp)
+        if xp is np or self.cuda_aware:
             out[...] = block
             return out
-        buf, xp = self._prepare(array)
-        target = out if out is not None and (xp is np or self.cuda_aware) else np.empty(mine, buf.dtype)
-        self._reduce_scatter_into(buf, target, counts)
-        return self._finish(target, xp, out)
+        out.set(block)
+        return out
 
     def _allgather_blocks(self, block, out):
         counts, offsets = self.partition(out.shape[0])
+        mine = slice(offsets[self.rank], offsets[self.rank] + counts[self.rank])
         if self.size == 1:
             self._count("reduce_scatter", 0)
             out[...] = block
             return out
-        buf, xp = self._prepare(block)
+        xp = array_module(out)
         target = out if (xp is np or self.cuda_aware) else np.empty(out.shape, out.dtype)
-        self._allgather_into(buf, target, counts, offsets)
+        target[mine] = block if xp is np or self.cuda_aware else xp.asnumpy(block)
+        synchronize(target)
+        self._allgather_in_place(target, counts, offsets)
         return self._finish(target, xp, out)
 
     def _allgather(self, array, out=None):
@@ -255,3 +279,7 @@ class MPICommunicator(OrderedCommunicator):
         self._count("broadcast", buf.nbytes)
         self.comm.Bcast(self._bytes(out), root=root)
         return self._finish(out, xp)
+
+
+def _copy(buf):
+    return array_module(buf).array(buf, copy=True)

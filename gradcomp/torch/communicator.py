@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..arrays import add_into, array_module, synchronize
 from ..comm import OrderedCommunicator
+from ..comm.base import default_depth
 from .tensors import as_array, as_tensor
 
 
@@ -47,7 +48,7 @@ class TorchCommunicator(OrderedCommunicator):
     """
 
     def __init__(self, process_group=None, *, abort_grace_s: float | None = None, timeout=None,
-                 pipeline_depth: int = 1):
+                 pipeline_depth: int | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "gradcomp.torch.TorchCommunicator needs torch.distributed to be initialized: call "
@@ -63,7 +64,7 @@ class TorchCommunicator(OrderedCommunicator):
         self._global_ranks = dist.get_process_group_ranks(process_group)
         # the worker thread does not inherit the caller's current CUDA device: remember it here
         self._cuda_index = torch.cuda.current_device() if self.backend == "nccl" else None
-        self._start("gradcomp-torch", abort_grace_s, pipeline_depth)
+        self._start("gradcomp-torch", abort_grace_s, default_depth(pipeline_depth))
         if self._cuda_index is not None:  # put the wire thread on that device before anything else
             index = self._cuda_index
             self.submit(lambda _p, _e: torch.cuda.set_device(index))
