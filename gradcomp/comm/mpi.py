@@ -16,6 +16,7 @@ the same way.
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -96,6 +97,8 @@ class MPICommunicator(OrderedCommunicator):
         self.size = self.comm.Get_size()
         self.cuda_aware = detect_cuda_aware(cuda_aware)
         self.large_allreduce_bytes = int(large_allreduce_bytes)
+        self._spin = os.environ.get("GRADCOMP_MPI_WAIT", "sleep").strip().lower() == "spin"
+        self.poll_max_s = 200e-6
         self._half_ops: dict[str, object] = {}
         self._blocks: dict[tuple, object] = {}
         pin_blas_threads(blas_threads)
@@ -170,6 +173,21 @@ class MPICommunicator(OrderedCommunicator):
             buf = self._blocks[key] = xp.empty(max(n, 1), like.dtype)
         return buf[:n]
 
+    def _wait(self, *requests) -> None:
+        """Wait for nonblocking MPI operations. MPICH's blocking calls spin a core until the data
+        has arrived; with more ranks than cores (and a compute thread per rank, see the pipeline)
+        that spinning takes the CPU the other ranks and this rank's next bucket need. So the
+        wire thread tests the requests and sleeps between tests, briefly at first, then up to
+        ``poll_max_s`` (``GRADCOMP_MPI_WAIT=spin``: MPI's own blocking wait)."""
+        MPI = self._MPI
+        if self._spin:
+            MPI.Request.Waitall(requests)
+            return
+        delay = 2e-6
+        while not MPI.Request.Testall(requests):
+            time.sleep(delay)
+            delay = min(2 * delay, self.poll_max_s)
+
     # -- the collectives, on the wire thread ---------------------------------------------------
     def _allreduce(self, array, overwrite=False):
         if self.size == 1:
@@ -188,9 +206,9 @@ class MPICommunicator(OrderedCommunicator):
             data, mpitype, op = self._sum_type(buf)
             self._count("allreduce", buf.nbytes)
             if scratch:
-                self.comm.Allreduce(self._MPI.IN_PLACE, [data, mpitype], op=op)
+                self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, [data, mpitype], op=op))
             else:
-                self.comm.Allreduce([data, mpitype], [self._sum_type(out)[0], mpitype], op=op)
+                self._wait(self.comm.Iallreduce([data, mpitype], [self._sum_type(out)[0], mpitype], op=op))
         return self._finish(out, xp, array if overwrite and xp is not np else None)
 
     def _mpi_can_add(self, buf) -> bool:
@@ -214,17 +232,17 @@ class MPICommunicator(OrderedCommunicator):
             send = (self.rank - step - 1) % self.size
             recv = (self.rank - step - 2) % self.size
             got = incoming[:counts[recv]]
-            self.comm.Sendrecv(self._bytes(buf[offsets[send]:offsets[send] + counts[send]]), right, 71,
-                               self._bytes(got), left, 71)
+            self._wait(self.comm.Irecv(self._bytes(got), left, 71),
+                       self.comm.Isend(self._bytes(buf[offsets[send]:offsets[send] + counts[send]]), right, 71))
             add_into(buf[offsets[recv]:offsets[recv] + counts[recv]], got)
 
     def _allgather_in_place(self, out, counts, offsets):
         """Every rank's block of ``out`` (each already in its place) to every rank."""
         self._count("reduce_scatter", out.nbytes)  # (N-1)/N of the whole, like the first half
         item = out.dtype.itemsize
-        self.comm.Allgatherv(self._MPI.IN_PLACE, [out.reshape(-1).view(array_module(out).uint8),
-                                                  ([c * item for c in counts], [o * item for o in offsets]),
-                                                  self._MPI.BYTE])
+        self._wait(self.comm.Iallgatherv(self._MPI.IN_PLACE, [out.reshape(-1).view(array_module(out).uint8),
+                                                              ([c * item for c in counts], [o * item for o in offsets]),
+                                                              self._MPI.BYTE]))
 
     def _reduce_scatter(self, array, out=None):
         counts, offsets = self.partition(array.shape[0])
@@ -263,21 +281,21 @@ class MPICommunicator(OrderedCommunicator):
         shape = (self.size,) + buf.shape
         target = out if out is not None and (xp is np or self.cuda_aware) else array_module(buf).empty(shape, buf.dtype)
         self._count("allgather", buf.nbytes)
-        self.comm.Allgather(self._bytes(buf), self._bytes(target))
+        self._wait(self.comm.Iallgather(self._bytes(buf), self._bytes(target)))
         return self._finish(target.reshape(shape), xp, out)
 
     def _alltoall(self, array, out=None):
         buf, xp = self._prepare(array)
         target = out if out is not None and (xp is np or self.cuda_aware) else array_module(buf).empty_like(buf)
         self._count("alltoall", buf.nbytes)
-        self.comm.Alltoall(self._bytes(buf), self._bytes(target))
+        self._wait(self.comm.Ialltoall(self._bytes(buf), self._bytes(target)))
         return self._finish(target.reshape(self.size, -1), xp, out)
 
     def _broadcast(self, array, root):
         buf, xp = self._prepare(array)
         out = buf.copy()
         self._count("broadcast", buf.nbytes)
-        self.comm.Bcast(self._bytes(out), root=root)
+        self._wait(self.comm.Ibcast(self._bytes(out), root=root))
         return self._finish(out, xp)
 
 
