@@ -63,6 +63,12 @@ class Codec(Compressor):
         ``agreement_state``); default none."""
         return None
 
+    def encode_with_feedback(self, x, residual, message, workspace: Workspace) -> bool:
+        """Optional: encode ``x + residual`` and leave in ``residual`` what the message misses, in
+        one pass (``ErrorFeedback`` calls it where it can). Return False, having changed
+        nothing, where this codec or these arrays cannot; the runner then does it in steps."""
+        return False
+
     def compute_dtype(self, dtype):
         """The dtype ``encode`` sees: float64 buckets stay float64, others are widened to float32."""
         return np.dtype(np.float64) if dtype_name(dtype) == "float64" else np.dtype(np.float32)
@@ -100,6 +106,13 @@ def _prepare(codec: Codec, bucket: Bucket, comm, workspace: Workspace, feedback)
     two_stage = codec.collective == "two-stage"
     slice_len = _slice_len(codec, n, comm.size) if two_stage else n
     padded = slice_len * comm.size if two_stage else n
+    size = codec.message_size(slice_len)
+    mtype = compute if codec.message_dtype is None else codec.message_dtype
+    message = workspace.array(codec, "message", size * (comm.size if two_stage else 1), mtype, like=g)
+    pieces = [(r * slice_len, r * slice_len + slice_len, message[r * size:(r + 1) * size])
+              for r in range(comm.size if two_stage else 1)]
+    if feedback is not None and g.dtype == compute and _fused(codec, bucket, pieces, workspace, feedback):
+        return _Prepared(g, message, slice_len, decision)
     if feedback is None and g.dtype == compute and padded == n:
         x = g  # read only
     else:
@@ -108,24 +121,42 @@ def _prepare(codec: Codec, bucket: Bucket, comm, workspace: Workspace, feedback)
         x[n:] = 0
     if feedback is not None:
         feedback.add_residual(bucket, x[:n])
-    size = codec.message_size(slice_len)
-    mtype = compute if codec.message_dtype is None else codec.message_dtype
-    if two_stage:
-        message = workspace.array(codec, "message", size * comm.size, mtype, like=g)
-        for r in range(comm.size):
-            codec.encode(x[r * slice_len:(r + 1) * slice_len], message[r * size:(r + 1) * size], workspace)
-    else:
-        message = workspace.array(codec, "message", size, mtype, like=g)
-        codec.encode(x, message, workspace)
+    for start, stop, part in pieces:
+        codec.encode(x[start:stop], part, workspace)
     if feedback is not None:
         own = workspace.array(codec, "own", padded, compute, like=g)
-        if two_stage:
-            for r in range(comm.size):
-                codec.decode(message[r * size:(r + 1) * size], own[r * slice_len:(r + 1) * slice_len], workspace)
-        else:
-            codec.decode(message, own, workspace)
+        for start, stop, part in pieces:
+            codec.decode(part, own[start:stop], workspace)
         feedback.keep_residual(bucket, x[:n], own[:n])
     return _Prepared(x, message, slice_len, decision)
+
+
+def _fused(codec: Codec, bucket: Bucket, pieces, workspace: Workspace, feedback) -> bool:
+    """Encode with the residual in one pass where the codec can (``encode_with_feedback``),
+    straight from the bucket and the residual store; False (and nothing changed) where not."""
+    g = bucket.buffer
+    n = bucket.numel
+    residual = feedback.residual(bucket, g.dtype, like=g)
+    for k, (start, stop, part) in enumerate(pieces):
+        if stop <= n:
+            done = codec.encode_with_feedback(g[start:stop], residual[start:stop], part, workspace)
+        else:  # the last slice runs past the bucket: padded copies (the padding's error is dropped)
+            tail_g = workspace.array(codec, "tail-g", stop - start, g.dtype, like=g)
+            tail_e = workspace.array(codec, "tail-e", stop - start, g.dtype, like=g)
+            tail_g[...] = 0
+            tail_e[...] = 0
+            if start < n:
+                tail_g[:n - start] = g[start:n]
+                tail_e[:n - start] = residual[start:n]
+            done = codec.encode_with_feedback(tail_g, tail_e, part, workspace)
+            if done and start < n:
+                residual[start:n] = tail_e[:n - start]
+        if not done:
+            if k:
+                raise RuntimeError(f"{codec.describe()}: encode_with_feedback took some slices only")
+            return False
+    feedback.settle(residual)
+    return True
 
 
 def _output(bucket: Bucket, dtype):
@@ -187,15 +218,14 @@ def _finish(codec: Codec, bucket: Bucket, comm, prepared: _Prepared, feedback):
         codec.decode(second, own, ws)
         feedback.keep_owner_residual(bucket, comm, mine, own, slice_len)
     gathered = comm.allgather(second, out=ws.array(codec, "gathered", size * msg_len, message.dtype, like=g))
-    padded = slice_len * size
     out = _output(bucket, compute)
-    if padded == n:
-        full = out
-    else:
-        full = ws.array(codec, "full", padded, compute, like=g)
-    for r in range(size):
-        codec.decode(gathered[r], full[r * slice_len:(r + 1) * slice_len], ws)
-    if full is not out:
-        out[...] = full[:n]
+    for r in range(size):  # each slice straight into the output; a slice past its end via a copy
+        start = r * slice_len
+        if start + slice_len <= n:
+            codec.decode(gathered[r], out[start:start + slice_len], ws)
+        elif start < n:
+            tail = ws.array(codec, "tail", slice_len, compute, like=g)
+            codec.decode(gathered[r], tail, ws)
+            out[start:n] = tail[:n - start]
     return _narrow(bucket, out)
 

@@ -59,14 +59,23 @@ class ErrorFeedback(Compressor):
         return _finish(self.inner, bucket, comm, prepared, self)
 
     # -- hooks called by the codec runner --------------------------------------------------------------
+    def residual(self, bucket: Bucket, dtype, like):
+        """The bucket's residual (one flat region of the per-tensor store, updated in place)."""
+        return self.residuals.region(bucket.placements(), bucket.numel, dtype, like=like)[0]
+
     def add_residual(self, bucket: Bucket, x) -> None:
-        flat, _ = self.residuals.region(bucket.placements(), bucket.numel, x.dtype, like=x)
-        add_into(x, flat)
+        add_into(x, self.residual(bucket, x.dtype, x))
 
     def keep_residual(self, bucket: Bucket, x, own) -> None:
-        flat, _ = self.residuals.region(bucket.placements(), bucket.numel, x.dtype, like=x)
+        flat = self.residual(bucket, x.dtype, x)
         flat[...] = x
-        subtract_into(flat, own)
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN or Inf: settled just below
+            subtract_into(flat, own)
+        self.settle(flat)
+
+    @staticmethod
+    def settle(flat) -> None:
+        """A residual that turned NaN or Inf (a bad step) is reset there, not carried on."""
         _reset_non_finite(flat)
 
     def _owner_key(self, bucket: Bucket, comm) -> str:
@@ -81,7 +90,8 @@ class ErrorFeedback(Compressor):
         key = self._owner_key(bucket, comm)
         flat, _ = self.owner_residuals.region([(key, 0, (slice_len,))], slice_len, mine.dtype, like=mine)
         flat[...] = mine
-        subtract_into(flat, own)
+        with np.errstate(invalid="ignore", over="ignore"):
+            subtract_into(flat, own)
         _reset_non_finite(flat)
 
     # -- Schedule hand-over and checkpoints ----------------------------------------------------------------

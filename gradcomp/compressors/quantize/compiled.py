@@ -92,3 +92,125 @@ def dequantize_add_chunks(acc, params, codes, width):
             continue
         for i in range(a.shape[0]):
             a[i] = (a[i] + np.float32(cs[i]) * scale) + lo
+
+
+@_kernel
+def quantize_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tmp_bits):
+    """Error feedback fused with ``quantize_chunks``: per chunk, ``x = g + e`` (kept in ``tmp``,
+    in the L1 cache), its parameters and codes, then ``e = x - (codes * scale + offset)`` with the
+    NumPy kernels' roundings: one pass over ``g`` and ``e`` where the unfused sequence makes
+    about five. Chunks marked in ``redo`` (as ``quantize_chunks`` marks them) are left untouched,
+    ``e`` included, for the NumPy sequence. Returns how many were marked."""
+    redone = 0
+    top = np.float32(levels)
+    for c in range(params.shape[1]):
+        start = c * width
+        gs = g[start:start + width]
+        es = e[start:start + width]
+        cs = codes[start:start + width]
+        n = gs.shape[0]
+        xs = tmp[:n]
+        bs = tmp_bits[:n]
+        for i in range(n):
+            xs[i] = gs[i] + es[i]
+        kmin = np.int32(0x7FFFFFFF)
+        kmax = np.int32(-0x80000000)
+        for i in range(n):
+            k = _order_key(bs[i])
+            kmin = min(kmin, k)
+            kmax = max(kmax, k)
+        lo = _f32_from_bits(np.uint32(_order_key(kmin) & 0xFFFFFFFF))
+        hi = _f32_from_bits(np.uint32(_order_key(kmax) & 0xFFFFFFFF))
+        scale = (hi - lo) / top
+        inv = np.float32(1.0) / (scale if scale > np.float32(0.0) else np.float32(1.0))
+        params[0, c] = lo
+        params[1, c] = scale
+        bad = not (kmax < _INF_KEY and kmin > _NEG_INF_KEY
+                   and np.isfinite(scale) and np.isfinite(inv))
+        if not bad and (kmin == np.int32(-1) or kmax == np.int32(0)):
+            bad = _has_both_zeros(bs)
+        if bad:
+            redo[c] = True
+            redone += 1
+            continue
+        for i in range(n):
+            q = np.rint((xs[i] - lo) * inv)
+            code = np.uint8(min(max(q, np.float32(0.0)), top))
+            cs[i] = code
+            es[i] = xs[i] - ((np.float32(0.0) + np.float32(code) * scale) + lo)
+    return redone
+
+
+@_kernel
+def unpack4_dequantize_chunks(acc, params, packed, width, add):
+    """``acc (+)= code * scale + offset`` with the codes two to a byte (even index in the low
+    nibble): ``dequantize_add_chunks`` without unpacking first. ``width`` is even."""
+    for c in range(params.shape[1]):
+        start = c * width
+        a = acc[start:start + width]
+        ps = packed[start // 2:(start + width) // 2 + 1]
+        lo = params[0, c]
+        scale = params[1, c]
+        if not (np.isfinite(lo) and np.isfinite(scale)):
+            a[:] = np.float32(np.nan)
+            continue
+        for i in range(a.shape[0]):
+            byte = ps[i >> 1]
+            code = (byte >> np.uint8(4)) if i & 1 else (byte & np.uint8(15))
+            base = a[i] if add else np.float32(0.0)
+            a[i] = (base + np.float32(code) * scale) + lo
+
+
+@_kernel
+def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp):
+    """Sign bits (little-endian within a byte: value 8j + k is bit k of byte j; 1 = not negative)
+    and per chunk the mean magnitude, summed in float64 in index order; with ``feedback``,
+    ``x = g + e`` first and ``e = x - scale * sign`` after, in one pass. ``width`` is a multiple
+    of 8."""
+    for c in range(scales.shape[0]):
+        start = c * width
+        gs = g[start:start + width]
+        n = gs.shape[0]
+        xs = tmp[:n]
+        if feedback:
+            es = e[start:start + width]
+            for i in range(n):
+                xs[i] = gs[i] + es[i]
+        else:
+            for i in range(n):
+                xs[i] = gs[i]
+        total = 0.0
+        for i in range(n):
+            total += abs(np.float64(xs[i]))
+        scale = np.float32(total / n)
+        scales[c] = scale
+        bs = bits[start // 8:(start + n + 7) // 8]
+        for j in range(bs.shape[0]):
+            byte = np.uint8(0)
+            for k in range(8):
+                i = 8 * j + k
+                if i < n and xs[i] >= np.float32(0.0):
+                    byte |= np.uint8(1) << np.uint8(k)
+            bs[j] = byte
+        if feedback:
+            es = e[start:start + width]
+            for i in range(n):
+                positive = (bs[i >> 3] >> np.uint8(i & 7)) & np.uint8(1)
+                es[i] = xs[i] - (scale if positive else -scale)
+
+
+@_kernel
+def onebit_decode_chunks(scales, bits, out, width, add):
+    """``out (+)= scale * sign`` per chunk (the bits as ``onebit_encode_chunks`` packs them)."""
+    for c in range(scales.shape[0]):
+        start = c * width
+        o = out[start:start + width]
+        scale = scales[c]
+        if np.isnan(scale):  # one NaN for every path (the sign of a NaN product is not portable)
+            o[:] = np.float32(np.nan)
+            continue
+        bs = bits[start // 8:(start + width) // 8 + 1]
+        for i in range(o.shape[0]):
+            positive = (bs[i >> 3] >> np.uint8(i & 7)) & np.uint8(1)
+            value = scale if positive else -scale
+            o[i] = o[i] + value if add else value

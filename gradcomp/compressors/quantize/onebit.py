@@ -1,12 +1,15 @@
 """1-bit allreduce: the sign of every value and one scale per 512-value chunk, in two stages.
 
-Each value is sent as its sign (8 per byte) and each chunk of 512 as the mean magnitude of its
-values, the scale that minimizes the squared error of a sign code (``scale * sign(x)``). Two
-stages as ``QuantizedAllreduce``: the slice owners decode and average everyone's slice, encode the
-mean the same way, and everyone decodes the same codes. Bytes per rank: ``2(N-1)/N * (1/32 +
-1/512)`` of the float32 bucket. Without error feedback the signs are biased; with it (the
-registered ``onebit``: both stages keep their error) this is the compressed allreduce behind
-1-bit Adam (Tang et al. 2021) and error-compensated signSGD (Karimireddy et al. 2019).
+Each value is sent as its sign (8 per byte, 1 = not negative) and each chunk of 512 as the mean
+magnitude of its values, the scale that minimizes the squared error of a sign code. Two stages as
+``QuantizedAllreduce``: the slice owners decode and average everyone's slice, encode the mean the
+same way, and everyone decodes the same codes. Bytes per rank: ``2(N-1)/N * (1/32 + 1/512)`` of
+the float32 bucket. Without error feedback the signs are biased; with it (the registered
+``onebit``: both stages keep their error) this is the compressed allreduce behind 1-bit Adam
+(Tang et al. 2021) and error-compensated signSGD (Karimireddy et al. 2019).
+
+The scale is summed in float64 in index order on every path (compiled loop or NumPy's
+``cumsum``), so every rank computes the same bits whichever kernel it has.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import numpy as np
 
 from ...arrays import array_module
 from ..codec import Codec
-from .kernels import chunk_count
+from .kernels import _compiled, chunk_count
 
 CHUNK = 512
 
@@ -35,31 +38,51 @@ class OneBit(Codec):
         return message[:4 * chunks].view(np.float32), message[4 * chunks:4 * chunks + -(-n // 8)]
 
     def encode(self, x, message, workspace):
+        self._encode(x, None, message, workspace)
+
+    def encode_with_feedback(self, x, residual, message, workspace) -> bool:
+        return self._encode(x, residual, message, workspace)
+
+    def _encode(self, x, residual, message, workspace) -> bool:
         n = x.shape[0]
         scales, bits = self._views(message, n)
         if not n:
-            return
+            return True
+        feedback = residual is not None
+        jit = _compiled(x, scales, bits, *(() if residual is None else (residual,)))
+        if jit is not None and x.dtype == np.float32:
+            tmp = workspace.array(self, "tmp", CHUNK, np.float32, like=x)
+            jit.onebit_encode_chunks(x, residual if feedback else x, CHUNK, scales, bits, feedback, tmp)
+            return True
+        if feedback:
+            return False  # the runner adds the residual and keeps the error itself
         xp = array_module(x)
-        magnitude = workspace.array(self, "magnitude", n, np.float32, like=x)
-        xp.abs(x, out=magnitude)
         full = n // CHUNK
+        wide = workspace.array(self, "wide", n, np.float64, like=x)
+        xp.abs(x, out=wide)
         with np.errstate(all="ignore"):
-            if full:
-                magnitude[:full * CHUNK].reshape(full, CHUNK).mean(axis=1, out=scales[:full])
+            if full:  # summed in index order, as the compiled loop does
+                sums = xp.cumsum(wide[:full * CHUNK].reshape(full, CHUNK), axis=1)[:, -1]
+                scales[:full] = sums / CHUNK
             if n > full * CHUNK:
-                scales[full] = magnitude[full * CHUNK:].mean()
+                scales[full] = xp.cumsum(wide[full * CHUNK:])[-1] / (n - full * CHUNK)
         positive = workspace.array(self, "positive", n, np.bool_, like=x)
         xp.greater_equal(x, 0, out=positive)
-        bits[...] = xp.packbits(positive)
+        bits[...] = xp.packbits(positive, bitorder="little")
+        return True
 
     def decode(self, message, out, workspace, add=False):
         n = out.shape[0]
         scales, bits = self._views(message, n)
         if not n:
             return
+        jit = _compiled(out, scales, bits) if out.dtype == np.float32 else None
+        if jit is not None:
+            jit.onebit_decode_chunks(scales, bits, out, CHUNK, add)
+            return
         xp = array_module(out)
-        signs = workspace.array(self, "signs", n, np.float32, like=out)
-        signs[...] = xp.unpackbits(bits, count=n)
+        signs = workspace.array(self, "signs", n, out.dtype, like=out)
+        signs[...] = xp.unpackbits(bits, count=n, bitorder="little")
         signs *= 2
         signs -= 1
         full = n // CHUNK
@@ -68,6 +91,10 @@ class OneBit(Codec):
                 signs[:full * CHUNK].reshape(full, CHUNK)[...] *= scales[:full, None]
             if n > full * CHUNK:
                 signs[full * CHUNK:] *= scales[full]
+            lost = xp.isnan(scales)  # one NaN for every path (a NaN product's sign is not portable)
+            if bool(lost.any()):
+                for c in xp.flatnonzero(lost).tolist():
+                    signs[c * CHUNK:(c + 1) * CHUNK] = np.nan
         if add:
             out += signs
         else:

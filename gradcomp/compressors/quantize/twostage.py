@@ -16,7 +16,7 @@ import numpy as np
 from ...params import check_choice
 from ..codec import Codec
 from .allgather import chunk_error_bound
-from .kernels import chunk_count, dequantize, pack4, quantize, unpack4
+from .kernels import _compiled, _runs, _quantize_blocked, chunk_count, dequantize, pack4, quantize, unpack4
 
 CHUNK = 512
 
@@ -51,9 +51,37 @@ class QuantizedAllreduce(Codec):
         quantize(x, params, codes[:n], CHUNK, self.levels)
         pack4(codes, packed)
 
+    def encode_with_feedback(self, x, residual, message, workspace) -> bool:
+        """``x + residual`` encoded and ``residual`` updated to what the codes miss, in one
+        compiled pass per chunk (float32 NumPy only: else False, and the runner does it in steps)."""
+        n = x.shape[0]
+        params, packed = self._views(message, n)
+        jit = _compiled(x, residual, params) if x.dtype == residual.dtype == np.float32 else None
+        if jit is None or n % 2:
+            return False
+        codes = packed if self.bits == 8 else workspace.array(self, "codes", n, np.uint8, like=x)
+        tmp = workspace.array(self, "tmp", CHUNK, np.float32, like=x)
+        redo = np.zeros(params.shape[1], bool)
+        if jit.quantize_feedback_chunks(x, residual, CHUNK, self.levels, params, codes, redo, tmp,
+                                        tmp.view(np.int32)):
+            for c0, c1 in _runs(redo):  # non-finite or tied chunks: NumPy's sequence, same bits
+                part = slice(c0 * CHUNK, min(c1 * CHUNK, n))
+                xs = x[part] + residual[part]
+                _quantize_blocked(xs, params[:, c0:c1], codes[part], CHUNK, self.levels)
+                own = np.zeros_like(xs)
+                dequantize(own, params[:, c0:c1], codes[part], CHUNK, add=True)
+                np.subtract(xs, own, out=residual[part])
+        if self.bits == 4:
+            pack4(codes, packed)
+        return True
+
     def decode(self, message, out, workspace, add=False):
         params, packed = self._views(message, out.shape[0])
         codes = packed
+        jit = _compiled(out, params, packed) if out.dtype == np.float32 else None
+        if self.bits == 4 and jit is not None and out.shape[0] % 2 == 0:
+            jit.unpack4_dequantize_chunks(out, params, packed, CHUNK, add)
+            return
         if self.bits == 4:
             codes = workspace.array(self, "codes", 2 * packed.shape[0], np.uint8, like=packed)
             unpack4(packed, codes)
