@@ -135,9 +135,9 @@ def quantize_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tmp_
             continue
         for i in range(n):
             q = np.rint((xs[i] - lo) * inv)
-            code = np.uint8(min(max(q, np.float32(0.0)), top))
-            cs[i] = code
-            es[i] = xs[i] - ((np.float32(0.0) + np.float32(code) * scale) + lo)
+            cs[i] = np.uint8(min(max(q, np.float32(0.0)), top))
+        for i in range(n):
+            es[i] = xs[i] - ((np.float32(0.0) + np.float32(cs[i]) * scale) + lo)
     return redone
 
 
@@ -154,19 +154,25 @@ def unpack4_dequantize_chunks(acc, params, packed, width, add):
         if not (np.isfinite(lo) and np.isfinite(scale)):
             a[:] = np.float32(np.nan)
             continue
-        for i in range(a.shape[0]):
-            byte = ps[i >> 1]
-            code = (byte >> np.uint8(4)) if i & 1 else (byte & np.uint8(15))
-            base = a[i] if add else np.float32(0.0)
-            a[i] = (base + np.float32(code) * scale) + lo
+        for j in range(a.shape[0] // 2):
+            byte = ps[j]
+            low = np.float32(byte & np.uint8(15))
+            high = np.float32(byte >> np.uint8(4))
+            if add:
+                a[2 * j] = (a[2 * j] + low * scale) + lo
+                a[2 * j + 1] = (a[2 * j + 1] + high * scale) + lo
+            else:
+                a[2 * j] = (np.float32(0.0) + low * scale) + lo
+                a[2 * j + 1] = (np.float32(0.0) + high * scale) + lo
 
 
 @_kernel
 def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp):
     """Sign bits (little-endian within a byte: value 8j + k is bit k of byte j; 1 = not negative)
-    and per chunk the mean magnitude, summed in float64 in index order; with ``feedback``,
-    ``x = g + e`` first and ``e = x - scale * sign`` after, in one pass. ``width`` is a multiple
-    of 8."""
+    and per chunk the mean magnitude, summed in float64 in eight lanes (lane k takes values
+    8j + k in order, then the lanes are added in order: ``onebit`` does the same in NumPy); with
+    ``feedback``, ``x = g + e`` first and ``e = x - scale * sign`` after. ``width`` and every
+    chunk's length are multiples of 8."""
     for c in range(scales.shape[0]):
         start = c * width
         gs = g[start:start + width]
@@ -179,38 +185,53 @@ def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp):
         else:
             for i in range(n):
                 xs[i] = gs[i]
-        total = 0.0
-        for i in range(n):
-            total += abs(np.float64(xs[i]))
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0  # eight independent sums vectorize
+        for j in range(n // 8):
+            b = 8 * j
+            a0 += abs(np.float64(xs[b]))
+            a1 += abs(np.float64(xs[b + 1]))
+            a2 += abs(np.float64(xs[b + 2]))
+            a3 += abs(np.float64(xs[b + 3]))
+            a4 += abs(np.float64(xs[b + 4]))
+            a5 += abs(np.float64(xs[b + 5]))
+            a6 += abs(np.float64(xs[b + 6]))
+            a7 += abs(np.float64(xs[b + 7]))
+        total = ((((((a0 + a1) + a2) + a3) + a4) + a5) + a6) + a7
         scale = np.float32(total / n)
         scales[c] = scale
-        bs = bits[start // 8:(start + n + 7) // 8]
-        for j in range(bs.shape[0]):
+        bs = bits[start // 8:(start + n) // 8]
+        for j in range(n // 8):
             byte = np.uint8(0)
             for k in range(8):
-                i = 8 * j + k
-                if i < n and xs[i] >= np.float32(0.0):
-                    byte |= np.uint8(1) << np.uint8(k)
+                byte |= np.uint8(xs[8 * j + k] >= np.float32(0.0)) << np.uint8(k)
             bs[j] = byte
         if feedback:
             es = e[start:start + width]
-            for i in range(n):
-                positive = (bs[i >> 3] >> np.uint8(i & 7)) & np.uint8(1)
-                es[i] = xs[i] - (scale if positive else -scale)
+            for j in range(n // 8):
+                byte = bs[j]
+                for k in range(8):
+                    bit = (byte >> np.uint8(k)) & np.uint8(1)
+                    es[8 * j + k] = xs[8 * j + k] - (scale if bit else -scale)
 
 
 @_kernel
 def onebit_decode_chunks(scales, bits, out, width, add):
-    """``out (+)= scale * sign`` per chunk (the bits as ``onebit_encode_chunks`` packs them)."""
+    """``out (+)= scale * sign`` per chunk (the bits as ``onebit_encode_chunks`` packs them); a
+    chunk whose scale is NaN becomes one canonical NaN (a NaN product's sign is not portable)."""
     for c in range(scales.shape[0]):
         start = c * width
         o = out[start:start + width]
         scale = scales[c]
-        if np.isnan(scale):  # one NaN for every path (the sign of a NaN product is not portable)
+        if np.isnan(scale):
             o[:] = np.float32(np.nan)
             continue
-        bs = bits[start // 8:(start + width) // 8 + 1]
-        for i in range(o.shape[0]):
-            positive = (bs[i >> 3] >> np.uint8(i & 7)) & np.uint8(1)
-            value = scale if positive else -scale
-            o[i] = o[i] + value if add else value
+        bs = bits[start // 8:(start + o.shape[0]) // 8]
+        for j in range(bs.shape[0]):
+            byte = bs[j]
+            for k in range(8):
+                bit = (byte >> np.uint8(k)) & np.uint8(1)
+                value = scale if bit else -scale
+                if add:
+                    o[8 * j + k] += value
+                else:
+                    o[8 * j + k] = value

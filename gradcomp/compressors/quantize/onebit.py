@@ -61,11 +61,10 @@ class OneBit(Codec):
         wide = workspace.array(self, "wide", n, np.float64, like=x)
         xp.abs(x, out=wide)
         with np.errstate(all="ignore"):
-            if full:  # summed in index order, as the compiled loop does
-                sums = xp.cumsum(wide[:full * CHUNK].reshape(full, CHUNK), axis=1)[:, -1]
-                scales[:full] = sums / CHUNK
+            if full:
+                scales[:full] = _lane_sums(xp, wide[:full * CHUNK].reshape(full, CHUNK)) / CHUNK
             if n > full * CHUNK:
-                scales[full] = xp.cumsum(wide[full * CHUNK:])[-1] / (n - full * CHUNK)
+                scales[full] = _lane_sums(xp, wide[full * CHUNK:].reshape(1, -1))[0] / (n - full * CHUNK)
         positive = workspace.array(self, "positive", n, np.bool_, like=x)
         xp.greater_equal(x, 0, out=positive)
         bits[...] = xp.packbits(positive, bitorder="little")
@@ -99,3 +98,10 @@ class OneBit(Codec):
             out += signs
         else:
             out[...] = signs
+
+
+def _lane_sums(xp, rows):
+    """Per row, the float64 sum of the compiled loop's order: eight lanes (lane k adds values
+    8j + k in order), then the lanes in order. Rows have a multiple of 8 values."""
+    lanes = xp.cumsum(rows.reshape(rows.shape[0], -1, 8), axis=1)[:, -1, :]
+    return xp.cumsum(lanes, axis=1)[:, -1]
