@@ -259,3 +259,10 @@ def test_mpi_and_torch_worlds_must_agree(tmp_path):
     script.write_text("import gradcomp.torch as gt\ngt.init_process_group()\n")
     result = run(2, [str(script)], timeout=60, env={"PYTHONPATH": str(ROOT), "WORLD_SIZE": "3"})
     assert result.returncode != 0 and "WORLD_SIZE=3" in result.output and "MPI has 2" in result.output
+
+
+def test_the_resume_example_resumes_exactly():
+    """examples/resume.py, as the README runs it."""
+    result = run(2, ["examples/resume.py", "--steps", "8"], timeout=240, cwd=ROOT)
+    assert result.returncode == 0, result.output
+    assert "max |difference| = 0 " in result.output, result.output

@@ -1,0 +1,51 @@
+"""One registry: names, specs with keyword overrides, third-party registration and entry points."""
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+import gradcomp as gc
+from gradcomp.registry import ENTRY_POINT_GROUP, REGISTRY, Registry, compressor_spec, parse_spec
+
+
+def make_ep_compressor():
+    return gc.FP16(gc.Allgather())
+
+
+def test_specs_and_overrides():
+    assert parse_spec("powersgd:rank=4,start_iter=2") == ("powersgd", {"rank": 4, "start_iter": 2})
+    comp = gc.make("powersgd:rank=4", start_iter=7)
+    assert (comp.rank, comp.start_iter) == (4, 7)
+    assert gc.make("int8:error_feedback=False").describe() == "QuantizedAllreduce(bits=8)"
+    assert compressor_spec("topk:ratio=0.05") == "topk:ratio=0.05"
+    with pytest.raises(Exception, match="unknown compressor 'nope'"):
+        compressor_spec("nope")
+
+
+def test_register_and_refuse_duplicates():
+    gc.register("test-halve", make_ep_compressor)
+    try:
+        assert "test-halve" in REGISTRY and gc.make("test-halve").describe().startswith("FP16(inner=Allgather")
+        with pytest.raises(ValueError, match="already registered"):
+            gc.register("test-halve", make_ep_compressor)
+        with pytest.raises(TypeError, match="not a gradcomp Compressor"):
+            gc.register("test-bad", lambda: 3, replace=True)
+            gc.make("test-bad")
+    finally:
+        for name in ("test-halve", "test-bad"):
+            if dict.__contains__(REGISTRY, name):
+                dict.__delitem__(REGISTRY, name)
+
+
+def test_entry_points_join_the_registry(monkeypatch):
+    ep = importlib.metadata.EntryPoint(name="test-ep", value="tests.test_registry:make_ep_compressor",
+                                       group=ENTRY_POINT_GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group=None: [ep] if group == ENTRY_POINT_GROUP else [])
+    monkeypatch.setattr(Registry, "_loaded", False)
+    try:
+        assert "test-ep" in REGISTRY
+        assert gc.make("test-ep").describe() == "FP16(inner=Allgather())"
+    finally:
+        dict.__delitem__(REGISTRY, "test-ep")
