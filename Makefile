@@ -15,8 +15,10 @@ $(STAMP): setup.cfg pyproject.toml
 
 install: $(STAMP)
 
-# The whole suite, multi-rank tests under real mpiexec included.
+# The type check (mypy, configured in setup.cfg), then the whole suite, multi-rank tests under
+# real mpiexec included.
 test: $(STAMP)
+	$(PY) -m mypy gradcomp
 	$(PY) -m pytest
 
 # The digits MLP under mpiexec -n $(NP), once per compressor, one comparison table.
@@ -27,7 +29,7 @@ bench: $(STAMP)
 	$(PY) -m gradcomp bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache
 
 # ResNet-50-sized step times on a tbf-capped network (needs root; see bench/capped.sh).
 bench-capped: $(STAMP)

@@ -1,35 +1,49 @@
 """Array-module helpers: NumPy on the host, CuPy on the GPU, chosen from the array itself.
 
 Nothing here imports CuPy unless the caller already handed us a CuPy array (DESIGN invariant 6).
+
+Type annotations: ``Array`` is a NumPy or CuPy array, ``ArrayModule`` the module that owns one
+(``numpy`` or ``cupy``), ``DTypeLike`` anything ``numpy.dtype()`` takes (ml_dtypes' bfloat16
+included). CuPy is optional and untyped, so to the type checker an array is ``Any``: the names
+say what is meant where NumPy's own types would wrongly exclude device arrays.
 """
 from __future__ import annotations
 
 import sys
+from types import ModuleType
+from typing import Any, Callable
 
 import numpy as np
 
 from . import halfcast as _halfcast
 
+#: A NumPy or CuPy array (see the module docstring).
+Array = Any
+#: ``numpy`` or ``cupy``.
+ArrayModule = ModuleType
+#: A dtype or anything ``numpy.dtype()`` accepts (``"float16"``, ``np.float32``, ``ml_dtypes.bfloat16``).
+DTypeLike = Any
+
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-def array_module(array):
+def array_module(array: Array) -> ArrayModule:
     """Return ``numpy`` or ``cupy``, whichever owns ``array``."""
     if type(array).__module__.split(".")[0] == "cupy":
         return sys.modules["cupy"]
     return np
 
 
-def is_device_array(array) -> bool:
+def is_device_array(array: Array) -> bool:
     return array_module(array) is not np
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: DTypeLike) -> str:
     """``'float32'``, ``'bfloat16'`` ... for NumPy, CuPy and ml_dtypes dtypes alike."""
     return np.dtype(dtype).name
 
 
-def half_dtype(name: str, xp=np):
+def half_dtype(name: str, xp: ArrayModule = np) -> Any:
     """The dtype object for ``'float16'`` or ``'bfloat16'`` in the array module ``xp``.
 
     NumPy has no bfloat16 of its own; ml_dtypes (maintained by the JAX team) registers one with
@@ -44,11 +58,11 @@ def half_dtype(name: str, xp=np):
     raise ValueError(f"unknown half dtype {name!r}; expected 'float16' or 'bfloat16'")
 
 
-def _numpy_vector(array) -> bool:
+def _numpy_vector(array: Array) -> bool:
     return type(array) is np.ndarray and array.flags.c_contiguous
 
 
-def _half_name(dtype):
+def _half_name(dtype: DTypeLike) -> str | None:
     name = np.dtype(dtype).name
     return name if name in ("float16", "bfloat16") else None
 
@@ -57,10 +71,10 @@ def _half_name(dtype):
 _JIT_MIN = 256
 
 
-_jit = None
+_jit: Any = None  # gradcomp.jit once imported and working, False when not usable here
 
 
-def compiled_kernels():
+def compiled_kernels() -> Any:
     """``gradcomp.jit`` when its compiled kernels work here, else None. Imported on first need
     only: numba takes a good fraction of a second to import, which processes that never touch a
     half-precision array should not pay."""
@@ -72,11 +86,11 @@ def compiled_kernels():
     return _jit or None
 
 
-def _use_jit(array) -> bool:
+def _use_jit(array: Array) -> bool:
     return _numpy_vector(array) and array.size >= _JIT_MIN and compiled_kernels() is not None
 
 
-def _cast_kernel(array, source, target):
+def _cast_kernel(array: Array, source: Any, target: np.dtype) -> Callable[[Array, Array], Any] | None:
     """The fast kernel ``(flat source, flat out)`` for converting ``array`` from ``source`` to
     ``target``, or None where ``astype`` is the way: compiled kernels for float32 <->
     float16/bfloat16, else the NumPy float16 kernels of ``gradcomp.halfcast``. Conversions that
@@ -96,7 +110,7 @@ def _cast_kernel(array, source, target):
     return None
 
 
-def cast(array, dtype, out=None):
+def cast(array: Array, dtype: DTypeLike, out: Array | None = None) -> Array:
     """``array`` converted to ``dtype``, in a new array or in ``out`` (same shape, ``dtype``). The
     one place every dtype conversion of gradcomp goes through, so the fastest available kernel is
     chosen once for all methods.
@@ -120,7 +134,7 @@ def cast(array, dtype, out=None):
     return out
 
 
-def _half_operands(acc, other):
+def _half_operands(acc: Array, other: Array) -> str | None:
     """The half kind ('float16'/'bfloat16') when ``acc`` and ``other`` are same-shape contiguous
     NumPy arrays of it, big enough for a kernel; else None."""
     kind = _half_name(acc.dtype) if type(acc) is np.ndarray else None
@@ -131,7 +145,7 @@ def _half_operands(acc, other):
     return None
 
 
-def divide(array, divisor, out=None):
+def divide(array: Array, divisor: float, out: Array | None = None) -> Array:
     """``array / divisor`` in the array's own dtype, into ``out`` (``array`` itself is allowed)
     or a new array. NumPy half arrays go through a kernel (same bits as NumPy's emulated float16
     / ml_dtypes' bfloat16 division)."""
@@ -151,7 +165,7 @@ def divide(array, divisor, out=None):
     return array_module(array).divide(array, array.dtype.type(divisor), out=out)
 
 
-def add_into(acc, other):
+def add_into(acc: Array, other: Array) -> Array:
     """``acc += other`` in ``acc``'s dtype; NumPy float16/bfloat16 through a kernel (same bits as
     NumPy's emulated float16 add / ml_dtypes' bfloat16 add)."""
     kind = _half_operands(acc, other)
@@ -165,7 +179,7 @@ def add_into(acc, other):
     return acc
 
 
-def subtract_into(acc, other):
+def subtract_into(acc: Array, other: Array) -> Array:
     """``acc -= other`` in ``acc``'s dtype, with the kernel of ``add_into`` (``a - b`` is exactly
     ``a + (-b)`` in IEEE arithmetic)."""
     kind = _half_operands(acc, other)
@@ -177,14 +191,14 @@ def subtract_into(acc, other):
     return acc
 
 
-def to_host(array) -> np.ndarray:
+def to_host(array: Array) -> np.ndarray:
     """A NumPy view/copy of ``array`` (synchronous for CuPy)."""
     if is_device_array(array):
         return array.get()
     return array
 
 
-def synchronize(array) -> None:
+def synchronize(array: Array) -> None:
     """Wait for the current CUDA stream when ``array`` lives on the GPU; no-op on the host.
 
     MPI reads device memory behind CUDA's back, so every kernel that wrote ``array`` must have

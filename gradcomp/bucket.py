@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Sequence
+from typing import Any, Sequence
 
-from .arrays import FLOAT_DTYPES, array_module, dtype_name
+from .arrays import FLOAT_DTYPES, Array, array_module, dtype_name
 
 
 def digest(text: str) -> int:
@@ -21,7 +21,7 @@ def digest(text: str) -> int:
     return zlib.crc32(data) | (zlib.adler32(data) << 31)
 
 
-def buffer_problem(buffer) -> str | None:
+def buffer_problem(buffer: Any) -> str | None:
     """Why ``buffer`` cannot be a bucket's buffer, or None when it can."""
     if not hasattr(buffer, "dtype") or not hasattr(buffer, "shape"):
         return f"expected a NumPy or CuPy array, got {type(buffer).__name__}"
@@ -54,33 +54,40 @@ class Bucket:
 
     __slots__ = ("buffer", "index", "shapes", "keys", "is_last", "scratch")
 
-    def __init__(self, buffer, index: int = 0, shapes: Sequence[Sequence[int]] | None = None,
+    buffer: Array
+    index: int
+    shapes: list[tuple[int, ...]]
+    keys: tuple[str, ...]
+    is_last: bool
+    scratch: bool
+
+    def __init__(self, buffer: Array, index: int = 0, shapes: Sequence[Sequence[int]] | None = None,
                  is_last: bool = True, scratch: bool = False, keys: Sequence[str] | None = None):
         problem = buffer_problem(buffer)
         if problem:
             raise ValueError(problem)
         if shapes is None:
             shapes = [(buffer.shape[0],)]
-        shapes = [tuple(int(d) for d in s) for s in shapes]
-        total = sum(math.prod(s) for s in shapes)
+        dims = [tuple(int(d) for d in s) for s in shapes]
+        total = sum(math.prod(s) for s in dims)
         if total != buffer.shape[0]:
-            raise ValueError(f"shapes {shapes} hold {total} values but the buffer has {buffer.shape[0]}")
+            raise ValueError(f"shapes {dims} hold {total} values but the buffer has {buffer.shape[0]}")
         if isinstance(index, bool) or int(index) != index or index < 0:
             raise ValueError(f"bucket index must be an integer >= 0, got {index!r}")
         if keys is None:
-            keys = tuple(f"{int(index)}.{i}" for i in range(len(shapes)))
+            names = tuple(f"{int(index)}.{i}" for i in range(len(dims)))
         else:
-            keys = tuple(str(k) for k in keys)
-            if len(keys) != len(shapes) or len(set(keys)) != len(keys):
-                raise ValueError(f"keys must name each of the {len(shapes)} tensors once, got {keys!r}")
+            names = tuple(str(k) for k in keys)
+            if len(names) != len(dims) or len(set(names)) != len(names):
+                raise ValueError(f"keys must name each of the {len(dims)} tensors once, got {names!r}")
         self.buffer = buffer
         self.index = int(index)
-        self.shapes = shapes
-        self.keys = keys
+        self.shapes = dims
+        self.keys = names
         self.is_last = bool(is_last)
         self.scratch = bool(scratch)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"Bucket(numel={self.numel}, dtype={dtype_name(self.dtype)}, index={self.index}, "
                 f"tensors={len(self.shapes)}, is_last={self.is_last})")
 
@@ -89,7 +96,7 @@ class Bucket:
         return int(self.buffer.shape[0])
 
     @property
-    def dtype(self):
+    def dtype(self) -> Any:
         return self.buffer.dtype
 
     def offsets(self) -> list[int]:
@@ -99,7 +106,7 @@ class Bucket:
             out.append(out[-1] + math.prod(s))
         return out
 
-    def views(self, buffer=None) -> list:
+    def views(self, buffer: Array | None = None) -> list[Array]:
         """Each tensor as a reshaped view into ``buffer`` (default: this bucket's buffer)."""
         buffer = self.buffer if buffer is None else buffer
         off = self.offsets()
@@ -119,12 +126,12 @@ class Bucket:
         """A stable 63-bit digest of the layout, equal on every rank for equal layouts."""
         return digest(self.layout_text())
 
-    def with_buffer(self, buffer, scratch: bool = False) -> "Bucket":
+    def with_buffer(self, buffer: Array, scratch: bool = False) -> Bucket:
         """The same layout over another buffer (a cast copy, say; ``scratch``: see the class)."""
         return Bucket(buffer, self.index, self.shapes, self.is_last, scratch, self.keys)
 
 
-def group(arrays: Sequence, bucket_cap_mb: float = 25.0) -> list[list[int]]:
+def group(arrays: Sequence[Array], bucket_cap_mb: float = 25.0) -> list[list[int]]:
     """Which arrays share a bucket: consecutive arrays of one dtype and array module, at most
     ``bucket_cap_mb`` MiB each (an array larger than the cap gets a bucket of its own)."""
     if not bucket_cap_mb > 0:
@@ -132,7 +139,7 @@ def group(arrays: Sequence, bucket_cap_mb: float = 25.0) -> list[list[int]]:
     cap = bucket_cap_mb * 2**20
     groups: list[list[int]] = []
     size = 0
-    key = None
+    key: tuple[str, str] | None = None
     for i, a in enumerate(arrays):
         if type(a).__module__.split(".")[0] == "torch":
             raise TypeError(f"array {i}: got a torch tensor: use gradcomp.torch (a DDP hook), or pass "
@@ -153,12 +160,12 @@ def group(arrays: Sequence, bucket_cap_mb: float = 25.0) -> list[list[int]]:
     return groups
 
 
-def pack(arrays: Sequence, bucket_cap_mb: float = 25.0) -> list[tuple[Bucket, list[int]]]:
+def pack(arrays: Sequence[Array], bucket_cap_mb: float = 25.0) -> list[tuple[Bucket, list[int]]]:
     """``arrays`` copied into new buckets (see ``group``), keyed by array position, in the
     machine's byte order. Returns ``(bucket, indices of the arrays it holds)`` pairs, the last
     bucket flagged ``is_last``. ``GradientReducer`` keeps such buckets from step to step."""
     groups = group(arrays, bucket_cap_mb)
-    out = []
+    out: list[tuple[Bucket, list[int]]] = []
     for b, members in enumerate(groups):
         first = arrays[members[0]]
         xp = array_module(first)
@@ -170,13 +177,13 @@ def pack(arrays: Sequence, bucket_cap_mb: float = 25.0) -> list[tuple[Bucket, li
     return out
 
 
-def copy_in(bucket: Bucket, arrays: Sequence, members: Sequence[int]) -> None:
+def copy_in(bucket: Bucket, arrays: Sequence[Array], members: Sequence[int]) -> None:
     """Copy ``arrays[members]`` into the bucket's buffer, back to back."""
     for view, i in zip(bucket.views(), members):
         view[...] = arrays[i].reshape(view.shape)
 
 
-def unpack(result, bucket: Bucket, arrays: Sequence, members: Sequence[int]) -> None:
+def unpack(result: Array, bucket: Bucket, arrays: Sequence[Array], members: Sequence[int]) -> None:
     """Write a reduced flat ``result`` back into the original ``arrays``, in place."""
     for view, i in zip(bucket.views(result), members):
         arrays[i][...] = view.reshape(arrays[i].shape)

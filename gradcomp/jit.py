@@ -28,7 +28,7 @@ try:  # numba is an install requirement, but gradcomp must still import without 
     from numba import njit, types
     from numba.extending import intrinsic
 except ImportError:  # pragma: no cover - exercised by GRADCOMP_JIT=0 instead
-    njit = None
+    njit = None  # type: ignore[assignment]  # no numba: no kernels (available() is False)
 
 _ok = None
 

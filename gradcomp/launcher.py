@@ -39,7 +39,7 @@ class Result:
         return self.returncode is None
 
 
-def run(ranks: int, args: Sequence[str], *, timeout: float, env: dict | None = None,
+def run(ranks: int, args: Sequence[str], *, timeout: float, env: dict[str, str] | None = None,
         cwd: str | os.PathLike | None = None, on_line: Callable[[str], bool] | None = None) -> Result:
     """``mpiexec -n ranks python *args``; returns its exit code and output.
 
@@ -56,6 +56,7 @@ def run(ranks: int, args: Sequence[str], *, timeout: float, env: dict | None = N
     timer = _Killer(proc, timeout)
     kept = []
     try:
+        assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             if on_line is None or on_line(line):
                 kept.append(line)
@@ -77,12 +78,12 @@ class _Killer:
         self._timer.daemon = True
         self._timer.start()
 
-    def _kill(self):
+    def _kill(self) -> None:
         self.fired = True
         try:
             os.killpg(self._proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
-    def cancel(self):
+    def cancel(self) -> None:
         self._timer.cancel()

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any, Collection, TypeVar
+
+_T = TypeVar("_T")
 
 
-def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
     """``value`` as an int, or ValueError: not a bool, integral, within ``[minimum, maximum]``."""
     ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if not ok and isinstance(value, numbers.Real) and not isinstance(value, bool):
@@ -24,7 +27,7 @@ def check_int(name: str, value, minimum: int | None = None, maximum: int | None 
     return number
 
 
-def check_float(name: str, value, minimum: float | None = None, above: float | None = None,
+def check_float(name: str, value: Any, minimum: float | None = None, above: float | None = None,
                 maximum: float | None = None) -> float:
     """``value`` as a finite float, or ValueError (``above``: strictly greater than)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
@@ -39,13 +42,13 @@ def check_float(name: str, value, minimum: float | None = None, above: float | N
     return number
 
 
-def check_bool(name: str, value) -> bool:
+def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
 
 
-def check_choice(name: str, value, choices) -> object:
+def check_choice(name: str, value: _T, choices: Collection[_T]) -> _T:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
     return value

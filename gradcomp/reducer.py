@@ -10,11 +10,11 @@ kernel and cost first-touch page faults every step (BENCHMARKS.md, "Memory").
 from __future__ import annotations
 
 import weakref
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .arrays import dtype_name
+from .arrays import Array, ArrayModule, dtype_name
 from .bucket import Bucket, digest, group
 from .comm import CollectiveError, Communicator, default_communicator
 from .compressors.agreement import gather_texts
@@ -42,8 +42,8 @@ class GradientReducer:
     with the same shapes and dtypes.
     """
 
-    def __init__(self, arrays: Sequence, compressor: Compressor, comm: Communicator | None = None,
-                 bucket_cap_mb: float = 25.0, _groups: list | None = None):
+    def __init__(self, arrays: Sequence[Array], compressor: Compressor, comm: Communicator | None = None,
+                 bucket_cap_mb: float = 25.0, _groups: list[list[int]] | None = None):
         if not isinstance(compressor, Compressor):
             raise TypeError(f"expected a gradcomp Compressor, got {type(compressor).__name__} "
                             "(gradcomp.make(name) builds one by name)")
@@ -61,13 +61,13 @@ class GradientReducer:
             bucket = Bucket(flat, b, shapes, is_last=b == len(groups) - 1, scratch=True,
                             keys=[str(i) for i in members])
             self.buckets.append((bucket, members))
-        self._views: list = [None] * len(self.arrays)
+        self._views: list[Array] = [None] * len(self.arrays)
         for bucket, members in self.buckets:
             for view, i in zip(bucket.views(), members):
                 self._views[i] = view.reshape(self.arrays[i].shape)
 
     @property
-    def gradients(self) -> list:
+    def gradients(self) -> list[Array]:
         """Arrays shaped like the gradients, living in the reducer's flat buffers (see the class)."""
         return list(self._views)
 
@@ -76,14 +76,14 @@ class GradientReducer:
         """The shape of every array, by the key the compressor keeps its state under."""
         return {str(i): tuple(a.shape) if a.ndim else (1,) for i, a in enumerate(self.arrays)}
 
-    def step(self, arrays: Sequence | None = None) -> list:
+    def step(self, arrays: Sequence[Array] | None = None) -> list[Array]:
         """Average the arrays (``arrays``, or those given at construction) in place; return them."""
         if arrays is not None:
-            arrays = arrays if isinstance(arrays, list) else list(arrays)
-            if [(a.shape, a.dtype) for a in arrays] != [(a.shape, a.dtype) for a in self.arrays]:
+            given = arrays if isinstance(arrays, list) else list(arrays)
+            if [(a.shape, a.dtype) for a in given] != [(a.shape, a.dtype) for a in self.arrays]:
                 raise ValueError("GradientReducer.step: the arrays must have the shapes and dtypes "
                                  "the reducer was built with")
-            self.arrays = arrays
+            self.arrays = given
         futures = []
         for bucket, members in self.buckets:
             for i in members:
@@ -98,18 +98,19 @@ class GradientReducer:
                 self.arrays[i][...] = view.reshape(self.arrays[i].shape)
         return self.arrays
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The compressor's state (per array, by position): ``numpy.savez``-able."""
         return self.compressor.state_dict()
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``state_dict()``'s output, checked against these arrays' shapes first."""
         self.compressor.load_state_dict(state, self.shapes)
 
 
-def check_arrays(comm: Communicator, arrays: Sequence, bucket_cap_mb: float) -> list[list[int]]:
+def check_arrays(comm: Communicator, arrays: Sequence[Array], bucket_cap_mb: float) -> list[list[int]]:
     """Group ``arrays`` into buckets after checking, collectively, that every rank can and that
     all ranks pass the same shapes and dtypes; else ``CollectiveError`` on every rank."""
+    groups: list[list[int]]
     try:
         groups, problem = group(arrays, bucket_cap_mb), ""
     except (TypeError, ValueError) as exc:
@@ -136,8 +137,8 @@ def check_arrays(comm: Communicator, arrays: Sequence, bucket_cap_mb: float) -> 
 _reducers: "weakref.WeakKeyDictionary[Compressor, GradientReducer]" = weakref.WeakKeyDictionary()
 
 
-def allreduce_gradients(arrays: Sequence, compressor: Compressor, comm: Communicator | None = None,
-                        bucket_cap_mb: float = 25.0) -> list:
+def allreduce_gradients(arrays: Sequence[Array], compressor: Compressor, comm: Communicator | None = None,
+                        bucket_cap_mb: float = 25.0) -> list[Array]:
     """Average ``arrays`` over all ranks with ``compressor``, in place; returns ``arrays``.
 
     The one-call form of ``GradientReducer``: the reducer (its flat buffers and bucket plan) is
@@ -146,19 +147,19 @@ def allreduce_gradients(arrays: Sequence, compressor: Compressor, comm: Communic
     that all ranks pass the same shapes and dtypes.
     """
     comm = comm if comm is not None else default_communicator()
-    arrays = list(arrays) if not isinstance(arrays, list) else arrays
-    groups = check_arrays(comm, arrays, bucket_cap_mb)
+    given = list(arrays) if not isinstance(arrays, list) else arrays
+    groups = check_arrays(comm, given, bucket_cap_mb)
     reducer = _reducers.get(compressor)
     same = (reducer is not None and reducer.comm is comm and reducer.bucket_cap_mb == bucket_cap_mb
-            and [(a.shape, a.dtype) for a in reducer.arrays] == [(a.shape, a.dtype) for a in arrays])
-    if not same:
-        reducer = GradientReducer(arrays, compressor, comm, bucket_cap_mb, _groups=groups)
+            and [(a.shape, a.dtype) for a in reducer.arrays] == [(a.shape, a.dtype) for a in given])
+    if reducer is None or not same:
+        reducer = GradientReducer(given, compressor, comm, bucket_cap_mb, _groups=groups)
         _reducers[compressor] = reducer
-    reducer.step(arrays)
-    return arrays
+    reducer.step(given)
+    return given
 
 
-def _same_memory(a, b) -> bool:
+def _same_memory(a: Array, b: Array) -> bool:
     """Whether ``a`` is ``b`` or a view of exactly the same memory and layout."""
     if a is b:
         return True
@@ -169,14 +170,14 @@ def _same_memory(a, b) -> bool:
     return a.data.ptr == b.data.ptr
 
 
-def _describe(array) -> str:
+def _describe(array: Any) -> str:
     try:
         return f"{dtype_name(array.dtype)} {tuple(array.shape)}"
     except (AttributeError, TypeError):
         return type(array).__name__
 
 
-def _module(array):
+def _module(array: Array) -> ArrayModule:
     from .arrays import array_module
 
     return array_module(array)

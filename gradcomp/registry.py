@@ -11,12 +11,21 @@ Entry points are loaded the first time the registry is read.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+if TYPE_CHECKING:
+    from _collections_abc import dict_items, dict_keys, dict_values
+    from importlib.metadata import EntryPoint
+
+    from .compressors.base import Compressor
 
 ENTRY_POINT_GROUP = "gradcomp.compressors"
 
+#: What ``register`` takes: called with the keyword overrides of ``make``, returns a fresh compressor.
+Factory = Callable[..., "Compressor"]
 
-class Registry(dict):
+
+class Registry(dict[str, Factory]):
     """name -> factory building a compressor with the defaults a user would start from."""
 
     _loaded = False
@@ -31,11 +40,11 @@ class Registry(dict):
             if ep.name not in self:
                 dict.__setitem__(self, ep.name, _lazy(ep))
 
-    def __getitem__(self, name):
+    def __getitem__(self, name: str) -> Factory:
         self._ensure()
         return dict.__getitem__(self, name)
 
-    def __contains__(self, name):
+    def __contains__(self, name: object) -> bool:
         self._ensure()
         return dict.__contains__(self, name)
 
@@ -43,25 +52,25 @@ class Registry(dict):
         self._ensure()
         return dict.__iter__(self)
 
-    def __len__(self):
+    def __len__(self) -> int:
         self._ensure()
         return dict.__len__(self)
 
-    def keys(self):
+    def keys(self) -> dict_keys[str, Factory]:
         self._ensure()
         return dict.keys(self)
 
-    def items(self):
+    def items(self) -> dict_items[str, Factory]:
         self._ensure()
         return dict.items(self)
 
-    def values(self):
+    def values(self) -> dict_values[str, Factory]:
         self._ensure()
         return dict.values(self)
 
 
-def _lazy(ep):
-    def factory():
+def _lazy(ep: EntryPoint) -> Factory:
+    def factory() -> Compressor:
         return ep.load()()
     factory.__qualname__ = f"entry point {ep.value}"
     return factory
@@ -70,7 +79,7 @@ def _lazy(ep):
 REGISTRY: Registry = Registry()
 
 
-def register(name: str, factory: Callable, *, replace: bool = False) -> None:
+def register(name: str, factory: Factory, *, replace: bool = False) -> None:
     """Make ``gradcomp.make(name)`` return ``factory()``. ``replace=True`` overrides a name."""
     if not isinstance(name, str) or not name or any(c.isspace() for c in name):
         raise ValueError(f"a compressor name must be a non-empty string without spaces, got {name!r}")
@@ -81,13 +90,13 @@ def register(name: str, factory: Callable, *, replace: bool = False) -> None:
     dict.__setitem__(REGISTRY, name, factory)
 
 
-def parse_spec(spec: str) -> tuple[str, dict]:
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``"powersgd:rank=4,start_iter=2"`` -> ``("powersgd", {"rank": 4, "start_iter": 2})``
     (values are Python literals; a bare word is a string)."""
     import ast
 
     name, _, rest = spec.partition(":")
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, text = item.partition("=")
         if not eq or not key.strip().isidentifier():
@@ -113,7 +122,7 @@ def compressor_spec(text: str) -> str:
     return text
 
 
-def make(spec: str, **overrides):
+def make(spec: str, **overrides: Any) -> Compressor:
     """A fresh compressor by registry name (``gradcomp.REGISTRY`` lists the names), with the
     factory's defaults overridden by keyword: ``make("powersgd", rank=4)``, or in one string,
     as the ``--compressor`` options take it: ``make("powersgd:rank=4,start_iter=100")``."""

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .arrays import cast
+from .arrays import Array, cast
 from .bucket import Bucket
+from .comm import Communicator, Workspace
 from .compressors.base import Compressor, run_stage
-from .params import check_int
 from .state import reject_leftovers, take_int
 
 
@@ -74,10 +74,10 @@ class Schedule(Compressor):
         self._step = 0
         self._last_stage: dict[str, int] = {}  # tensor key -> stage that reduced it last
 
-    def config(self):
+    def config(self) -> dict[str, Any]:
         return {"stages": [(s, c) for s, c in zip(self.starts, self.compressors)]}
 
-    def describe(self):
+    def describe(self) -> str:
         inner = ", ".join(f"({s}, {c.describe()})" for s, c in zip(self.starts, self.compressors))
         return f"Schedule([{inner}])"
 
@@ -89,13 +89,13 @@ class Schedule(Compressor):
         """Index of the stage that reduces training step ``step``."""
         return bisect.bisect_right(self.starts, step) - 1
 
-    def prepare(self, bucket, comm, workspace) -> _Stage:
+    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Stage:
         step = self._step
         if bucket.is_last:
             self._step += 1
         k = self.stage_at(step)
         stage = self.compressors[k]
-        handed = {}
+        handed: dict[str, Array] = {}
         for key in bucket.keys:
             before = self._last_stage.get(key)
             if before is not None and self.compressors[before] is not stage:
@@ -105,7 +105,7 @@ class Schedule(Compressor):
             bucket = self._with_residuals(bucket, handed, workspace)
         return _Stage(step, k, bucket, stage.prepare(bucket, comm, workspace))
 
-    def _with_residuals(self, bucket: Bucket, residuals: dict, workspace) -> Bucket:
+    def _with_residuals(self, bucket: Bucket, residuals: dict[str, Array], workspace: Workspace) -> Bucket:
         """The bucket's gradient plus the handed-over residuals (in place if the bucket is scratch,
         else in a copy, which the stage may not return)."""
         g = bucket.buffer
@@ -120,34 +120,34 @@ class Schedule(Compressor):
                 part += cast(residuals[key].reshape(-1), g.dtype)
         return bucket
 
-    def finish(self, bucket, comm, prepared: _Stage):
+    def finish(self, bucket: Bucket, comm: Communicator, prepared: _Stage) -> Array:
         return run_stage(self.compressors[prepared.stage], prepared.bucket, comm, prepared.inner)
 
-    def agreement_state(self, bucket, prepared):
+    def agreement_state(self, bucket: Bucket, prepared: _Stage | None) -> dict[str, Any]:
         if prepared is None:
             return {"step": self._step}
         inner = self.compressors[prepared.stage].agreement_state(prepared.bucket, prepared.inner)
         return {"step": prepared.step, "stage": prepared.stage,
                 **{f"stage{prepared.stage}.{k}": v for k, v in inner.items()}}
 
-    def take_residual(self, keys) -> dict:
+    def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         """What the stages that last reduced ``keys`` kept for them (a Schedule in a Schedule)."""
-        out = {}
+        out: dict[str, Array] = {}
         for key in keys:
             k = self._last_stage.get(key)
             if k is not None:
                 out.update(self.compressors[k].take_residual([key]))
         return out
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         s = super().stats()
         s["step"] = self._step
         s["stage"] = self.stage_at(self._step)
         return s
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Own step and hand-over bookkeeping plus every stage's state under ``stage{k}/``."""
-        out: dict = {"step": self._step}
+        out: dict[str, Any] = {"step": self._step}
         for key, k in sorted(self._last_stage.items()):
             out[f"last_stage/{key}"] = k
         for k, comp in enumerate(self.compressors):
@@ -155,18 +155,18 @@ class Schedule(Compressor):
                 out[f"stage{k}/{key}"] = value
         return out
 
-    def load_state_dict(self, state, shapes=None) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
         state = dict(state)
         owner = "Schedule"
         step = take_int(state, "step", owner)
-        last = {}
+        last: dict[str, int] = {}
         for name in [k for k in state if k.startswith("last_stage/")]:
             k = take_int(state, name, owner)
             if k >= len(self.compressors):
                 raise ValueError(f"{owner} state: {name!r} names stage {k}, but there are "
                                  f"{len(self.compressors)}")
             last[name[len("last_stage/"):]] = k
-        per_stage: list[dict] = [{} for _ in self.compressors]
+        per_stage: list[dict[str, Any]] = [{} for _ in self.compressors]
         for key in list(state):
             head, sep, rest = key.partition("/")
             number = head[len("stage"):]

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .arrays import FLOAT_DTYPES, array_module, dtype_name, to_host
+from .arrays import FLOAT_DTYPES, Array, DTypeLike, array_module, dtype_name, to_host
 
 Placement = tuple[str, int, tuple[int, ...]]  # (tensor key, offset in the region, shape)
 
@@ -32,17 +32,17 @@ class TensorStore:
     work on disjoint keys (the pipeline guarantees that).
     """
 
-    def __init__(self):
-        self._regions: dict[tuple, object] = {}
+    def __init__(self) -> None:
+        self._regions: dict[tuple, Array] = {}
         self._home: dict[str, tuple[tuple, int, tuple[int, ...]]] = {}
         self._loose: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
 
-    def __getstate__(self):  # pickling and deepcopy: the values, as plain host arrays
+    def __getstate__(self) -> dict[str, Any]:  # pickling and deepcopy: the values, as plain host arrays
         return {"values": self.arrays()}
 
-    def __setstate__(self, state):
-        self.__init__()
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        TensorStore.__init__(self)
         self.load(state["values"])
 
     def __contains__(self, key: str) -> bool:
@@ -51,7 +51,8 @@ class TensorStore:
     def __len__(self) -> int:
         return len(self._home) + len(self._loose)
 
-    def region(self, placements: Sequence[Placement], total: int, dtype, like=None):
+    def region(self, placements: Sequence[Placement], total: int, dtype: DTypeLike,
+               like: Array | None = None) -> tuple[Array, list[str]]:
         xp = array_module(like) if like is not None else np
         sig = (tuple(placements), int(total), np.dtype(dtype).str, str(getattr(like, "device", None)))
         with self._lock:
@@ -85,7 +86,7 @@ class TensorStore:
         for sig in [s for s in self._regions if s not in used]:
             del self._regions[sig]
 
-    def _value(self, key: str):
+    def _value(self, key: str) -> Array | None:
         home = self._home.get(key)
         if home is None:
             return self._loose.get(key)
@@ -100,9 +101,9 @@ class TensorStore:
                 self._loose.pop(key, None)
             self._collect()
 
-    def pop(self, keys: Iterable[str]) -> dict[str, object]:
+    def pop(self, keys: Iterable[str]) -> dict[str, Array]:
         """Remove ``keys`` and return their values (copies), for the keys that had one."""
-        out = {}
+        out: dict[str, Array] = {}
         with self._lock:
             for key in keys:
                 value = self._value(key)
@@ -147,7 +148,7 @@ def take_int(state: dict, key: str, owner: str, minimum: int | None = 0) -> int:
     return number
 
 
-def check_array(value, key: str, owner: str, shape: Sequence[int] | None = None,
+def check_array(value: Any, key: str, owner: str, shape: Sequence[int] | None = None,
                 dtypes: Sequence[str] = FLOAT_DTYPES, ndim: int | None = None) -> np.ndarray:
     """``value`` as a host array of one of ``dtypes`` (and ``shape`` / ``ndim`` where given)."""
     if hasattr(value, "detach"):  # a torch tensor: gradcomp.torch converts, but be forgiving
@@ -167,7 +168,7 @@ def tensor_arrays(state: dict, prefix: str, owner: str, shapes: Mapping[str, tup
                   dtypes: Sequence[str] = FLOAT_DTYPES) -> dict[str, np.ndarray]:
     """Pop every ``prefix + tensor key`` entry from ``state`` as checked arrays; with ``shapes``
     (the tensors the caller will reduce, by key), each must have its tensor's shape."""
-    out = {}
+    out: dict[str, np.ndarray] = {}
     for name in [k for k in state if k.startswith(prefix)]:
         key = name[len(prefix):]
         expect = None if shapes is None or key not in shapes else shapes[key]
@@ -175,7 +176,7 @@ def tensor_arrays(state: dict, prefix: str, owner: str, shapes: Mapping[str, tup
     return out
 
 
-def shape_entries(store: TensorStore) -> dict:
+def shape_entries(store: TensorStore) -> dict[str, np.ndarray]:
     """``shape/<key>``: the shape of each stored tensor, so that a load can check the arrays even
     when the caller does not know the model's tensors."""
     return {f"shape/{k}": np.array(v.shape, dtype=np.int64) for k, v in store.arrays().items()}
@@ -184,7 +185,7 @@ def shape_entries(store: TensorStore) -> dict:
 def pop_shapes(state: dict, owner: str, known: Mapping[str, tuple] | None) -> dict[str, tuple]:
     """Pop the ``shape/<key>`` entries; combined with the caller's ``known`` shapes (which win,
     and must agree with what was saved). Returns the shapes to check arrays against."""
-    recorded = {}
+    recorded: dict[str, tuple] = {}
     for name in [k for k in state if k.startswith("shape/")]:
         value = check_array(state.pop(name), name, owner, dtypes=("int64", "int32"), ndim=1)
         if (value < 0).any():

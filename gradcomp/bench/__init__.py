@@ -7,10 +7,11 @@
   ``GradientReducer`` on NumPy arrays) or ``ddp`` (real DistributedDataParallel, each method its
   comm hook), times whole steps, counts page faults and bytes per rank, measures the error against
   the exact mean; rank 0 writes one JSON file.
+* ``paths``: what the worker steps: the two paths and one case per method on each.
 * ``hookbucket``: a GradBucket stand-in for calling PyTorch's hooks outside DDP.
 * ``kernels``: single-process kernel throughput as a multiple of a memcpy of the same buffer.
 * ``driver``: launches the workers for each number of ranks, shows progress, writes JSON/CSV.
-* ``plots``: PNG figures (matplotlib, Agg backend).
+* ``plots``: PNG figures (matplotlib, Agg backend); ``labels``: their non-overlapping labels.
 
 Timings are ratios measured side by side in one run (medians of repeats): absolute times on a
 shared machine mean little, the ratio to a plain fp32 allreduce or a memcpy measured in the same

@@ -18,6 +18,7 @@ import csv
 import glob
 import json
 import os
+import argparse
 import subprocess
 import sys
 import time
@@ -59,11 +60,13 @@ def _follow(bar, log):
 def _launch(ranks: int | None, args: list[str], bar, log_path: str) -> None:
     """Run ``python *args`` (under ``mpiexec -n ranks``, or as one process when ``ranks`` is None),
     advancing ``bar`` on each ``@progress`` line; the rest goes to ``log_path``."""
+    rc: int | None
     with open(log_path, "w") as log:
         on_line = _follow(bar, log)
         if ranks is None:
             proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
+            assert proc.stdout is not None  # stdout=PIPE
             for line in proc.stdout:
                 on_line(line)
             rc = proc.wait()
@@ -76,7 +79,7 @@ def _launch(ranks: int | None, args: list[str], bar, log_path: str) -> None:
         raise SystemExit(f"gradcomp bench: {' '.join(args)}\n{what}:\n{tail}")
 
 
-def paths_of(args) -> list[str]:
+def paths_of(args: argparse.Namespace) -> list[str]:
     """The worker paths to run: ``args.paths`` when the command line has that option, else
     ``reducer`` and, when torch is there and not turned off, ``ddp``."""
     text = getattr(args, "paths", None)
@@ -90,7 +93,7 @@ def paths_of(args) -> list[str]:
     return ["reducer", "ddp"] if with_torch else ["reducer"]
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
     outdir = os.path.abspath(args.out)
@@ -146,7 +149,8 @@ def load(outdir: str) -> tuple[list[dict], list[dict], list[dict]]:
     """(jobs, kernel rows, capped runs) found in ``outdir``: the per-run JSON files (worker
     outputs, ``capped-*.json``, ``kernels.json``); when there are none, what an earlier report
     gathered in ``results.json`` (a committed results folder keeps only that)."""
-    jobs, capped = [], []
+    jobs: list[dict] = []
+    capped: list[dict] = []
     for path in sorted(glob.glob(os.path.join(outdir, "*.json"))):
         name = os.path.basename(path)
         if name in OWN_FILES:

@@ -12,6 +12,8 @@ preallocated parameters, codes and accumulator).
 from __future__ import annotations
 
 import time
+from functools import partial
+from typing import Any, Callable
 
 import numpy as np
 
@@ -20,7 +22,7 @@ from ..bucket import Bucket
 from .methods import select
 
 
-def _median_time(fn, repeats: int, before=None) -> float:
+def _median_time(fn: Callable[[], Any], repeats: int, before: Callable[[], Any] | None = None) -> float:
     times = []
     for _ in range(repeats):
         if before:
@@ -31,25 +33,26 @@ def _median_time(fn, repeats: int, before=None) -> float:
     return float(np.median(times))
 
 
-def measure(mb: float = 100.0, repeats: int = 7, methods: str = "gradcomp", progress=None) -> list[dict]:
+def measure(mb: float = 100.0, repeats: int = 7, methods: str = "gradcomp",
+            progress: Callable[[str], Any] | None = None) -> list[dict]:
     """Rows of ``{"kernel", "time_s", "vs_memcpy"}`` (memcpy first)."""
     n = int(mb * 2**20 / 4)
     rng = np.random.default_rng(0)
     x = (rng.standard_t(3, n) * 1e-3).astype(np.float32)
-    tasks = [("memcpy", lambda: x.copy())]
+    tasks: list[tuple[str, Callable[[], Any]]] = [("memcpy", lambda: x.copy())]
 
     tasks.append(("fp16 round trip, numpy astype", lambda: x.astype(np.float16).astype(np.float32)))
     tasks.append(("fp16 round trip, gradcomp cast", lambda: cast(cast(x, np.float16), np.float32)))
     try:
         import torch
     except ImportError:
-        torch = None
+        torch = None  # type: ignore[assignment]  # no torch: no torch rows
     if torch is not None:
         t = torch.from_numpy(x)
         default_threads = torch.get_num_threads()
 
-        def torch_rt(threads):
-            def fn():
+        def torch_rt(threads: int) -> Callable[[], None]:
+            def fn() -> None:
                 torch.set_num_threads(threads)
                 try:
                     t.half().float()
@@ -66,7 +69,7 @@ def measure(mb: float = 100.0, repeats: int = 7, methods: str = "gradcomp", prog
     codes = np.empty(n, np.uint8)
     acc = np.zeros(n, np.float32)
 
-    def int8_rt():  # into a preallocated accumulator, as a decode adds every rank's codes into one
+    def int8_rt() -> None:  # into a preallocated accumulator, as a decode adds every rank's codes into one
         quantize(x, params, codes, width, 255)
         dequantize(acc, params, codes, width, add=True)
     tasks.append(("int8 per-channel round trip (quantize + dequantize, add)", int8_rt))
@@ -80,16 +83,16 @@ def measure(mb: float = 100.0, repeats: int = 7, methods: str = "gradcomp", prog
     for m in select(methods, with_torch=False):
         comp = m.build()
         if "powersgd" in m.name:  # a matrix to work on: the buffer as a tall (n/1024, 1024) layer
-            rows = n // 1024
-            bucket = Bucket(x[:rows * 1024], 0, [(rows, 1024)], True)
+            height = n // 1024
+            bucket = Bucket(x[:height * 1024], 0, [(height, 1024)], True)
         else:
             bucket = Bucket(x, 0, [(n,)], True)
         for _ in range(3):  # PowerSGD compresses from its third step
             comp.run(bucket, comm)
         label = f"{m.name} ({m.label})" if m.label else m.name
-        tasks.append((f"{label} on 1 rank", lambda comp=comp, b=bucket: comp.run(b, comm)))
+        tasks.append((f"{label} on 1 rank", partial(comp.run, bucket, comm)))
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i, (name, fn) in enumerate(tasks):
         fn()  # first touch, imports, caches
         rows.append(dict(kernel=name, time_s=_median_time(fn, repeats)))
@@ -117,7 +120,7 @@ def count(methods: str = "gradcomp") -> int:
     return 4 + extra + len(select(methods, with_torch=False))
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
     import os
@@ -132,7 +135,7 @@ def main(argv=None) -> int:
     total = count(args.methods)
     done = [0]
 
-    def progress(name):
+    def progress(name: str) -> None:
         done[0] += 1
         print(f"@progress {done[0]} {total} {name}", flush=True)
     rows = measure(args.mb, args.repeats, args.methods, progress)

@@ -34,7 +34,7 @@ the comparison row for "no slower than MPICH's best algorithm for the same bytes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from ..registry import REGISTRY, make, parse_spec
 
@@ -81,13 +81,15 @@ class Method:
     transport: str = "mpi"  # gradcomp: "mpi", "gloo" (TorchCommunicator) or "mpi-allreduce"
     hook: Callable | None = field(default=None, repr=False)  # torch: (world_size) -> (state, hook)
 
-    def build(self, world_size: int | None = None):
+    def build(self, world_size: int | None = None) -> Any:
         """gradcomp: a fresh compressor; torch: ``(state, hook)`` for ``register_comm_hook``."""
         if self.kind == "gradcomp":
+            assert self.spec is not None  # every gradcomp method has one
             return make(self.spec)
+        assert self.hook is not None  # every torch method has one
         return self.hook(world_size)
 
-    def communicator(self, shared: dict):
+    def communicator(self, shared: dict) -> Any:
         """The communicator a gradcomp method runs on (one of each kind per process, in
         ``shared``); None for the default MPI one (what ``gradcomp.torch.register`` picks)."""
         if self.transport == "gloo":
@@ -146,8 +148,8 @@ def gradcomp_specs() -> list[str]:
 
 
 # -- PyTorch's own hooks -------------------------------------------------------------------------
-def _torch_hook(name, rank=None):
-    def build(world_size):
+def _torch_hook(name: str, rank: int | None = None) -> Callable[[int | None], tuple[Any, Callable[..., Any]]]:
+    def build(world_size: int | None) -> tuple[Any, Callable[..., Any]]:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
         from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as qh
@@ -165,7 +167,7 @@ def _torch_hook(name, rank=None):
             state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                      start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
                                      random_seed=0)
-            hook = ph.powerSGD_hook
+            hook: Callable[..., Any] = ph.powerSGD_hook
             if name == "fp16-powersgd":
                 hook = dh.fp16_compress_wrapper(hook)
             return state, hook

@@ -27,8 +27,11 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from typing import Any
 
 import numpy as np
+
+from .labels import _clusters, _label_lines, place_labels
 
 DPI = 110
 
@@ -41,7 +44,7 @@ IMPLEMENTATIONS = {"gradcomp (MPI)": ("o", "-"), "gradcomp (gloo)": ("s", "-."),
                    "PyTorch hook (gloo)": ("x", "--")}
 
 
-def _plt():
+def _plt() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,12 +53,12 @@ def _plt():
     return plt
 
 
-def _figure(**kw):
+def _figure(**kw: Any) -> Any:
     plt = _plt()
     return plt.subplots(dpi=DPI, **kw)
 
 
-def _save(fig, path: str, layout: bool = True) -> None:
+def _save(fig: Any, path: str, layout: bool = True) -> None:
     """Write ``fig`` as a PNG and free it (figures are made in loops; pyplot keeps them alive).
     ``layout=False`` when the figure was laid out already (labels placed in display coordinates
     must not move after placement)."""
@@ -65,7 +68,7 @@ def _save(fig, path: str, layout: bool = True) -> None:
     _plt().close(fig)
 
 
-def _timed(rows):
+def _timed(rows: list[dict]) -> list[dict]:
     """Rows of methods that ran (baselines left out: ``memcpy``, ``backward``)."""
     return [r for r in rows if "time_s" in r and r["method"] != "memcpy" and r.get("kind") != "baseline"]
 
@@ -100,7 +103,7 @@ def implementation(row: dict) -> str:
     return "gradcomp (MPI)"
 
 
-def _rate_gbit(text: str):
+def _rate_gbit(text: str) -> float | None:
     """'1gbit' -> 1.0, '500mbit' -> 0.5 (tc's units)."""
     t = text.strip().lower()
     for unit, scale in (("gbit", 1.0), ("mbit", 1e-3), ("kbit", 1e-6)):
@@ -112,13 +115,13 @@ def _rate_gbit(text: str):
     return None
 
 
-def _outside_legend(ax, **kw):
+def _outside_legend(ax: Any, **kw: Any) -> Any:
     """A legend to the right of ``ax``, outside it."""
     return ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, **kw)
 
 
 # -- step time against bandwidth ----------------------------------------------------------------------
-def time_vs_bandwidth(job: dict, capped: list[dict], path: str):
+def time_vs_bandwidth(job: dict, capped: list[dict], path: str) -> Any:
     rows = _timed(job["results"])
     measured = []  # (rate Gbit/s, network name, row) from capped runs of the same model and ranks
     for c in capped:
@@ -128,7 +131,7 @@ def time_vs_bandwidth(job: dict, capped: list[dict], path: str):
         rate = _rate_gbit(c.get("network", ""))
         if rate is None:
             continue
-        measured += [(rate, c.get("network"), r) for r in _timed(c["results"])]
+        measured += [(rate, c["network"], r) for r in _timed(c["results"])]  # (a rate: a network)
     names = [r["method"] for r in rows] + [r["method"] for _, _, r in measured]
     panels = [f for f in FAMILIES if any(family(n) == f for n in names)] or ["exact"]
     ncols = 1 if len(panels) == 1 else 2
@@ -187,71 +190,8 @@ def time_vs_bandwidth(job: dict, capped: list[dict], path: str):
 
 
 # -- error against compression ratio -----------------------------------------------------------------
-def _clusters(points_px: np.ndarray, radius: float) -> list[list[int]]:
-    """Indices grouped by single linkage: points closer than ``radius`` pixels share a group."""
-    groups: list[list[int]] = []
-    for i, p in enumerate(points_px):
-        near = [g for g in groups if any(np.hypot(*(points_px[j] - p)) < radius for j in g)]
-        merged = [i] + [j for g in near for j in g]
-        groups = [g for g in groups if g not in near] + [sorted(merged)]
-    return sorted(groups, key=lambda g: g[0])
 
-
-def _overlap(a, b) -> float:
-    w = min(a.x1, b.x1) - max(a.x0, b.x0)
-    h = min(a.y1, b.y1) - max(a.y0, b.y0)
-    return w * h if w > 0 and h > 0 else 0.0
-
-
-def place_labels(fig, ax, anchors_px: list, texts: list[str], obstacles: list, **text_kw) -> list:
-    """Annotate each anchor (display pixels) with its text, trying offsets around it (nearest
-    first) until the label box overlaps neither an earlier label nor an obstacle (a Bbox, e.g. a
-    marker) and lies inside the axes. Far labels get a leader line. Returns the annotations."""
-    from matplotlib.text import Text
-    from matplotlib.transforms import Bbox
-
-    renderer = fig.canvas.get_renderer()
-    inside = ax.get_window_extent(renderer).padded(-2)
-    px_per_pt = fig.dpi / 72.0
-    angles = (0, 180, 35, -35, 145, -145, 90, -90, 60, -60, 120, -120, 15, -15, 165, -165)
-    offsets = [(r * math.cos(math.radians(a)), r * math.sin(math.radians(a)))
-               for r in (5, 11, 18, 26, 36, 48, 62, 80, 100, 125, 155) for a in angles]
-    placed: list[Bbox] = []
-    out = []
-    for (x, y), text in zip(anchors_px, texts):
-        data = ax.transData.inverted().transform((x, y))
-        best = None
-        for dx, dy in offsets:
-            ha = "left" if dx > 0.3 * abs(dy) else "right" if dx < -0.3 * abs(dy) else "center"
-            va = "bottom" if dy > 0.3 * abs(dx) else "top" if dy < -0.3 * abs(dx) else "center"
-            ann = ax.annotate(text, data, xytext=(dx, dy), textcoords="offset points", ha=ha, va=va,
-                              **text_kw)
-            ann.update_positions(renderer)  # an annotation's text is placed at draw time
-            box = Text.get_window_extent(ann, renderer).padded(1.5)
-            cost = sum(_overlap(box, b) for b in placed + obstacles)
-            if not (inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1):
-                cost += 1e6
-            ann.remove()
-            if best is None or cost < best[0]:
-                best = (cost, dx, dy, ha, va, box)
-            if cost == 0:
-                break
-        cost, dx, dy, ha, va, box = best
-        far = math.hypot(dx, dy) > 12
-        ann = ax.annotate(text, data, xytext=(dx, dy), textcoords="offset points", ha=ha, va=va,
-                          arrowprops=dict(arrowstyle="-", color="0.5", linewidth=0.6,
-                                          shrinkA=0, shrinkB=4 * px_per_pt) if far else None,
-                          **text_kw)
-        placed.append(box)
-        out.append(ann)
-    return out
-
-
-def _label_lines(names: list[str], per_line: int = 2) -> str:
-    return "\n= ".join(" = ".join(names[i:i + per_line]) for i in range(0, len(names), per_line))
-
-
-def error_vs_ratio(job: dict, path: str):
+def error_vs_ratio(job: dict, path: str) -> Any:
     from matplotlib.lines import Line2D
     from matplotlib.transforms import Bbox
 
@@ -300,13 +240,13 @@ def error_vs_ratio(job: dict, path: str):
 
 
 # -- bytes against ranks -----------------------------------------------------------------------------
-def ring_allreduce_factor(n):
+def ring_allreduce_factor(n: Any) -> np.ndarray:
     """Bytes each rank sends in a bandwidth-optimal allreduce, per byte of the buffer: 2(N-1)/N."""
     n = np.asarray(n, float)
     return 2 * (n - 1) / n
 
 
-def allgather_factor(n):
+def allgather_factor(n: Any) -> np.ndarray:
     """Bytes each rank sends in an allgather (everyone gets everyone's buffer), per byte: N-1."""
     return np.asarray(n, float) - 1
 
@@ -327,7 +267,7 @@ def _pattern(name: str, pts: list[tuple[int, float]]) -> tuple[str, float]:
     return kind, fits[kind][1]
 
 
-def bytes_vs_ranks(jobs: list[dict], model: str, path: str):
+def bytes_vs_ranks(jobs: list[dict], model: str, path: str) -> Any:
     mine = sorted((j for j in jobs if j["model"] == model), key=lambda j: j["ranks"])
     series: dict[str, list[tuple[int, float]]] = {}
     for job in mine:
@@ -397,7 +337,7 @@ def bytes_vs_ranks(jobs: list[dict], model: str, path: str):
 
 
 # -- kernels and capped bars ---------------------------------------------------------------------------
-def kernels(rows: list[dict], path: str):
+def kernels(rows: list[dict], path: str) -> Any:
     fig, ax = _figure(figsize=(8, 0.35 * len(rows) + 1.5))
     names = [r["kernel"] for r in rows]
     ax.barh(range(len(rows)), [r["vs_memcpy"] for r in rows])
@@ -410,7 +350,7 @@ def kernels(rows: list[dict], path: str):
     return fig
 
 
-def capped_bars(capped: list[dict], path: str):
+def capped_bars(capped: list[dict], path: str) -> Any:
     runs = sorted(capped, key=lambda c: -(_rate_gbit(c.get("network", "")) or 0))
     methods = []
     for c in runs:

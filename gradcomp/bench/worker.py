@@ -49,7 +49,8 @@ allreduce by that formula. torch runs one thread per rank, like gradcomp's BLAS 
 cores).
 
 Rank 0 prints ``@progress DONE TOTAL NAME`` lines (for the driver's progress bar) and writes the
-results as JSON to ``--out``.
+results as JSON to ``--out``. The paths and the cases they step are in ``gradcomp.bench.paths``;
+this module is the job: the command line, the timed loop, the errors and the summary rows.
 """
 from __future__ import annotations
 
@@ -60,18 +61,18 @@ import platform
 import resource
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
-from ..bucket import group, pack
-from ..comm import MPICommunicator, wire_bytes
-from .methods import select
+from ..bucket import group
+from ..comm import wire_bytes
+from .methods import Method, select
+from .paths import PATHS, DDPPath, ReducerPath, _Case
 from .shapes import heavy_tailed, model_shapes, numel
 
-PATHS = ("reducer", "ddp")
 
-
-def _progress(rank, done, total, name):
+def _progress(rank: int, done: int, total: int, name: str) -> None:
     if rank == 0:
         print(f"@progress {done} {total} {name}", flush=True)
 
@@ -80,41 +81,10 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-class _TorchBytes:
-    """Counts what the hooks hand to torch.distributed collectives (bandwidth-optimal bytes), by
-    wrapping the module functions they call; the real collectives still run."""
-
-    def __init__(self, size):
-        import torch.distributed as dist
-
-        self.dist, self.size, self.bytes, self.calls = dist, size, 0.0, 0
-        self._saved = {}
-
-    def __enter__(self):
-        d = self.dist
-        self._saved = {}
-        for name, kind in (("all_reduce", "allreduce"), ("all_gather", "allgather"),
-                           ("all_gather_into_tensor", "allgather")):
-            real = getattr(d, name)
-            self._saved[name] = real
-
-            def counted(*args, _real=real, _kind=kind, _name=name, **kw):
-                t = args[1] if _name in ("all_gather", "all_gather_into_tensor") else args[0]
-                self.bytes += wire_bytes(_kind, t.numel() * t.element_size(), self.size)
-                self.calls += 1
-                return _real(*args, **kw)
-            setattr(d, name, counted)
-        return self
-
-    def __exit__(self, *exc):
-        for name, real in self._saved.items():
-            setattr(self.dist, name, real)
-
-
 _CHUNK = 1 << 20
 
 
-def _rel_diff(outs, refs) -> float:
+def _rel_diff(outs: list, refs: list) -> float:
     """``||outs - refs|| / ||refs||`` over all arrays, in float64, a chunk at a time (no
     model-sized temporaries)."""
     num = den = 0.0
@@ -128,364 +98,8 @@ def _rel_diff(outs, refs) -> float:
     return float(np.sqrt(num / den)) if den > 0 else 0.0
 
 
-# -- cases: one method ready to step ---------------------------------------------------------------
-class _Case:
-    """``prepare()`` (untimed) then ``step()`` (timed); ``outputs()``: the mean per gradient array
-    after the step; ``release()`` (untimed) after the error has been measured."""
-
-    kind = "baseline"
-
-    def __init__(self, name, label, method=None):
-        self.name, self.label, self.method = name, label, method
-        if method is not None:
-            self.kind, self.same_as, self.spec = method.kind, method.same_as, method.spec
-        else:
-            self.same_as = self.spec = None
-        self.compressor = None
-
-    def prepare(self):
-        pass
-
-    def step(self):
-        raise NotImplementedError
-
-    def outputs(self) -> list:
-        return []
-
-    def release(self):
-        pass
-
-    def begin(self):
-        """Called once before the timed steps (traffic counters start here)."""
-
-    def timed(self):
-        """Context of a timed step (the PyTorch hooks' byte counter)."""
-        return _Nothing()
-
-    def traffic(self, steps):
-        return 0.0, 0.0
-
-    def close(self):
-        pass
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _GradcompTraffic:
-    def begin(self):
-        self._s0 = self.compressor.stats()
-
-    def traffic(self, steps):
-        s1 = self.compressor.stats()
-        n = max(s1["steps"] - self._s0["steps"], 1)
-        return ((s1["bytes_sent"] - self._s0["bytes_sent"]) / n,
-                (s1["rounds"] - self._s0["rounds"]) / n)
-
-
-class _HookTraffic:
-    def begin(self):
-        self.counter = _TorchBytes(self.size)
-
-    def timed(self):
-        return self.counter
-
-    def traffic(self, steps):
-        return self.counter.bytes / steps, self.counter.calls / steps
-
-
-# -- the reducer path -------------------------------------------------------------------------------
-class ReducerPath:
-    """Persistent gradient arrays (refilled before each step) and what every method shares."""
-
-    name = "reducer"
-
-    def __init__(self, args, grads, size):
-        self.args, self.size = args, size
-        self.grads = grads
-        self.saved = [g.copy() for g in grads]
-        self.comm = MPICommunicator()
-        self.shared: dict = {}
-        self._hook_buckets = None
-
-    def refill(self):
-        for g, s in zip(self.grads, self.saved):
-            np.copyto(g, s)
-
-    def baselines(self) -> list[_Case]:
-        return [_Memcpy(self)]
-
-    def reference(self) -> str | None:
-        return None
-
-    def case(self, m) -> _Case:
-        if m.kind == "gradcomp":
-            return _ReducerCase(self, m)
-        return _HookBucketCase(self, m)
-
-    def hook_buckets(self):
-        """The gradients in buckets (``gradcomp.bucket.pack``: the reducer's layout), as torch
-        tensors that every PyTorch hook reduces, restored from the saved gradients before each step."""
-        if self._hook_buckets is None:
-            import torch
-
-            _start_torch()
-            self._hook_buckets = [(b, members, torch.from_numpy(b.buffer))
-                                  for b, members in pack(self.saved, self.args.bucket_mb)]
-        return self._hook_buckets
-
-    def close(self):
-        self.comm.close()
-        for comm in self.shared.values():
-            comm.close()
-
-
-class _Memcpy(_Case):
-    def __init__(self, path):
-        super().__init__("memcpy", "refill of the gradient arrays (np.copyto: stands in for backward)")
-        self.path = path
-
-    def step(self):
-        self.path.refill()
-
-
-class _ReducerCase(_GradcompTraffic, _Case):
-    def __init__(self, path, m):
-        from ..reducer import GradientReducer
-
-        super().__init__(m.name, m.label, m)
-        self.path = path
-        self.compressor = m.build()
-        if m.transport == "gloo":
-            _start_torch()  # TorchCommunicator needs the process group
-        comm = m.communicator(path.shared) or path.comm
-        self.reducer = GradientReducer(path.grads, self.compressor, comm, path.args.bucket_mb)
-        # views: the gradients live in the reducer's buffers (reducer.gradients, the README's
-        # recommended form); own: the user's own arrays, copied in and out by step()
-        self.arrays = self.reducer.gradients if path.args.reducer_arrays == "views" else path.grads
-
-    def prepare(self):
-        for g, s in zip(self.arrays, self.path.saved):
-            np.copyto(g, s)
-
-    def step(self):
-        self.reducer.step(self.arrays)
-
-    def outputs(self):
-        return self.arrays
-
-    def close(self):
-        self.reducer = None
-
-
-class _HookBucketCase(_HookTraffic, _Case):
-    def __init__(self, path, m):
-        from .hookbucket import HookBucket
-
-        super().__init__(m.name, m.label, m)
-        self.path, self.size = path, path.size
-        self.buckets = path.hook_buckets()
-        self.state, self.hook = m.build(path.size)
-        self.ducks = [HookBucket(t, b.index, b.shapes, b.is_last) for b, _, t in self.buckets]
-        # Multi-round hooks launch their later collectives from completion callbacks on gloo's
-        # threads; with several buckets in flight the ranks can then issue them in different
-        # orders (gloo aborts: "Received data size doesn't match"). One bucket at a time keeps
-        # every rank's order the same. Single-collective hooks: all buckets in flight, as DDP does.
-        self.one_at_a_time = "powersgd" in m.name or "quantize" in m.name
-        self.results = None
-
-    def prepare(self):  # the hooks write into the bucket
-        from ..bucket import copy_in
-
-        for (b, members, t), duck in zip(self.buckets, self.ducks):
-            copy_in(b, self.path.saved, members)
-            duck.set_buffer(t)
-
-    def step(self):
-        if self.one_at_a_time:
-            self.results = [self.hook(self.state, d).wait() for d in self.ducks]
-        else:
-            futures = [self.hook(self.state, d) for d in self.ducks]
-            self.results = [f.wait() for f in futures]
-
-    def outputs(self):
-        out = [None] * len(self.path.grads)
-        for (b, members, _), result in zip(self.buckets, self.results):
-            for view, i in zip(b.views(result.numpy()), members):
-                out[i] = view.reshape(self.path.grads[i].shape)
-        return out
-
-    def release(self):
-        self.results = None
-
-
-# -- the DDP path -------------------------------------------------------------------------------------
-def _start_torch():
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        from ..torch import init_process_group
-
-        torch.set_num_threads(1)
-        init_process_group("gloo")
-
-
-_TORCH_CLASSES = {}
-
-
-def _torch_classes():
-    """(the autograd function, the module class), defined once torch is imported."""
-    if not _TORCH_CLASSES:
-        import torch
-
-        class FixedGradient(torch.autograd.Function):
-            """loss = 0, d loss / d params[i] = consts[i]. The gradients are handed over as new
-            tensors over the consts' memory, which autograd's AccumulateGrad then takes as
-            ``.grad`` without a copy (nothing else refers to them): the backward costs autograd's
-            bookkeeping only, the same for every method."""
-
-            @staticmethod
-            def forward(ctx, consts, fresh, *params):
-                ctx.consts, ctx.fresh = consts, fresh
-                return params[0].new_zeros(())
-
-            @staticmethod
-            def backward(ctx, grad_output):
-                if ctx.fresh:  # --backward fresh: new gradient tensors every step
-                    return (None, None, *(c.clone() for c in ctx.consts))
-                return (None, None, *(c.detach() for c in ctx.consts))
-
-        class Gradients(torch.nn.Module):
-            """Parameters of the model's shapes over shared storage; gradients ``consts``."""
-
-            def __init__(self, storage, consts, fresh=False):
-                super().__init__()
-                self.params = torch.nn.ParameterList([torch.nn.Parameter(s) for s in storage])
-                self.consts, self.fresh = consts, fresh
-
-            def forward(self):
-                return FixedGradient.apply(self.consts, self.fresh, *self.params)
-
-        _TORCH_CLASSES.update(function=FixedGradient, module=Gradients)
-    return _TORCH_CLASSES
-
-
-class DDPPath:
-    name = "ddp"
-
-    def __init__(self, args, grads, size):
-        import torch
-
-        _start_torch()
-        self.args, self.size = args, size
-        self.numel = sum(g.size for g in grads)
-        self.grads = grads  # each rank's own gradients, refilled before each step
-        self.saved = [g.copy() for g in grads]
-        self.consts = [torch.from_numpy(g) for g in grads]
-        self.storage = [torch.zeros(g.shape) for g in grads]  # parameter values, for every model
-        self.shared: dict = {}
-
-    def refill(self):
-        for g, s in zip(self.grads, self.saved):
-            np.copyto(g, s)
-
-    def module(self):
-        return _torch_classes()["module"](self.storage, self.consts, self.args.backward == "fresh")
-
-    def ddp(self):
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(self.module(), bucket_cap_mb=self.args.bucket_mb)
-
-    def baselines(self) -> list[_Case]:
-        return [_Backward(self), _DDPCase(self, None)]
-
-    def reference(self) -> str | None:
-        return "ddp"
-
-    def case(self, m) -> _Case:
-        return _DDPCase(self, m)
-
-    def close(self):
-        for comm in self.shared.values():
-            comm.close()
-
-
-class _ModelCase(_Case):
-    def prepare(self):
-        self.path.refill()  # DDP wrote the last step's means into them
-
-    def step(self):
-        self.model.zero_grad(set_to_none=True)
-        loss = self.model()
-        loss.backward()
-
-    def outputs(self):
-        return [p.grad.numpy() for p in self.model.parameters()]
-
-    def release(self):
-        self.model.zero_grad(set_to_none=True)
-
-    def close(self):
-        self.model = None
-
-
-class _Backward(_ModelCase):
-    def __init__(self, path):
-        super().__init__("backward", "forward + backward without DDP (the compute alone)")
-        self.path = path
-        self.model = path.module()
-
-
-class _DDPCase(_ModelCase):
-    def __init__(self, path, m):
-        self.path, self.size = path, path.size
-        if m is None:
-            super().__init__("ddp", "DDP without a hook (its built-in allreduce, the reference)")
-            self.kind = "torch"
-        else:
-            super().__init__(m.name, m.label, m)
-        self.model = path.ddp()
-        if m is None:
-            return
-        if m.kind == "gradcomp":
-            from ..torch import register
-
-            self.compressor = m.build()
-            register(self.model, self.compressor, comm=m.communicator(path.shared))
-        else:
-            state, hook = m.build(path.size)
-            self.model.register_comm_hook(state, hook)
-
-    def begin(self):
-        if self.method is None:
-            return
-        if self.method.kind == "gradcomp":
-            _GradcompTraffic.begin(self)
-        else:
-            _HookTraffic.begin(self)
-
-    def timed(self):
-        if self.method is not None and self.method.kind == "torch":
-            return self.counter
-        return _Nothing()
-
-    def traffic(self, steps):
-        if self.method is None:  # DDP's own allreduce, not seen from Python: by the formula
-            return wire_bytes("allreduce", 4.0 * self.path.numel, self.size), None
-        if self.method.kind == "gradcomp":
-            return _GradcompTraffic.traffic(self, steps)
-        return _HookTraffic.traffic(self, steps)
-
-
 # -- the job --------------------------------------------------------------------------------------------
-def _exact_mean(world, grads):
+def _exact_mean(world: Any, grads: list[np.ndarray]) -> list[np.ndarray]:
     from mpi4py import MPI
 
     exact = []
@@ -497,12 +111,12 @@ def _exact_mean(world, grads):
     return exact
 
 
-def _settings() -> dict:
+def _settings() -> dict[str, str]:
     """MPICH and glibc allocator variables set in the environment (not a default configuration)."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("MPIR_CVAR_", "MALLOC_"))}
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
@@ -514,15 +128,19 @@ def run(args) -> dict:
     shapes = model_shapes(args.model)
     grads = heavy_tailed(shapes, seed=args.seed + rank)
     exact = _exact_mean(world, grads)
+    path: ReducerPath | DDPPath
     path = ReducerPath(args, grads, size) if args.path == "reducer" else DDPPath(args, grads, size)
     reference_name = path.reference()
-    reference = None  # the reference method's first timed result (ddp path)
+    reference: list[np.ndarray] | None = None  # the reference method's first timed result (ddp path)
     total = len(methods) + 2
     _progress(rank, 0, total, "baselines")
-    results = []
-    times, faults, errors, diffs = {}, {}, {}, {}
+    results: list[dict[str, Any]] = []
+    times: dict[str, list[float]] = {}
+    faults: dict[str, list[int]] = {}
+    errors: dict[str, float] = {}
+    diffs: dict[str, float] = {}
 
-    def open_case(i, m):
+    def open_case(i: int, m: Method) -> _Case | None:
         """The method built and warmed up, or None (its failure recorded)."""
         try:
             case = path.case(m)
@@ -541,7 +159,7 @@ def run(args) -> dict:
         finally:
             _progress(rank, i + 1, total, m.name)
 
-    def timed_step(case, rep):
+    def timed_step(case: _Case, rep: int) -> None:
         nonlocal reference
         case.prepare()  # restoring overwritten gradients is not part of the step
         world.Barrier()
@@ -583,9 +201,10 @@ def run(args) -> dict:
             for rep in range(args.repeats):
                 timed_step(case, rep)
         for i, m in enumerate(methods):
-            case = open_case(i, m)
-            if case is None:
+            opened = open_case(i, m)
+            if opened is None:
                 continue
+            case = opened
             times[case.name], faults[case.name] = [], []
             case.prepare()
             case.step()  # one more untimed step: the previous method's memory churn settles
@@ -598,10 +217,10 @@ def run(args) -> dict:
         finished = [_summary(c, args.repeats) for c in cases] + closed
     else:
         for i, m in enumerate(methods):
-            case = open_case(i, m)
-            if case is not None:
-                cases.append(case)
-                times[case.name], faults[case.name] = [], []
+            opened = open_case(i, m)
+            if opened is not None:
+                cases.append(opened)
+                times[opened.name], faults[opened.name] = [], []
         for case in cases:
             case.begin()
         for rep in range(args.repeats):
@@ -619,7 +238,7 @@ def run(args) -> dict:
                    faults=most.tolist(), faults_per_step=float(np.median(most)),
                    rel_error=errors[name])
         if name in diffs:
-            row["rel_diff_vs_" + reference_name] = diffs[name]
+            row[f"rel_diff_vs_{reference_name}"] = diffs[name]  # (a reference ran: a name)
         results.append(row)
     order = [c.name for c in baselines] + [m.name for m in methods]
     results.sort(key=lambda r: order.index(r["method"]))
@@ -645,7 +264,7 @@ def run(args) -> dict:
     return job
 
 
-def _summary(case, steps) -> dict:
+def _summary(case: _Case, steps: int) -> dict[str, Any]:
     nbytes, rounds = case.traffic(steps)
     row = dict(method=case.name, kind=case.kind, label=case.label, same_as=case.same_as,
                bytes_per_rank=nbytes, rounds_per_step=rounds)
@@ -657,7 +276,7 @@ def _summary(case, steps) -> dict:
     return row
 
 
-def _apply_tag(rows, tag):
+def _apply_tag(rows: list[dict[str, Any]], tag: str) -> None:
     """Method names become ``NAME (TAG)`` (baselines keep theirs): rows of a run under a special
     setting (``--tag "MPICH ring, tuned"``) never pass for the default ones in a report."""
     for r in rows:
@@ -668,7 +287,7 @@ def _apply_tag(rows, tag):
             r["same_as"] = f"{r['same_as']} ({tag})"
 
 
-def _with_ratios(results, n, size):
+def _with_ratios(results: list[dict[str, Any]], n: int, size: int) -> list[dict[str, Any]]:
     by = {r["method"]: r for r in results if "time_s" in r}
     fp32_bytes = wire_bytes("allreduce", 4 * n, size)
     for r in results:
@@ -721,7 +340,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.warmup < 3:
         print("warning: fewer than 3 warm-up steps: PowerSGD (start_iter=2) is timed before it "

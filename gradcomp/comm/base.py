@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Protocol, runtime_checkable
+from typing import Any, Callable, Hashable, Iterable, Protocol, runtime_checkable
 
+from ..arrays import Array
 from .pipeline import CommunicatorBroken, Pipeline, Workspace, report_failure
 
 
@@ -31,24 +32,25 @@ class Communicator(Protocol):
     collectives: int
 
     def submit(self, run: Callable[[Any, BaseException | None], Any],
-               prepare: Callable[[Workspace], Any] | None = None, keys: Iterable = ()) -> Future: ...
+               prepare: Callable[[Workspace], Any] | None = None,
+               keys: Iterable[Hashable] = ()) -> Future[Any]: ...
 
     @property
     def workspace(self) -> Workspace: ...
 
     def partition(self, n: int) -> tuple[list[int], list[int]]: ...
 
-    def allreduce(self, array, overwrite: bool = False): ...
+    def allreduce(self, array: Array, overwrite: bool = False) -> Array: ...
 
-    def reduce_scatter(self, array, out=None): ...
+    def reduce_scatter(self, array: Array, out: Array | None = None) -> Array: ...
 
-    def allgather_blocks(self, block, out): ...
+    def allgather_blocks(self, block: Array, out: Array) -> Array: ...
 
-    def allgather(self, array, out=None): ...
+    def allgather(self, array: Array, out: Array | None = None) -> Array: ...
 
-    def alltoall(self, array, out=None): ...
+    def alltoall(self, array: Array, out: Array | None = None) -> Array: ...
 
-    def broadcast(self, array, root: int = 0): ...
+    def broadcast(self, array: Array, root: int = 0) -> Array: ...
 
     def fail(self, exc: BaseException) -> None: ...
 
@@ -116,6 +118,8 @@ class OrderedCommunicator:
 
     rank: int
     size: int
+    bytes_sent: float
+    collectives: int
 
     def _start(self, name: str, abort_grace_s: float | None, depth: int) -> None:
         self.bytes_sent = 0.0
@@ -137,7 +141,9 @@ class OrderedCommunicator:
         timer.start()
 
     # -- the pipeline ------------------------------------------------------------------------------
-    def submit(self, run, prepare=None, keys: Iterable = ()) -> Future:
+    def submit(self, run: Callable[[Any, BaseException | None], Any],
+               prepare: Callable[[Workspace], Any] | None = None,
+               keys: Iterable[Hashable] = ()) -> Future[Any]:
         """Queue a job (see ``Pipeline.submit``)."""
         return self._pipeline.submit(run, prepare, keys)
 
@@ -164,7 +170,7 @@ class OrderedCommunicator:
     def close(self) -> None:
         self._pipeline.close()
 
-    def _call(self, fn, *args):
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return self._pipeline.call(fn, *args)
 
     def partition(self, n: int) -> tuple[list[int], list[int]]:
@@ -172,54 +178,73 @@ class OrderedCommunicator:
         return partition(n, self.size)
 
     # -- blocking collectives --------------------------------------------------------------------------
-    def allreduce(self, array, overwrite: bool = False):
+    def allreduce(self, array: Array, overwrite: bool = False) -> Array:
         """Element-wise sum over ranks, in the array's own dtype, bit-identical on every rank.
         ``overwrite=True``: ``array`` is the caller's scratch and receives the sum (and is
         returned) instead of a new array."""
         return self._call(self._allreduce, array, overwrite)
 
-    def reduce_scatter(self, array, out=None):
+    def reduce_scatter(self, array: Array, out: Array | None = None) -> Array:
         """This rank's block (``partition``) of the element-wise sum over ranks, in ``out`` (the
         block's length) or a new array. Each block is summed by its owner alone."""
         return self._call(self._reduce_scatter, array, out)
 
-    def allgather_blocks(self, block, out):
+    def allgather_blocks(self, block: Array, out: Array) -> Array:
         """Every rank's block (``partition(len(out))``), each in its place in ``out``: the second
         half of a reduce-scatter + allgather allreduce. Returns ``out``."""
         return self._call(self._allgather_blocks, block, out)
 
-    def allgather(self, array, out=None):
+    def allgather(self, array: Array, out: Array | None = None) -> Array:
         """Every rank's ``array`` (same shape everywhere), stacked: shape ``(size,) + shape``."""
         return self._call(self._allgather, array, out)
 
-    def alltoall(self, array, out=None):
+    def alltoall(self, array: Array, out: Array | None = None) -> Array:
         """Split ``array`` (length divisible by size) into ``size`` blocks, block r to rank r.
         Returns ``(size, n/size)``: row r is the block rank r sent here."""
         self._check_alltoall(array)
         return self._call(self._alltoall, array, out)
 
-    def broadcast(self, array, root: int = 0):
+    def broadcast(self, array: Array, root: int = 0) -> Array:
         """``root``'s array, on every rank (a new array; the input is not modified)."""
         return self._call(self._broadcast, array, root)
 
-    def _check_alltoall(self, array):
+    def _check_alltoall(self, array: Array) -> None:
         if array.ndim != 1 or array.shape[0] % self.size:
             raise ValueError(f"alltoall needs a 1-D array with a length divisible by {self.size}, "
                              f"got shape {tuple(array.shape)}")
 
     # -- nonblocking forms ---------------------------------------------------------------------------------
-    def iallreduce(self, array, overwrite: bool = False) -> Future:
+    def iallreduce(self, array: Array, overwrite: bool = False) -> Future[Array]:
         return self.submit(lambda _p, _e: self._allreduce(array, overwrite))
 
-    def iallgather(self, array) -> Future:
+    def iallgather(self, array: Array) -> Future[Array]:
         return self.submit(lambda _p, _e: self._allgather(array, None))
 
-    def ialltoall(self, array) -> Future:
+    def ialltoall(self, array: Array) -> Future[Array]:
         self._check_alltoall(array)
         return self.submit(lambda _p, _e: self._alltoall(array, None))
 
-    def ibroadcast(self, array, root: int = 0) -> Future:
+    def ibroadcast(self, array: Array, root: int = 0) -> Future[Array]:
         return self.submit(lambda _p, _e: self._broadcast(array, root))
+
+    # -- what a subclass implements: the collectives proper, on the wire thread ----------------------
+    def _allreduce(self, array: Array, overwrite: bool = False) -> Array:
+        raise NotImplementedError
+
+    def _reduce_scatter(self, array: Array, out: Array | None = None) -> Array:
+        raise NotImplementedError
+
+    def _allgather_blocks(self, block: Array, out: Array) -> Array:
+        raise NotImplementedError
+
+    def _allgather(self, array: Array, out: Array | None = None) -> Array:
+        raise NotImplementedError
+
+    def _alltoall(self, array: Array, out: Array | None = None) -> Array:
+        raise NotImplementedError
+
+    def _broadcast(self, array: Array, root: int) -> Array:
+        raise NotImplementedError
 
 
 def launched_by_mpi() -> bool:

@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 import weakref
+from typing import Any
 
 import numpy as np
 
@@ -63,7 +64,7 @@ class JobGuard:
         self._buf = np.zeros(2 * _MAX_COMMS + 1, np.int64)
         self._stop = threading.Event()
         self._aborting = False
-        self._req = None
+        self._req: Any = None  # the pending goodbye receive (an MPI.Request) while watching
         if self.size > 1:
             self._req = self.comm.Irecv([self._buf, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=_TAG)
             self._thread = threading.Thread(target=self._watch, name="gradcomp-guard", daemon=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import numpy as np
 
@@ -78,7 +79,7 @@ class MPICommunicator(OrderedCommunicator):
     reduce-scatter + allgather.
     """
 
-    def __init__(self, comm=None, *, cuda_aware: bool | None = None, blas_threads: int | None = 1,
+    def __init__(self, comm: Any = None, *, cuda_aware: bool | None = None, blas_threads: int | None = 1,
                  abort_grace_s: float | None = None, pipeline_depth: int | None = None,
                  large_allreduce_bytes: int = LARGE_ALLREDUCE_BYTES):
         MPI = _import_mpi()
@@ -99,13 +100,13 @@ class MPICommunicator(OrderedCommunicator):
         self.large_allreduce_bytes = int(large_allreduce_bytes)
         self._spin = os.environ.get("GRADCOMP_MPI_WAIT", "sleep").strip().lower() == "spin"
         self.poll_max_s = 200e-6
-        self._half_ops: dict[str, object] = {}
-        self._blocks: dict[tuple, object] = {}
+        self._half_ops: dict[str, Any] = {}
+        self._blocks: dict[tuple, Any] = {}
         pin_blas_threads(blas_threads)
         self._start("gradcomp-mpi", abort_grace_s, default_depth(pipeline_depth))
         self._ident = self._guard.register(self, self.comm) if self.size > 1 else None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"MPICommunicator(rank={self.rank}, size={self.size}, cuda_aware={self.cuda_aware})"
 
     def abort(self, code: int = 1) -> None:
@@ -199,7 +200,6 @@ class MPICommunicator(OrderedCommunicator):
             out = buf if scratch else _copy(buf)
             counts, offsets = self.partition(out.shape[0])
             self._ring_reduce_scatter(out, counts, offsets)
-            mine = slice(offsets[self.rank], offsets[self.rank] + counts[self.rank])
             self._allgather_in_place(out, counts, offsets)
         else:
             out = buf if scratch else array_module(buf).empty_like(buf)

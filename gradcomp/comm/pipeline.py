@@ -30,7 +30,7 @@ import sys
 import threading
 import traceback
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 _STOP = object()
 
@@ -62,10 +62,10 @@ class Workspace:
     overwrites it.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._buffers: dict[tuple, Any] = {}
 
-    def array(self, owner: object, name: str, n: int, dtype, like=None):
+    def array(self, owner: object, name: str, n: int, dtype: Any, like: Any = None) -> Any:
         from ..arrays import array_module
 
         xp = array_module(like) if like is not None else __import__("numpy")
@@ -83,7 +83,9 @@ class Workspace:
 class _Job:
     __slots__ = ("prepare", "run", "future", "keys", "slot", "prepared", "error", "number")
 
-    def __init__(self, prepare, run, keys, number, slot):
+    def __init__(self, prepare: Callable[[Workspace], Any] | None,
+                 run: Callable[[Any, BaseException | None], Any], keys: Iterable[Hashable],
+                 number: int, slot: int):
         self.prepare, self.run = prepare, run
         self.keys = frozenset(keys)
         self.future: Future = Future()
@@ -131,7 +133,8 @@ class Pipeline:
         return self._submitted != self._finished
 
     def submit(self, run: Callable[[Any, BaseException | None], Any],
-               prepare: Callable[[Workspace], Any] | None = None, keys: Iterable = ()) -> Future:
+               prepare: Callable[[Workspace], Any] | None = None,
+               keys: Iterable[Hashable] = ()) -> Future[Any]:
         """Queue a job; its Future resolves to ``run(prepared, prepare_error)``.
 
         ``prepare(workspace)`` runs first on the compute thread (its exception is handed to ``run``
@@ -160,7 +163,7 @@ class Pipeline:
         self._compute_q.put(job)
         return job.future
 
-    def call(self, fn: Callable, *args, **kwargs):
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` now if we are the wire thread, else queue it and wait for its result."""
         if self.on_wire():
             return fn(*args, **kwargs)
@@ -179,7 +182,7 @@ class Pipeline:
                 return False
         return True
 
-    def _compute_loop(self):
+    def _compute_loop(self) -> None:
         while True:
             job = self._compute_q.get()
             if job is _STOP:
@@ -194,7 +197,7 @@ class Pipeline:
                     job.error = exc
             self._wire_q.put(job)
 
-    def _wire_loop(self):
+    def _wire_loop(self) -> None:
         self._running_slot = 0
         while True:
             job = self._wire_q.get()

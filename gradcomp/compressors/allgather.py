@@ -1,7 +1,10 @@
 """Allgather-then-average: every rank receives every other rank's whole bucket."""
 from __future__ import annotations
 
-from ..arrays import add_into
+import numpy as np
+
+from ..arrays import Array, DTypeLike, add_into
+from ..comm import Workspace
 from .codec import Codec
 
 
@@ -21,26 +24,26 @@ class Allgather(Codec):
     message_dtype = None  # the values themselves, in the compute dtype
     nan_effect = "element"
 
-    def compute_dtype(self, dtype):
+    def compute_dtype(self, dtype: DTypeLike) -> np.dtype:
         return dtype  # sent as they are
 
-    def message_size(self, n):
+    def message_size(self, n: int) -> int:
         return n
 
-    def encode(self, x, message, workspace):
+    def encode(self, x: Array, message: Array, workspace: Workspace) -> None:
         message[...] = x
 
-    def decode(self, message, out, workspace, add=False):
+    def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         if add:
             add_into(out, message)
         else:
             out[...] = message
 
-    def error_bound(self, inputs, dtype):
+    def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray:
         return exact_bound(inputs, dtype)
 
 
-def exact_bound(inputs, dtype):
+def exact_bound(inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray:
     """Rounding of a sum of N values and one division, in ``dtype``: (N + 1) ulp of the mean of
     the magnitudes, plus the subnormal spacing."""
     import ml_dtypes

@@ -1,7 +1,13 @@
 """Plain averaging allreduce: the exact baseline every other method is measured against."""
 from __future__ import annotations
 
-from ..arrays import divide
+from typing import Any
+
+import numpy as np
+
+from ..arrays import Array, DTypeLike, divide
+from ..bucket import Bucket
+from ..comm import Communicator
 from .allgather import exact_bound
 from .base import Compressor
 
@@ -22,14 +28,14 @@ class Allreduce(Compressor):
 
     nan_effect = "element"
 
-    def run(self, bucket, comm, prepared=None):
+    def run(self, bucket: Bucket, comm: Communicator, prepared: Any = None) -> Array:
         return mean_allreduce(bucket, comm)
 
-    def error_bound(self, inputs, dtype):
+    def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray:
         return exact_bound(inputs, dtype)
 
 
-def mean_allreduce(bucket, comm):
+def mean_allreduce(bucket: Bucket, comm: Communicator) -> Array:
     """``Allreduce``'s arithmetic, for the compressors that fall back to it (PowerSGD's warm-up)."""
     if comm.size == 1:
         return comm.allreduce(bucket.buffer, overwrite=bucket.scratch)

@@ -23,24 +23,24 @@ from __future__ import annotations
 import inspect
 import weakref
 from concurrent.futures import Future
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from ..arrays import FLOAT_DTYPES, is_device_array, synchronize
+from ..arrays import FLOAT_DTYPES, Array, DTypeLike, is_device_array, synchronize
 from ..bucket import Bucket, buffer_problem
 from ..comm import Communicator, Workspace, default_communicator, wire_bytes
 from .agreement import agree
 
 
-def _on_device(device, fn, *args):
+def _on_device(device: Any, fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn`` with ``device`` current on this (pipeline) thread. Left current afterwards, so
     that done-callbacks, which run on the wire thread right after ``fn``, copy on the same GPU."""
     device.use()
     return fn(*args)
 
 
-def run_stage(compressor: "Compressor", bucket: Bucket, comm: Communicator, prepared: Any = None):
+def run_stage(compressor: Compressor, bucket: Bucket, comm: Communicator, prepared: Any = None) -> Array:
     """``compressor.run`` with or without a prepared stage (a compressor that only overrides
     ``run(bucket, comm)`` has none)."""
     if prepared is None:
@@ -66,7 +66,7 @@ class Compressor:
     #: tensors plus per-rank noise). 1.0 is what returning zeros achieves.
     relative_error_limit: float = 0.9
 
-    def error_bound(self, inputs, dtype):
+    def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray | None:
         """Largest allowed ``|result - mean|`` per element of one step, given every rank's input
         (a (ranks, n) float64 array) and the bucket dtype; None when there is no analytic bound."""
         return None
@@ -77,13 +77,13 @@ class Compressor:
         error accumulated over many steps stays bounded instead of the error of each step."""
         return False
 
-    def __init__(self):
-        self._stats = dict(calls=0, steps=0, input_bytes=0, bytes_sent=0.0, rounds=0,
-                           reference_bytes=0.0)
+    def __init__(self) -> None:
+        self._stats: dict[str, Any] = dict(calls=0, steps=0, input_bytes=0, bytes_sent=0.0, rounds=0,
+                                           reference_bytes=0.0)
         self._comm_ref: weakref.ref | None = None
 
     # -- public API ------------------------------------------------------------------------------
-    def reduce(self, bucket, comm: Communicator | None = None) -> Future:
+    def reduce(self, bucket: Bucket | Array, comm: Communicator | None = None) -> Future[Array]:
         """Average ``bucket`` (a ``Bucket`` or a 1-D array) over the ranks of ``comm``.
 
         Queued on the communicator's pipeline; returns a Future of the mean at once: a new array
@@ -93,7 +93,7 @@ class Compressor:
         """
         comm = comm if comm is not None else default_communicator()
         self._bind(comm)
-        buffer = getattr(bucket, "buffer", bucket)
+        buffer: Array = getattr(bucket, "buffer", bucket)
         problem = buffer_problem(buffer) if not isinstance(bucket, Bucket) else None
         if problem is not None:
             problem = (f"passed a buffer that cannot be a bucket: {problem} (a bucket is a 1-D "
@@ -102,17 +102,17 @@ class Compressor:
             bucket = Bucket(buffer)
         if problem is None:
             synchronize(buffer)
-        prepare = None
+        prepare: Callable[[Workspace], Any] | None = None
         if self.staged:
             # A rank whose buffer cannot be a bucket still takes its local stage, on an empty
             # bucket: step counters then advance alike on every rank, and after the
             # CollectiveError every rank agrees on the state again.
             local = bucket if problem is None else Bucket(np.empty(0, np.float32))
 
-            def prepare(workspace, local=local):
+            def prepare(workspace: Workspace, local: Bucket = local) -> Any:
                 return self.prepare(local, comm, workspace)
 
-        def run(prepared, error):
+        def run(prepared: Any, error: BaseException | None) -> Array:
             why = problem if error is None else f"its local stage failed: {error!r}"
             return self.checked_run(bucket, comm, prepared, why)
 
@@ -124,7 +124,8 @@ class Compressor:
         keys = bucket.keys if isinstance(bucket, Bucket) else ()
         return comm.submit(run, prepare, keys)
 
-    def checked_run(self, bucket, comm: Communicator, prepared: Any = None, problem: str | None = None):
+    def checked_run(self, bucket: Bucket | Array, comm: Communicator, prepared: Any = None,
+                    problem: str | None = None) -> Array:
         """``agree``, then ``run``, recording traffic (on the wire thread)."""
         bucket = agree(comm, bucket, self, prepared, problem)
         before_bytes, before_calls = comm.bytes_sent, getattr(comm, "collectives", 0)
@@ -147,7 +148,7 @@ class Compressor:
         """The local stage (see the module docstring); the default has none."""
         return None
 
-    def run(self, bucket: Bucket, comm: Communicator, prepared: Any = None):
+    def run(self, bucket: Bucket, comm: Communicator, prepared: Any = None) -> Array:
         """Reduce ``bucket`` over ``comm`` on the wire thread and return the mean over ranks: a
         new array of the bucket's length and dtype, or ``bucket.buffer`` itself when the bucket
         is scratch. Must not modify a bucket that is not scratch.
@@ -159,7 +160,7 @@ class Compressor:
             prepared = self.prepare(bucket, comm, comm.workspace)
         return self.finish(bucket, comm, prepared)
 
-    def finish(self, bucket: Bucket, comm: Communicator, prepared: Any):
+    def finish(self, bucket: Bucket, comm: Communicator, prepared: Any) -> Array:
         raise NotImplementedError(f"{type(self).__name__} must implement run(bucket, comm) "
                                   "or prepare + finish")
 
@@ -170,7 +171,7 @@ class Compressor:
         Default: the ``__init__`` parameters, read back from attributes of the same names (the
         scikit-learn convention). Ranks compare it before every bucket (``agreement``).
         """
-        out = {}
+        out: dict[str, Any] = {}
         for name, param in inspect.signature(type(self).__init__).parameters.items():
             if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 continue
@@ -186,7 +187,7 @@ class Compressor:
                            for k, v in self.config().items())
         return f"{type(self).__name__}({fields})"
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return self.describe()
 
     def agreement_state(self, bucket: Bucket, prepared: Any) -> dict[str, Any]:
@@ -194,7 +195,7 @@ class Compressor:
         equal on every rank. ``prepared`` is this bucket's local stage result, if any."""
         return {}
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Traffic so far. ``bytes_sent``: bytes this rank put on the wire (bandwidth-optimal
         algorithms); ``compression_ratio``: what a plain allreduce of the same buckets would have
         sent divided by what was sent; ``rounds_per_step``: collectives per training step."""
@@ -205,19 +206,19 @@ class Compressor:
         s["compression_ratio"] = (s["reference_bytes"] / s["bytes_sent"]) if s["bytes_sent"] else 1.0
         return s
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Plain arrays and numbers only (``numpy.savez``-able); stateless methods return {}.
         Take it between steps, when no reduction of this compressor is in flight."""
         return {}
 
-    def load_state_dict(self, state: Mapping, shapes: Mapping[str, tuple] | None = None) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
         """Restore ``state_dict()``'s output. Checks everything before changing anything and raises
         ``ValueError`` naming the key at fault. ``shapes``: the tensors this compressor will
         reduce, by key, when the caller knows them (``GradientReducer``, the DDP hook)."""
         if state:
             raise ValueError(f"{type(self).__name__} is stateless but got state keys {sorted(state)}")
 
-    def take_residual(self, keys) -> dict:
+    def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         """Hand over the error-feedback residuals kept for ``keys`` (removing them): ``Schedule``
         adds them to the gradient when another stage takes over. Default: none kept."""
         return {}
@@ -233,12 +234,12 @@ class Compressor:
                 f"and per-tensor state for one communicator, so it cannot also reduce on {comm!r}. "
                 "Use one compressor per communicator (copy.deepcopy before first use).")
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_comm_ref"] = None  # a communicator (threads, MPI handles) never travels
         return state
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict[int, Any]) -> Compressor:
         import copy
 
         clone = object.__new__(type(self))
@@ -248,8 +249,8 @@ class Compressor:
         return clone
 
 
-def _wrap_device(device, fn):
-    def wrapped(*args):
+def _wrap_device(device: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapped(*args: Any) -> Any:
         return _on_device(device, fn, *args)
     return wrapped
 

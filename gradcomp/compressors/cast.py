@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
 
-from ..arrays import array_module, cast, half_dtype
+from ..arrays import Array, DTypeLike, array_module, cast, half_dtype
 from ..bucket import Bucket
+from ..comm import Communicator, Workspace
 from .allreduce import Allreduce
 from .base import Compressor, run_stage
 
@@ -45,20 +46,20 @@ class Cast(Compressor):
         self.inner = inner
 
     @property
-    def nan_effect(self):  # type: ignore[override]
+    def nan_effect(self) -> str | None:  # type: ignore[override]
         return self.inner.nan_effect
 
     @property
-    def relative_error_limit(self):  # type: ignore[override]
+    def relative_error_limit(self) -> float:  # type: ignore[override]
         return self.inner.relative_error_limit
 
     @property
     def error_feedback_on(self) -> bool:
         return self.inner.error_feedback_on
 
-    def error_bound(self, inputs, dtype):
+    def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray | None:
         """The inner method's bound on half-precision inputs, plus the two casts."""
-        hdt = np.float16 if self.half == "float16" else ml_dtypes.bfloat16
+        hdt: Any = np.float16 if self.half == "float16" else ml_dtypes.bfloat16
         rounded = inputs.astype(hdt).astype(np.float64)
         bound = self.inner.error_bound(rounded, hdt)
         if bound is None:
@@ -68,7 +69,7 @@ class Cast(Compressor):
         tiny = float(ml_dtypes.finfo(hdt).smallest_subnormal)
         return bound + (eps_h + eps) * mean_abs + tiny
 
-    def prepare(self, bucket, comm, workspace):
+    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Half:
         source = bucket.buffer
         dtype = half_dtype(self.half, array_module(source))
         copy = workspace.array(self, "half", bucket.numel, dtype, like=source)
@@ -76,22 +77,22 @@ class Cast(Compressor):
         half = bucket.with_buffer(copy, scratch=True)
         return _Half(half, self.inner.prepare(half, comm, workspace))
 
-    def finish(self, bucket, comm, prepared):
+    def finish(self, bucket: Bucket, comm: Communicator, prepared: _Half) -> Array:
         mean = run_stage(self.inner, prepared.bucket, comm, prepared.inner)
         # a scratch bucket (a DDP bucket) takes the widened mean itself: no new array per bucket
         return cast(mean, bucket.dtype, out=bucket.buffer if bucket.scratch else None)
 
-    def agreement_state(self, bucket, prepared):
+    def agreement_state(self, bucket: Bucket, prepared: _Half | None) -> dict[str, Any]:
         inner = prepared.inner if prepared is not None else None
         return self.inner.agreement_state(bucket, inner)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
 
-    def load_state_dict(self, state, shapes=None):
+    def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
         self.inner.load_state_dict(state, shapes)
 
-    def take_residual(self, keys):
+    def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         return self.inner.take_residual(keys)
 
 

@@ -28,14 +28,17 @@ the collective, the averaging, writing into a scratch bucket, and error feedback
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from ..arrays import array_module, cast, dtype_name
+from ..arrays import Array, DTypeLike, array_module, cast, dtype_name
 from ..bucket import Bucket
 from ..comm import Communicator, Workspace
 from .base import Compressor
+
+if TYPE_CHECKING:
+    from .feedback import ErrorFeedback
 
 
 class Codec(Compressor):
@@ -51,10 +54,10 @@ class Codec(Compressor):
     def message_size(self, n: int) -> int:
         raise NotImplementedError
 
-    def encode(self, x, message, workspace: Workspace) -> None:
+    def encode(self, x: Array, message: Array, workspace: Workspace) -> None:
         raise NotImplementedError
 
-    def decode(self, message, out, workspace: Workspace, add: bool = False) -> None:
+    def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         raise NotImplementedError
 
     def start(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> Any:
@@ -63,25 +66,25 @@ class Codec(Compressor):
         ``agreement_state``); default none."""
         return None
 
-    def encode_with_feedback(self, x, residual, message, workspace: Workspace) -> bool:
+    def encode_with_feedback(self, x: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
         """Optional: encode ``x + residual`` and leave in ``residual`` what the message misses, in
         one pass (``ErrorFeedback`` calls it where it can). Return False, having changed
         nothing, where this codec or these arrays cannot; the runner then does it in steps."""
         return False
 
-    def compute_dtype(self, dtype):
+    def compute_dtype(self, dtype: DTypeLike) -> np.dtype:
         """The dtype ``encode`` sees: float64 buckets stay float64, others are widened to float32."""
         return np.dtype(np.float64) if dtype_name(dtype) == "float64" else np.dtype(np.float32)
 
-    def accumulator_dtype(self, compute):
+    def accumulator_dtype(self, compute: DTypeLike) -> np.dtype:
         """The dtype messages are decoded and summed in (allgather and two-stage)."""
         return np.dtype(np.float64) if dtype_name(compute) == "float64" else np.dtype(np.float32)
 
     # -- the runner -----------------------------------------------------------------------------------
-    def prepare(self, bucket, comm, workspace):
+    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Prepared:
         return _prepare(self, bucket, comm, workspace, None)
 
-    def finish(self, bucket, comm, prepared):
+    def finish(self, bucket: Bucket, comm: Communicator, prepared: _Prepared) -> Array:
         return _finish(self, bucket, comm, prepared, None)
 
 
@@ -98,7 +101,8 @@ def _slice_len(codec: Codec, n: int, size: int) -> int:
     return -(-chunks // size) * codec.chunk
 
 
-def _prepare(codec: Codec, bucket: Bucket, comm, workspace: Workspace, feedback) -> _Prepared:
+def _prepare(codec: Codec, bucket: Bucket, comm: Communicator, workspace: Workspace,
+             feedback: ErrorFeedback | None) -> _Prepared:
     g = bucket.buffer
     n = bucket.numel
     decision = codec.start(bucket, comm, workspace)
@@ -131,7 +135,8 @@ def _prepare(codec: Codec, bucket: Bucket, comm, workspace: Workspace, feedback)
     return _Prepared(x, message, slice_len, decision)
 
 
-def _fused(codec: Codec, bucket: Bucket, pieces, workspace: Workspace, feedback) -> bool:
+def _fused(codec: Codec, bucket: Bucket, pieces: list[tuple[int, int, Array]], workspace: Workspace,
+           feedback: ErrorFeedback) -> bool:
     """Encode with the residual in one pass where the codec can (``encode_with_feedback``),
     straight from the bucket and the residual store; False (and nothing changed) where not."""
     g = bucket.buffer
@@ -159,7 +164,7 @@ def _fused(codec: Codec, bucket: Bucket, pieces, workspace: Workspace, feedback)
     return True
 
 
-def _output(bucket: Bucket, dtype):
+def _output(bucket: Bucket, dtype: DTypeLike) -> Array:
     """Where the mean goes: a scratch bucket of that dtype takes it itself."""
     g = bucket.buffer
     if bucket.scratch and g.dtype == dtype:
@@ -167,14 +172,15 @@ def _output(bucket: Bucket, dtype):
     return array_module(g).empty(bucket.numel, dtype)
 
 
-def _narrow(bucket: Bucket, mean):
+def _narrow(bucket: Bucket, mean: Array) -> Array:
     g = bucket.buffer
     if mean.dtype == g.dtype:
         return mean
     return cast(mean, g.dtype, out=g if bucket.scratch else None)
 
 
-def _finish(codec: Codec, bucket: Bucket, comm, prepared: _Prepared, feedback):
+def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: _Prepared,
+            feedback: ErrorFeedback | None) -> Array:
     g = bucket.buffer
     n = bucket.numel
     xp = array_module(g)

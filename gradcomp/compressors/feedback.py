@@ -14,15 +14,16 @@ is reset to zero, so one bad step does not poison the following ones.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..arrays import array_module, subtract_into, add_into
+from ..arrays import Array, DTypeLike, array_module, subtract_into, add_into
 from ..bucket import Bucket, digest
+from ..comm import Communicator, Workspace
 from ..state import TensorStore, pop_shapes, reject_leftovers, shape_entries, tensor_arrays
 from .base import Compressor
-from .codec import Codec, _finish, _prepare
+from .codec import Codec, _finish, _prepare, _Prepared
 
 
 class ErrorFeedback(Compressor):
@@ -38,7 +39,7 @@ class ErrorFeedback(Compressor):
         self.owner_residuals = TensorStore()
 
     @property
-    def nan_effect(self):  # type: ignore[override]
+    def nan_effect(self) -> str | None:  # type: ignore[override]
         return self.inner.nan_effect
 
     @property
@@ -46,27 +47,27 @@ class ErrorFeedback(Compressor):
         return True  # the accumulated error is what is bounded (see the conformance kit)
 
     @property
-    def relative_error_limit(self):  # type: ignore[override]
+    def relative_error_limit(self) -> float:  # type: ignore[override]
         return self.inner.relative_error_limit
 
-    def agreement_state(self, bucket, prepared):
+    def agreement_state(self, bucket: Bucket, prepared: Any) -> dict[str, Any]:
         return self.inner.agreement_state(bucket, prepared)
 
-    def prepare(self, bucket, comm, workspace):
+    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Prepared:
         return _prepare(self.inner, bucket, comm, workspace, self)
 
-    def finish(self, bucket, comm, prepared):
+    def finish(self, bucket: Bucket, comm: Communicator, prepared: _Prepared) -> Array:
         return _finish(self.inner, bucket, comm, prepared, self)
 
     # -- hooks called by the codec runner --------------------------------------------------------------
-    def residual(self, bucket: Bucket, dtype, like):
+    def residual(self, bucket: Bucket, dtype: DTypeLike, like: Array) -> Array:
         """The bucket's residual (one flat region of the per-tensor store, updated in place)."""
         return self.residuals.region(bucket.placements(), bucket.numel, dtype, like=like)[0]
 
-    def add_residual(self, bucket: Bucket, x) -> None:
+    def add_residual(self, bucket: Bucket, x: Array) -> None:
         add_into(x, self.residual(bucket, x.dtype, x))
 
-    def keep_residual(self, bucket: Bucket, x, own) -> None:
+    def keep_residual(self, bucket: Bucket, x: Array, own: Array) -> None:
         flat = self.residual(bucket, x.dtype, x)
         flat[...] = x
         with np.errstate(invalid="ignore", over="ignore"):  # NaN or Inf: settled just below
@@ -74,19 +75,20 @@ class ErrorFeedback(Compressor):
         self.settle(flat)
 
     @staticmethod
-    def settle(flat) -> None:
+    def settle(flat: Array) -> None:
         """A residual that turned NaN or Inf (a bad step) is reset there, not carried on."""
         _reset_non_finite(flat)
 
-    def _owner_key(self, bucket: Bucket, comm) -> str:
+    def _owner_key(self, bucket: Bucket, comm: Communicator) -> str:
         return f"owner:{digest(bucket.layout_text()):x}:{comm.rank}/{comm.size}"
 
-    def add_owner_residual(self, bucket: Bucket, comm, mine, slice_len: int) -> None:
+    def add_owner_residual(self, bucket: Bucket, comm: Communicator, mine: Array, slice_len: int) -> None:
         key = self._owner_key(bucket, comm)
         flat, _ = self.owner_residuals.region([(key, 0, (slice_len,))], slice_len, mine.dtype, like=mine)
         add_into(mine, flat)
 
-    def keep_owner_residual(self, bucket: Bucket, comm, mine, own, slice_len: int) -> None:
+    def keep_owner_residual(self, bucket: Bucket, comm: Communicator, mine: Array, own: Array,
+                            slice_len: int) -> None:
         key = self._owner_key(bucket, comm)
         flat, _ = self.owner_residuals.region([(key, 0, (slice_len,))], slice_len, mine.dtype, like=mine)
         flat[...] = mine
@@ -95,18 +97,18 @@ class ErrorFeedback(Compressor):
         _reset_non_finite(flat)
 
     # -- Schedule hand-over and checkpoints ----------------------------------------------------------------
-    def take_residual(self, keys) -> dict:
+    def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         return self.residuals.pop(keys)
 
-    def state_dict(self) -> dict:
-        out: dict = {"config": self.describe()}
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"config": self.describe()}
         out.update({f"residual/{k}": v for k, v in self.residuals.arrays().items()})
         out.update(shape_entries(self.residuals))
         out.update({f"owner/{k}": v for k, v in self.owner_residuals.arrays().items()})
         out.update({f"inner/{k}": v for k, v in self.inner.state_dict().items()})
         return out
 
-    def load_state_dict(self, state: Mapping, shapes: Mapping[str, tuple] | None = None) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
         state = dict(state)
         owner = type(self).__name__
         if "config" not in state:
@@ -114,9 +116,9 @@ class ErrorFeedback(Compressor):
         saved = str(np.asarray(state.pop("config")))
         if saved != self.describe():
             raise ValueError(f"{owner} state: saved by {saved}, but this compressor is {self.describe()}")
-        shapes = pop_shapes(state, owner, shapes)
-        residuals = tensor_arrays(state, "residual/", owner, shapes)
-        missing = sorted(k for k in residuals if k not in shapes)
+        known = pop_shapes(state, owner, shapes)
+        residuals = tensor_arrays(state, "residual/", owner, known)
+        missing = sorted(k for k in residuals if k not in known)
         if missing:
             raise ValueError(f"{owner} state: no 'shape/{missing[0]}' for 'residual/{missing[0]}'")
         owners = tensor_arrays(state, "owner/", owner, None)
@@ -126,12 +128,12 @@ class ErrorFeedback(Compressor):
         inner = {k[len("inner/"):]: state.pop(k) for k in [k for k in state if k.startswith("inner/")]}
         reject_leftovers(state, owner)
         if inner or self.inner.state_dict():
-            self.inner.load_state_dict(inner, shapes)  # checks its part before anything changes
+            self.inner.load_state_dict(inner, known)  # checks its part before anything changes
         self.residuals.load(residuals)
         self.owner_residuals.load(owners)
 
 
-def _reset_non_finite(flat) -> None:
+def _reset_non_finite(flat: Array) -> None:
     """Zero the non-finite entries of a residual; one cheap sum decides whether to look."""
     xp = array_module(flat)
     with np.errstate(all="ignore"):

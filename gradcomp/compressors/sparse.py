@@ -8,11 +8,13 @@ sparsifiers. Without it, random-k loses ``1 - ratio`` of every step.
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
 
 import numpy as np
 
-from ..arrays import array_module
-from ..bucket import digest
+from ..arrays import Array, DTypeLike, array_module
+from ..bucket import Bucket, digest
+from ..comm import Communicator, Workspace
 from ..params import check_float, check_int
 from ..state import reject_leftovers, take_int
 from .codec import Codec
@@ -36,17 +38,17 @@ class TopK(Codec):
         super().__init__()
         self.ratio = check_float("ratio", ratio, above=0, maximum=1)
 
-    def compute_dtype(self, dtype):
+    def compute_dtype(self, dtype: DTypeLike) -> np.dtype:
         return np.dtype(np.float32)
 
-    def message_size(self, n):
+    def message_size(self, n: int) -> int:
         return 8 * _k(n, self.ratio)
 
-    def _views(self, message, n):
+    def _views(self, message: Array, n: int) -> tuple[Array, Array]:
         k = _k(n, self.ratio)
         return message[:4 * k].view(np.int32), message[4 * k:8 * k].view(np.float32)
 
-    def encode(self, x, message, workspace):
+    def encode(self, x: Array, message: Array, workspace: Workspace) -> None:
         n = x.shape[0]
         index, values = self._views(message, n)
         if not n:
@@ -60,7 +62,7 @@ class TopK(Codec):
         index[...] = top
         values[...] = x[top]
 
-    def decode(self, message, out, workspace, add=False):
+    def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         index, values = self._views(message, out.shape[0])
         if not add:
             out[...] = 0
@@ -85,7 +87,7 @@ class RandomK(Codec):
         self.seed = check_int("seed", seed, 0)
         self._step = 0
 
-    def start(self, bucket, comm, workspace):
+    def start(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> int:
         step = self._step
         if bucket.is_last:
             self._step += 1
@@ -98,17 +100,17 @@ class RandomK(Codec):
         index[...] = array_module(index).asarray(chosen)
         return step
 
-    def message_size(self, n):
+    def message_size(self, n: int) -> int:
         return _k(n, self.ratio) + 1
 
-    def encode(self, x, message, workspace):
+    def encode(self, x: Array, message: Array, workspace: Workspace) -> None:
         k = message.shape[0] - 1
         index = workspace.array(self, "index", k, np.int64, like=x)
         message[:k] = x[index]
         with np.errstate(all="ignore"):
             message[k] = 0 if bool(array_module(x).isfinite(x.sum())) else np.nan
 
-    def decode(self, message, out, workspace, add=False):
+    def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         k = message.shape[0] - 1
         index = workspace.array(self, "index", k, np.int64, like=out)
         if not add:
@@ -117,13 +119,13 @@ class RandomK(Codec):
         if not bool(array_module(message).isfinite(message[k])):
             out[...] = np.nan
 
-    def agreement_state(self, bucket, prepared):
+    def agreement_state(self, bucket: Bucket, prepared: Any) -> dict[str, Any]:
         return {"step": prepared.decision if prepared is not None else self._step}
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return {"step": self._step}
 
-    def load_state_dict(self, state, shapes=None):
+    def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
         state = dict(state)
         step = take_int(state, "step", "RandomK")
         reject_leftovers(state, "RandomK")

@@ -202,7 +202,7 @@ def check_checkpoint(kit: Kit) -> None:
         assert np.array_equal(np.asarray(end_a[key]), np.asarray(end_b[key])), f"final state {key!r} differs"
     # damaged states: refused, nothing changed
     before = _savez_round_trip(resumed.state_dict())
-    damaged = []
+    damaged: list[tuple[str, dict]] = []
     if saved:
         damaged.append(("an empty state", {}))
     for key, value in saved.items():

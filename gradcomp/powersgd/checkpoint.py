@@ -9,7 +9,7 @@ tensor key K: ``residual/K`` (shaped like the tensor), ``q/K`` (m x r) and, for 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, NoReturn
 
 import numpy as np
 
@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     from .compressor import PowerSGD
 
 
-def powersgd_state(comp: "PowerSGD") -> dict:
+def powersgd_state(comp: PowerSGD) -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = comp._rng.get_state()
-    out: dict = {
+    out: dict[str, Any] = {
         "config": comp.describe(),
         "step": comp._step,
         "rng/keys": np.array(keys, dtype=np.uint32),
@@ -36,7 +36,7 @@ def powersgd_state(comp: "PowerSGD") -> dict:
     return out
 
 
-def load_powersgd(comp: "PowerSGD", state: Mapping, shapes: Mapping[str, tuple] | None) -> None:
+def load_powersgd(comp: PowerSGD, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None) -> None:
     owner = type(comp).__name__
     state = dict(state)
     if not state:
@@ -94,5 +94,5 @@ def load_powersgd(comp: "PowerSGD", state: Mapping, shapes: Mapping[str, tuple] 
     comp._p.load(factors["p"])
 
 
-def _missing(owner: str, key: str):
+def _missing(owner: str, key: str) -> NoReturn:
     raise ValueError(f"{owner} state: missing {key!r}")

@@ -14,13 +14,13 @@ transfer; the ordered stage sends it, computes the second factor, sends that and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..arrays import add_into, array_module, cast, dtype_name, half_dtype, subtract_into
+from ..arrays import Array, ArrayModule, add_into, array_module, cast, dtype_name, half_dtype, subtract_into
 from ..bucket import Bucket
-from ..comm import Communicator
+from ..comm import Communicator, Workspace
 from ..compressors.allreduce import mean_allreduce
 from ..compressors.base import Compressor
 from ..params import check_bool, check_choice, check_float, check_int
@@ -38,7 +38,7 @@ class _Work:
     step: int
     compress: bool
     phase: int = 0                 # rounds=1: 0 sends P (from last Q), 1 sends Q (from last P)
-    plan: Plan | None = None
+    plan: Plan | None = None       # set when ``compress``
     products: Any = None
     x: Any = None                  # gradient + residual (the residual region itself when kept)
     mx: Any = None                 # x in the compute dtype, padded for the batched square
@@ -156,7 +156,7 @@ class PowerSGD(Compressor):
         return self.error_feedback
 
     # -- the local stage ---------------------------------------------------------------------------
-    def prepare(self, bucket: Bucket, comm: Communicator, workspace) -> _Work:
+    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Work:
         step = self._step
         if bucket.is_last:
             self._step += 1
@@ -179,10 +179,11 @@ class PowerSGD(Compressor):
                                            self.batch_same_shape, f"square:{bucket.layout_key():x}")
         return plan
 
-    def _local(self, bucket: Bucket, workspace, w: _Work) -> None:
+    def _local(self, bucket: Bucket, workspace: Workspace, w: _Work) -> None:
         g = bucket.buffer
         xp = array_module(g)
         plan = w.plan
+        assert plan is not None  # compressing
         n = bucket.numel
         w.storage = g.dtype
         w.half = dtype_name(g.dtype) in HALF
@@ -235,12 +236,13 @@ class PowerSGD(Compressor):
         else:
             w.products.project_t(mx, w.basis, local, add=pending)
 
-    def _basis(self, bucket: Bucket, workspace, w: _Work, which: str):
+    def _basis(self, bucket: Bucket, workspace: Workspace, w: _Work, which: str) -> Array:
         """This step's orthonormal starting factor: last step's (warm start) or fresh from the
         seeded generator. A block with an all-zero column (its layer's gradient was zero) would
         stay zero for ever, so it is drawn afresh; every rank holds the same factor and makes
         the same decision."""
         plan = w.plan
+        assert plan is not None  # compressing
         g = bucket.buffer
         store = self._q if which == "q" else self._p
         placements = plan.q_placements if which == "q" else plan.p_placements
@@ -262,7 +264,7 @@ class PowerSGD(Compressor):
             orthogonalize(region, groups, not w.half, self.orthogonalization_epsilon)
         return self._round(region, w)
 
-    def _draw(self, region, plan: Plan, numbers, which: str, w: _Work) -> None:
+    def _draw(self, region: Array, plan: Plan, numbers: list[int], which: str, w: _Work) -> None:
         """Fill the Q (or P) blocks of the given matrices from ``fresh_q`` (P: (m, n) swapped)."""
         xp = array_module(region)
         mats = [plan.matrices[k] for k in numbers]
@@ -276,7 +278,7 @@ class PowerSGD(Compressor):
         if w.half:
             region[...] = self._round(region, w)
 
-    def _round(self, a, w: _Work):
+    def _round(self, a: Array, w: _Work) -> Array:
         """``a`` rounded to the bucket's half dtype (kept in float32), where PyTorch stores half."""
         return cast(cast(a, w.storage), a.dtype, out=a) if w.half else a
 
@@ -291,10 +293,11 @@ class PowerSGD(Compressor):
         return [self._rng.standard_normal((m, r)) for _, m, r in matrices]
 
     # -- the ordered stage ---------------------------------------------------------------------------------
-    def finish(self, bucket: Bucket, comm: Communicator, work: _Work):
+    def finish(self, bucket: Bucket, comm: Communicator, work: _Work) -> Array:
         if not work.compress:  # warm-up: exactly Allreduce (in place if scratch)
             return mean_allreduce(bucket, comm)
         plan = work.plan
+        assert plan is not None  # compressing
         c = self._counts
         c["numel_before"] += bucket.numel
         if not plan.matrices:
@@ -312,7 +315,7 @@ class PowerSGD(Compressor):
         finally:
             c["compressed_rounds"] += comm.collectives - before
 
-    def _mean(self, wire, comm, w: _Work):
+    def _mean(self, wire: Array, comm: Communicator, w: _Work) -> Array:
         """Sum of ``wire / size`` over ranks, sent in the bucket's dtype, returned in ``compute``."""
         xp = array_module(wire)
         if comm.size > 1:
@@ -323,9 +326,10 @@ class PowerSGD(Compressor):
             return cast(summed, w.compute, out=wire)
         return comm.allreduce(wire, overwrite=True)
 
-    def _send(self, bucket: Bucket, comm: Communicator, w: _Work):
+    def _send(self, bucket: Bucket, comm: Communicator, w: _Work) -> Array:
         xp = array_module(bucket.buffer)
         plan, n = w.plan, bucket.numel
+        assert plan is not None  # compressing
         summed = self._mean(w.wire, comm, w)
         pos = 0
         for a, b in plan.runs:
@@ -366,15 +370,15 @@ class PowerSGD(Compressor):
         return result
 
     # -- declared state, hand-over, statistics, checkpoints ----------------------------------------------------
-    def agreement_state(self, bucket, prepared):
+    def agreement_state(self, bucket: Bucket, prepared: _Work | None) -> dict[str, Any]:
         if prepared is None:
             return {"step": self._step}
-        state = {"step": prepared.step, "compressing": prepared.compress}
+        state: dict[str, Any] = {"step": prepared.step, "compressing": prepared.compress}
         if prepared.compress and self.rounds == 1:
             state["phase"] = prepared.phase
         return state
 
-    def take_residual(self, keys) -> dict:
+    def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         """Remove and return the error-feedback residuals of ``keys`` (``Schedule``'s hand-over)."""
         return self._errors.pop(keys)
 
@@ -384,7 +388,7 @@ class PowerSGD(Compressor):
         rate = c["numel_before"] / c["numel_after"] if c["numel_after"] else 0.0
         return rate, c["numel_before"], c["numel_after"]
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         s = super().stats()
         c = self._counts
         s.update(c)
@@ -396,11 +400,11 @@ class PowerSGD(Compressor):
         s["warmup_steps_left"] = max(self.start_iter - self._step, 0)
         return s
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Plain arrays and numbers (``numpy.savez``-able); host copies, never views of live state."""
         return powersgd_state(self)
 
-    def load_state_dict(self, state, shapes=None) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
         load_powersgd(self, state, shapes)
 
 
@@ -417,11 +421,11 @@ class BatchedPowerSGD(PowerSGD):
 
     nan_effect = "bucket"  # the square mixes every tensor of the bucket
 
-    def __init__(self, rank: int = 1, start_iter: int = 1000, **kwargs):
+    def __init__(self, rank: int = 1, start_iter: int = 1000, **kwargs: Any):
         kwargs.pop("batched", None)
         super().__init__(rank=rank, start_iter=start_iter, batched=True, **kwargs)
 
-    def config(self):
+    def config(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("rank", "start_iter", "min_compression_rate",
                                              "error_feedback", "warm_start",
                                              "orthogonalization_epsilon", "seed", "batch_same_shape",
@@ -429,5 +433,5 @@ class BatchedPowerSGD(PowerSGD):
         return out
 
 
-def _dtype(name: str, xp):
+def _dtype(name: str, xp: ArrayModule) -> Any:
     return half_dtype(name, xp) if name in HALF else xp.dtype(name)

@@ -32,7 +32,7 @@ _WIDE_BYTES = 8192
 try:  # numba is an install requirement; without it PowerSGD uses NumPy / CuPy matmul
     from numba import njit
 except ImportError:  # pragma: no cover
-    njit = None
+    njit = None  # type: ignore[assignment]  # no numba: no loops (available() is False)
 
 if njit is not None:
 

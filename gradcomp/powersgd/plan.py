@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..arrays import array_module, to_host
+from ..arrays import Array, array_module, to_host
 
 
 def should_compress(n: int, m: int, rank: int, min_compression_rate: float) -> bool:
@@ -17,7 +18,7 @@ def should_compress(n: int, m: int, rank: int, min_compression_rate: float) -> b
     return r > 0 and (n + m) * r * min_compression_rate < n * m
 
 
-def gram_schmidt_segments(a, starts, row_segment, epsilon: float = 0.0):
+def gram_schmidt_segments(a: Array, starts: Array, row_segment: Array, epsilon: float = 0.0) -> Array:
     """Orthonormalize, in place, the columns of every block of rows of ``a`` (rows x r).
 
     ``a`` stacks several thin matrices vertically (rows ``starts[k]`` up to the next start belong to
@@ -62,8 +63,10 @@ class OrthGroup:
     members: list         # the blocks' matrix numbers (positions in the plan's ``matrices``)
 
 
-def _orth_groups(mats, order, rows_of, off_attr) -> list[OrthGroup]:
-    groups, i = [], 0
+def _orth_groups(mats: list[Matrix], order: list[int], rows_of: Callable[[Matrix], int],
+                 off_attr: str) -> list[OrthGroup]:
+    groups: list[OrthGroup] = []
+    i = 0
     while i < len(order):
         r = mats[order[i]].r
         j = i
@@ -72,7 +75,8 @@ def _orth_groups(mats, order, rows_of, off_attr) -> list[OrthGroup]:
         members = [mats[k] for k in order[i:j]]
         rows = [rows_of(t) for t in members]
         starts = np.cumsum([0] + rows[:-1]).astype(np.intp)
-        runs, k = [], 0
+        runs: list[tuple[int, int, int]] = []
+        k = 0
         while k < len(members):
             e = k
             while e < len(members) and rows[e] == rows[k]:
@@ -86,7 +90,8 @@ def _orth_groups(mats, order, rows_of, off_attr) -> list[OrthGroup]:
     return groups
 
 
-def orthogonalize(region, groups, use_qr: bool, epsilon: float = 0.0) -> list[int]:
+def orthogonalize(region: Array, groups: Sequence[OrthGroup], use_qr: bool,
+                  epsilon: float = 0.0) -> list[int]:
     """Orthonormalize every P (or Q) block of ``region`` in place.
 
     Gram-Schmidt for r <= 2 and for half-precision buckets (as PyTorch does: QR has no half
@@ -131,9 +136,10 @@ class Plan:
     ``batched``: the whole bucket as one zero-padded square, keyed by ``square_key``.
     """
 
-    def __init__(self, shapes, keys, numel: int, rank: int, rate: float, batched: bool,
-                 batch_same_shape: bool, square_key: str = "square"):
-        mats, runs = [], []
+    def __init__(self, shapes: Sequence[Sequence[int]], keys: Sequence[str], numel: int, rank: int,
+                 rate: float, batched: bool, batch_same_shape: bool, square_key: str = "square"):
+        mats: list[Matrix] = []
+        runs: list[tuple[int, int]] = []
         self.numel = numel
         self.padded = numel
         if batched:
@@ -165,7 +171,8 @@ class Plan:
         self.q_size = self._place(mats, q_order, "q_off", lambda t: t.m * t.r)
         self.p_groups = _orth_groups(mats, p_order, lambda t: t.n, "p_off")
         self.q_groups = _orth_groups(mats, q_order, lambda t: t.m, "q_off")
-        self.batches = []  # (offset, batch, n, m, r, p_off, q_off)
+        # (offset, batch, n, m, r, p_off, q_off)
+        self.batches: list[tuple[int, int, int, int, int, int, int]] = []
         i = 0
         while i < len(mats):
             t, j = mats[i], i + 1
@@ -184,14 +191,14 @@ class Plan:
         self.p_placements = [(t.key, t.p_off, (t.n, t.r)) for t in mats]
 
     @staticmethod
-    def _place(mats, order, attr, size_of) -> int:
+    def _place(mats: list[Matrix], order: list[int], attr: str, size_of: Callable[[Matrix], int]) -> int:
         off = 0
         for i in order:
             setattr(mats[i], attr, off)
             off += size_of(mats[i])
         return off
 
-    def views(self, x, p, q):
+    def views(self, x: Array, p: Array, q: Array) -> Iterator[tuple[Array, Array, Array]]:
         """(M, P, Q) views per batch: 2-D for one matrix, 3-D stacks for fused same-shape runs."""
         for off, b, n, m, r, po, qo in self.batches:
             mm = x[off:off + b * n * m]

@@ -3,6 +3,8 @@
 ``weights_only=False``, i.e. unpickling arbitrary objects)."""
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import numpy as np
 import torch
 
@@ -12,9 +14,9 @@ from ..arrays import dtype_name
 _WIDENED = ("uint32", "uint16")
 
 
-def to_torch_state(state: dict) -> dict:
+def to_torch_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """NumPy arrays -> CPU tensors (bfloat16 included); numbers and strings unchanged."""
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, np.ndarray):
             name = dtype_name(value.dtype)
@@ -31,9 +33,9 @@ def to_torch_state(state: dict) -> dict:
     return out
 
 
-def from_torch_state(state: dict) -> dict:
+def from_torch_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """Tensors -> NumPy arrays (bfloat16 as ml_dtypes' bfloat16); other values unchanged."""
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             t = value.detach().cpu()

@@ -10,14 +10,16 @@ alltoall and broadcast, which carries any dtype; allreduce sums in the array's o
 """
 from __future__ import annotations
 
+import datetime
 import os
 import sys
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..arrays import add_into, array_module, synchronize
+from ..arrays import Array, ArrayModule, DTypeLike, add_into, array_module, synchronize
 from ..comm import OrderedCommunicator
 from ..comm.base import default_depth
 from .tensors import as_array, as_tensor
@@ -47,15 +49,15 @@ class TorchCommunicator(OrderedCommunicator):
     launcher (torchrun) tear the job down.
     """
 
-    def __init__(self, process_group=None, *, abort_grace_s: float | None = None, timeout=None,
-                 pipeline_depth: int | None = None):
+    def __init__(self, process_group: dist.ProcessGroup | None = None, *, abort_grace_s: float | None = None,
+                 timeout: datetime.timedelta | None = None, pipeline_depth: int | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "gradcomp.torch.TorchCommunicator needs torch.distributed to be initialized: call "
                 "gradcomp.torch.init_process_group() (under mpiexec) or "
                 "torch.distributed.init_process_group() (under torchrun) first")
         if process_group is None:
-            kwargs = {} if timeout is None else {"timeout": timeout}
+            kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
             process_group = dist.new_group(ranks=list(range(dist.get_world_size())), **kwargs)
         self.group = process_group
         self.rank = dist.get_rank(process_group)
@@ -69,7 +71,7 @@ class TorchCommunicator(OrderedCommunicator):
             index = self._cuda_index
             self.submit(lambda _p, _e: torch.cuda.set_device(index))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"TorchCommunicator(rank={self.rank}, size={self.size}, backend={self.backend!r})"
 
     def abort(self, code: int = 1) -> None:
@@ -85,7 +87,8 @@ class TorchCommunicator(OrderedCommunicator):
             return torch.device("cuda", self._cuda_index)
         return torch.device("cpu")
 
-    def _to_tensor(self, array, as_bytes: bool = False, reuse: bool = False) -> tuple[torch.Tensor, object]:
+    def _to_tensor(self, array: Array, as_bytes: bool = False,
+                   reuse: bool = False) -> tuple[torch.Tensor, ArrayModule]:
         """A fresh tensor (ours to overwrite) with ``array``'s values on the collective's device,
         and the array module to return results in. ``reuse``: ``array`` is the caller's scratch,
         so a contiguous one already on the right device is wrapped, not copied."""
@@ -109,7 +112,7 @@ class TorchCommunicator(OrderedCommunicator):
             tensor = tensor.to(device)
         return tensor, xp
 
-    def _to_array(self, tensor: torch.Tensor, xp, like_dtype=None):
+    def _to_array(self, tensor: torch.Tensor, xp: ArrayModule, like_dtype: DTypeLike = None) -> Array:
         if tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()
         if xp is np:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import types
 import warnings
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,11 @@ from ..compressors import Compressor, make
 from .checkpoint import from_torch_state, to_torch_state
 from .sparse import reduce_sparse
 from .tensors import as_array, wait_for_torch
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from torch.nn.parallel import DistributedDataParallel
 
 
 class HookState:
@@ -51,29 +57,29 @@ class HookState:
     ``buckets_reduced`` counts hook calls on this rank.
     """
 
-    def __init__(self, compressor: Compressor, comm: Communicator | None, names: dict | None = None,
-                 shapes: dict | None = None):
+    def __init__(self, compressor: Compressor, comm: Communicator | None,
+                 names: dict[int, str] | None = None, shapes: dict[str, tuple] | None = None):
         self.compressor = compressor
         self.comm = comm
         self.names = names or {}     # id(parameter) -> name (rebuilt after unpickling)
         self.shapes = shapes or {}   # name -> shape
         self.buckets_reduced = 0
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"HookState({self.compressor!r}, {self.comm!r})"
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["comm"] = None   # threads and MPI handles never travel
         state["names"] = {}    # ids mean nothing in another process; re-made by register()
         return state
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The compressor's state as tensors and plain values (``torch.save``-able)."""
         return {"compressor": self.compressor.describe(),
                 "state": to_torch_state(self.compressor.state_dict())}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s output; checked against this model's parameters first."""
         if not isinstance(state, dict) or "state" not in state:
             raise ValueError("gradcomp.torch: expected the output of HookState.state_dict() "
@@ -85,11 +91,16 @@ class HookState:
         self.compressor.load_state_dict(from_torch_state(state["state"]), self.shapes or None)
 
 
+# ``bucket`` (a ``torch.distributed.GradBucket``) and the returned ``torch.futures.Future`` are
+# left unannotated on purpose: DDP's ``register_comm_hook`` inspects the hook's annotations and
+# refuses any but the exact objects ``dist.GradBucket`` and ``Future[Tensor]``, and postponed
+# annotations (``from __future__ import annotations``) would hand it strings.
 def _hook(state: HookState, bucket):
     """Average ``bucket`` over ranks with ``state.compressor``; a Future of the bucket's buffer,
     overwritten with the mean."""
     tensor = bucket.buffer()
-    future = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[tensor.device] if tensor.is_cuda else None)
     # DDP reads the Future from C++; Future.set_exception only stores the exception as a value for
     # Python's wait() to raise, which DDP would report as "Unable to cast ... to Tensor". A then()
     # callback that re-raises turns it into a real error carrying the original type and message.
@@ -103,8 +114,9 @@ def _hook(state: HookState, bucket):
         else:
             array = as_array(tensor)
             params = bucket.parameters()
-            keys = [state.names.get(id(p)) for p in params]
-            if None in keys or len(keys) != len(set(keys)):
+            found = [state.names.get(id(p)) for p in params]
+            keys: list[Any] | None = found
+            if None in found or len(found) != len(set(found)):
                 keys = None  # comm_hook() without a model: state follows the bucket index
             shapes = [tuple(g.shape) for g in bucket.gradients()]
             # scratch: DDP lets a hook overwrite its bucket (PyTorch's own hooks divide it in
@@ -118,7 +130,7 @@ def _hook(state: HookState, bucket):
         return result
     state.buckets_reduced += 1
 
-    def write_back(done):
+    def write_back(done: Future[Any]) -> None:
         try:
             mean = done.result()
             if array is None:  # sparse: a new tensor
@@ -136,7 +148,7 @@ def _hook(state: HookState, bucket):
     return result
 
 
-def _named_hook(compressor: Compressor):
+def _named_hook(compressor: Compressor) -> Callable[..., Any]:
     """A copy of ``_hook`` named after the compressor (DDP logs the hook's qualified name)."""
     hook = types.FunctionType(_hook.__code__, _hook.__globals__, "gradcomp_hook",
                               _hook.__defaults__, _hook.__closure__)
@@ -146,23 +158,24 @@ def _named_hook(compressor: Compressor):
     return hook
 
 
-def gradcomp_hook(state: HookState, bucket):
+def gradcomp_hook(state: HookState, bucket):  # bucket and result unannotated: see ``_hook``
     """The DDP communication hook (see ``_hook``); ``register`` uses a copy named per compressor."""
     return _hook(state, bucket)
 
 
-def _value(done):
+def _value(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
     return done.value()
 
 
-def _fail(future, exc: BaseException) -> None:
+def _fail(future: torch.futures.Future[Any], exc: BaseException) -> None:
     """Fail ``future`` with ``exc`` (torch Futures take Exceptions only, so wrap the others)."""
     if not isinstance(exc, Exception):
         exc = RuntimeError(f"gradcomp: reduction interrupted by {exc!r}")
     future.set_exception(exc)
 
 
-def comm_hook(compressor, comm: Communicator | None = None) -> tuple[HookState, object]:
+def comm_hook(compressor: Compressor | str,
+              comm: Communicator | None = None) -> tuple[HookState, Callable[..., Any]]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
     ``compressor``: a gradcomp ``Compressor`` or a registry name (``"fp16"``, ...). ``comm``: any
@@ -179,8 +192,8 @@ def comm_hook(compressor, comm: Communicator | None = None) -> tuple[HookState, 
     return HookState(compressor, comm), _named_hook(compressor)
 
 
-def register(ddp_model, compressor, comm: Communicator | None = None,
-             state: HookState | None = None) -> HookState:
+def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | None,
+             comm: Communicator | None = None, state: HookState | None = None) -> HookState:
     """Make ``ddp_model`` (a ``DistributedDataParallel``) average its gradients with ``compressor``.
 
     Call it on every rank, before the first ``backward()``, once per model (DDP's rule).
@@ -205,7 +218,8 @@ def register(ddp_model, compressor, comm: Communicator | None = None,
                              "the default one; pass comm=TorchCommunicator(<a group dedicated to "
                              "gradcomp with the same ranks>)")
     if state is None:
-        state, hook = comm_hook(compressor, comm)
+        # (compressor None without a state: comm_hook raises the TypeError that says so)
+        state, hook = comm_hook(compressor, comm)  # type: ignore[arg-type]
     else:
         if comm is not None or state.comm is None:
             state.comm = comm if comm is not None else default_comm()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ class Launch(NamedTuple):
     backend: str  # the torch.distributed backend in use
 
 
-def _bcast_bytes(comm, data: bytes | None, root: int = 0) -> bytes:
+def _bcast_bytes(comm: Any, data: bytes | None, root: int = 0) -> bytes:
     length = np.array([len(data) if data is not None else 0], dtype=np.int64)
     comm.Bcast(length, root=root)
     buf = np.frombuffer(data, dtype=np.uint8).copy() if data is not None else np.empty(int(length[0]), np.uint8)
@@ -97,8 +97,8 @@ def init_process_group(backend: str | None = None, timeout: datetime.timedelta |
     host = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if all_local else socket.gethostname())
     store_timeout = timeout or datetime.timedelta(seconds=300)
     if rank == 0:
-        port = int(os.environ.get("GRADCOMP_STORE_PORT", "0"))  # 0: let the OS pick a free port
-        store = dist.TCPStore(host, port, size, is_master=True, timeout=store_timeout,
+        listen = int(os.environ.get("GRADCOMP_STORE_PORT", "0"))  # 0: let the OS pick a free port
+        store = dist.TCPStore(host, listen, size, is_master=True, timeout=store_timeout,
                               wait_for_workers=False)
         address = f"{host}\n{store.port}".encode()
     else:
@@ -106,7 +106,7 @@ def init_process_group(backend: str | None = None, timeout: datetime.timedelta |
     host, port = _bcast_bytes(world, address).decode().split("\n")
     if rank != 0:
         store = dist.TCPStore(host, int(port), size, is_master=False, timeout=store_timeout)
-    kwargs = {} if timeout is None else {"timeout": timeout}
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, **kwargs)
     return Launch(rank, size, local_rank, device, backend)
 
@@ -126,6 +126,6 @@ def _from_torchrun(backend: str | None, timeout: datetime.timedelta | None) -> L
                                f"initialized as rank {dist.get_rank()} of {dist.get_world_size()}, "
                                f"but torchrun says rank {rank} of {size}")
         return Launch(rank, size, local_rank, device, str(dist.get_backend()))
-    kwargs = {} if timeout is None else {"timeout": timeout}
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, **kwargs)
     return Launch(rank, size, local_rank, device, backend)

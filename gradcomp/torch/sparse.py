@@ -15,7 +15,7 @@ from ..comm import CollectiveError, Communicator
 from ..compressors import Allgather, Allreduce, Compressor
 
 
-def reduce_sparse(compressor: Compressor, comm: Communicator, tensor: torch.Tensor) -> Future:
+def reduce_sparse(compressor: Compressor, comm: Communicator, tensor: torch.Tensor) -> Future[torch.Tensor]:
     """A Future of the mean over ranks of the sparse ``tensor`` (a new sparse tensor)."""
     exact = type(compressor) in (Allreduce, Allgather)
     t = tensor.detach().coalesce().cpu()

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..arrays import array_module, dtype_name
+from ..arrays import Array, array_module, dtype_name
 
 
-def as_array(tensor: torch.Tensor):
+def as_array(tensor: torch.Tensor) -> Array:
     """A NumPy (CPU) or CuPy (CUDA) array sharing ``tensor``'s memory; writes go through."""
     t = tensor.detach()
     if t.device.type == "cpu":
@@ -29,7 +29,7 @@ def as_array(tensor: torch.Tensor):
     raise TypeError(f"gradcomp: tensors on device {t.device} are not supported (CPU and CUDA are)")
 
 
-def as_tensor(array) -> torch.Tensor:
+def as_tensor(array: Array) -> torch.Tensor:
     """A tensor sharing ``array``'s memory (the array must be contiguous)."""
     if array_module(array) is np:
         if dtype_name(array.dtype) == "bfloat16":

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from ...arrays import Array, DTypeLike
+from ...comm import Workspace
 from ...params import check_int
 from ..codec import Codec
 from .kernels import chunk_count, dequantize, quantize
@@ -37,29 +39,29 @@ class QuantizePerChannel(Codec):
     def _width(self, n: int) -> int:
         return self.channel_size if self.channel_size is not None else max(n, 1)
 
-    def message_size(self, n):
+    def message_size(self, n: int) -> int:
         return 8 * chunk_count(n, self._width(n)) + n
 
-    def _views(self, message, n):
+    def _views(self, message: Array, n: int) -> tuple[Array, Array]:
         chunks = chunk_count(n, self._width(n))
         return message[:8 * chunks].view(np.float32).reshape(2, chunks), message[8 * chunks:]
 
-    def encode(self, x, message, workspace):
+    def encode(self, x: Array, message: Array, workspace: Workspace) -> None:
         params, codes = self._views(message, x.shape[0])
         quantize(x, params, codes, self._width(x.shape[0]), self.levels)
 
-    def decode(self, message, out, workspace, add=False):
+    def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         params, codes = self._views(message, out.shape[0])
         dequantize(out, params, codes, self._width(out.shape[0]), add)
 
-    def error_bound(self, inputs, dtype):
+    def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray:
         """Each code is within half a step of its value: the mean over senders of half their
         chunk's step, plus float32 rounding of the offsets and the sum."""
         width = self._width(inputs.shape[1])
         return chunk_error_bound(inputs, width, self.levels, dtype)
 
 
-def chunk_error_bound(inputs, width, levels, dtype):
+def chunk_error_bound(inputs: np.ndarray, width: int, levels: int, dtype: DTypeLike) -> np.ndarray:
     n = inputs.shape[1]
     half_steps = np.zeros(n)
     for start in range(0, n, width):

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...arrays import array_module
+from ...arrays import Array, ArrayModule, array_module
+from ...comm import Workspace
 from ..codec import Codec
 from .kernels import _compiled, chunk_count
 
@@ -30,20 +31,20 @@ class OneBit(Codec):
     nan_effect = "chunk"
     relative_error_limit = 0.95  # without error feedback, on the kit's structured signal
 
-    def message_size(self, n):
+    def message_size(self, n: int) -> int:
         return 4 * chunk_count(n, CHUNK) + -(-n // 8)
 
-    def _views(self, message, n):
+    def _views(self, message: Array, n: int) -> tuple[Array, Array]:
         chunks = chunk_count(n, CHUNK)
         return message[:4 * chunks].view(np.float32), message[4 * chunks:4 * chunks + -(-n // 8)]
 
-    def encode(self, x, message, workspace):
+    def encode(self, x: Array, message: Array, workspace: Workspace) -> None:
         self._encode(x, None, message, workspace)
 
-    def encode_with_feedback(self, x, residual, message, workspace) -> bool:
+    def encode_with_feedback(self, x: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
         return self._encode(x, residual, message, workspace)
 
-    def _encode(self, x, residual, message, workspace) -> bool:
+    def _encode(self, x: Array, residual: Array | None, message: Array, workspace: Workspace) -> bool:
         n = x.shape[0]
         scales, bits = self._views(message, n)
         if not n:
@@ -70,7 +71,7 @@ class OneBit(Codec):
         bits[...] = xp.packbits(positive, bitorder="little")
         return True
 
-    def decode(self, message, out, workspace, add=False):
+    def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         n = out.shape[0]
         scales, bits = self._views(message, n)
         if not n:
@@ -100,7 +101,7 @@ class OneBit(Codec):
             out[...] = signs
 
 
-def _lane_sums(xp, rows):
+def _lane_sums(xp: ArrayModule, rows: Array) -> Array:
     """Per row, the float64 sum of the compiled loop's order: eight lanes (lane k adds values
     8j + k in order), then the lanes in order. Rows have a multiple of 8 values."""
     lanes = xp.cumsum(rows.reshape(rows.shape[0], -1, 8), axis=1)[:, -1, :]

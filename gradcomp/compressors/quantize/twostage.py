@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...arrays import Array, DTypeLike
+from ...comm import Workspace
 from ...params import check_choice
 from ..codec import Codec
 from .allgather import chunk_error_bound
@@ -33,14 +35,14 @@ class QuantizedAllreduce(Codec):
         self.bits = int(check_choice("bits", bits, (8, 4)))
         self.levels = (1 << self.bits) - 1
 
-    def message_size(self, n):
+    def message_size(self, n: int) -> int:
         return 8 * chunk_count(n, CHUNK) + -(-n * self.bits // 8)
 
-    def _views(self, message, n):
+    def _views(self, message: Array, n: int) -> tuple[Array, Array]:
         chunks = chunk_count(n, CHUNK)
         return message[:8 * chunks].view(np.float32).reshape(2, chunks), message[8 * chunks:]
 
-    def encode(self, x, message, workspace):
+    def encode(self, x: Array, message: Array, workspace: Workspace) -> None:
         params, packed = self._views(message, x.shape[0])
         if self.bits == 8:
             quantize(x, params, packed, CHUNK, self.levels)
@@ -51,7 +53,7 @@ class QuantizedAllreduce(Codec):
         quantize(x, params, codes[:n], CHUNK, self.levels)
         pack4(codes, packed)
 
-    def encode_with_feedback(self, x, residual, message, workspace) -> bool:
+    def encode_with_feedback(self, x: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
         """``x + residual`` encoded and ``residual`` updated to what the codes miss, in one
         compiled pass per chunk (float32 NumPy only: else False, and the runner does it in steps)."""
         n = x.shape[0]
@@ -75,7 +77,7 @@ class QuantizedAllreduce(Codec):
             pack4(codes, packed)
         return True
 
-    def decode(self, message, out, workspace, add=False):
+    def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         params, packed = self._views(message, out.shape[0])
         codes = packed
         jit = _compiled(out, params, packed) if out.dtype == np.float32 else None
@@ -87,7 +89,7 @@ class QuantizedAllreduce(Codec):
             unpack4(packed, codes)
         dequantize(out, params, codes[:out.shape[0]], CHUNK, add)
 
-    def error_bound(self, inputs, dtype):
+    def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray:
         """Stage 1: each rank's codes are within half its chunk step; stage 2: the mean is
         requantized, within half the step of the mean's chunk range (plus float32 rounding)."""
         first = chunk_error_bound(inputs, CHUNK, self.levels, dtype)
