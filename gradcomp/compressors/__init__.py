@@ -45,9 +45,9 @@ def _register_builtins() -> None:
     register("batched-powersgd", partial(BatchedPowerSGD, rank=8, start_iter=10))
 
     # Two-stage quantizers and sparsifiers, with error feedback (and without, to compare).
-    def feedback(codec, error_feedback=True, **kwargs):
+    def feedback(codec, error_feedback=True, owner_feedback=True, **kwargs):
         inner = codec(**kwargs)
-        return ErrorFeedback(inner) if error_feedback else inner
+        return ErrorFeedback(inner, owner_feedback) if error_feedback else inner
 
     for name, codec in (("int8", partial(QuantizedAllreduce, bits=8)),
                         ("int4", partial(QuantizedAllreduce, bits=4)),

@@ -215,14 +215,15 @@ def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: _Prepare
         codec.decode(rows[r], mine, ws, add=True)
     if size > 1:
         xp.divide(mine, mine.dtype.type(size), out=mine)
-    if feedback is not None:
-        feedback.add_owner_residual(bucket, comm, mine, slice_len)
+    owner = feedback if feedback is not None and feedback.owner_feedback else None
+    if owner is not None:
+        owner.add_owner_residual(bucket, comm, mine, slice_len)
     second = ws.array(codec, "second", msg_len, message.dtype, like=g)
     codec.encode(mine, second, ws)
-    if feedback is not None:
+    if owner is not None:
         own = ws.array(codec, "own2", slice_len, compute, like=g)
         codec.decode(second, own, ws)
-        feedback.keep_owner_residual(bucket, comm, mine, own, slice_len)
+        owner.keep_owner_residual(bucket, comm, mine, own, slice_len)
     gathered = comm.allgather(second, out=ws.array(codec, "gathered", size * msg_len, message.dtype, like=g))
     out = _output(bucket, compute)
     for r in range(size):  # each slice straight into the output; a slice past its end via a copy

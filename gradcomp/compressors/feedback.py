@@ -6,7 +6,9 @@ to the next step's gradient before encoding. Compression error is then delayed, 
 of the outputs over many steps tracks the sum of the true means, with a lag bounded by one
 residual (Seide et al. 2014; Karimireddy et al. 2019). Two-stage codecs get a second residual at
 the slice owner, for the re-encoded mean (the "server" error of 1-bit Adam's compressed
-allreduce); it is kept per bucket layout and slice.
+allreduce); it is kept per bucket layout and slice, and ``owner_feedback=False`` turns it off.
+With sign codes, keeping both residuals made momentum SGD diverge on the digits examples at
+learning rates where either one alone trains well (BENCHMARKS.md, "Convergence"): measure.
 
 The residuals are checkpointed (``state_dict``), survive DDP's bucket rebuild, and are handed to
 the next stage by ``Schedule`` (``take_residual``). A residual that turned NaN or Inf (a bad step)
@@ -21,6 +23,7 @@ import numpy as np
 from ..arrays import Array, DTypeLike, array_module, subtract_into, add_into
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
+from ..params import check_bool
 from ..state import TensorStore, pop_shapes, reject_leftovers, shape_entries, tensor_arrays
 from .base import Compressor
 from .codec import Codec, _finish, _prepare, _Prepared
@@ -29,12 +32,13 @@ from .codec import Codec, _finish, _prepare, _Prepared
 class ErrorFeedback(Compressor):
     """Wrap a codec with error feedback (see the module docstring)."""
 
-    def __init__(self, inner: Codec):
+    def __init__(self, inner: Codec, owner_feedback: bool = True):
         super().__init__()
         if not isinstance(inner, Codec):
             raise TypeError(f"ErrorFeedback wraps a gradcomp Codec (a single-collective method), got "
                             f"{type(inner).__name__}; PowerSGD has error feedback built in")
         self.inner = inner
+        self.owner_feedback = check_bool("owner_feedback", owner_feedback)
         self.residuals = TensorStore()
         self.owner_residuals = TensorStore()
 
