@@ -73,23 +73,13 @@ def init_process_group(backend: str | None = None, timeout: datetime.timedelta |
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank, local_size = local.Get_rank(), local.Get_size()
     local.Free()
-    cuda = torch.cuda.is_available()
-    if backend is None:
-        backend = "nccl" if cuda else "gloo"
-    device = torch.device("cpu")
-    if cuda:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    backend, device = _backend_and_device(backend, local_rank)
     for name, value in (("RANK", rank), ("WORLD_SIZE", size), ("LOCAL_RANK", local_rank),
                         ("LOCAL_WORLD_SIZE", local_size)):
         os.environ.setdefault(name, str(value))
 
     if dist.is_initialized():
-        if dist.get_world_size() != size or dist.get_rank() != rank:
-            raise RuntimeError(f"gradcomp.torch.init_process_group: torch.distributed is already "
-                               f"initialized as rank {dist.get_rank()} of {dist.get_world_size()}, "
-                               f"but MPI says rank {rank} of {size}")
-        return Launch(rank, size, local_rank, device, str(dist.get_backend()))
+        return _already_started(rank, size, local_rank, device, "MPI")
 
     smallest_host = np.array([local_size], dtype=np.int64)
     world.Allreduce(MPI.IN_PLACE, smallest_host, op=MPI.MIN)
@@ -114,18 +104,26 @@ def init_process_group(backend: str | None = None, timeout: datetime.timedelta |
 def _from_torchrun(backend: str | None, timeout: datetime.timedelta | None) -> Launch:
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if cuda else "gloo")
-    device = torch.device("cpu")
-    if cuda:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    backend, device = _backend_and_device(backend, local_rank)
     if dist.is_initialized():
-        if dist.get_world_size() != size or dist.get_rank() != rank:
-            raise RuntimeError(f"gradcomp.torch.init_process_group: torch.distributed is already "
-                               f"initialized as rank {dist.get_rank()} of {dist.get_world_size()}, "
-                               f"but torchrun says rank {rank} of {size}")
-        return Launch(rank, size, local_rank, device, str(dist.get_backend()))
+        return _already_started(rank, size, local_rank, device, "torchrun")
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, **kwargs)
     return Launch(rank, size, local_rank, device, backend)
+
+
+def _backend_and_device(backend: str | None, local_rank: int) -> tuple[str, torch.device]:
+    """nccl and GPU ``local_rank % device_count`` (made current) with CUDA, else gloo and the CPU."""
+    if not torch.cuda.is_available():
+        return backend or "gloo", torch.device("cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return backend or "nccl", device
+
+
+def _already_started(rank: int, size: int, local_rank: int, device: torch.device, by: str) -> Launch:
+    if dist.get_world_size() != size or dist.get_rank() != rank:
+        raise RuntimeError(f"gradcomp.torch.init_process_group: torch.distributed is already "
+                           f"initialized as rank {dist.get_rank()} of {dist.get_world_size()}, "
+                           f"but {by} says rank {rank} of {size}")
+    return Launch(rank, size, local_rank, device, str(dist.get_backend()))

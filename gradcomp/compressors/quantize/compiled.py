@@ -29,6 +29,28 @@ def _has_both_zeros(bits):
         minus |= bits[i] == np.int32(-0x80000000)
     return plus and minus
 
+@njit(inline="always")
+def _chunk_range(bs, top):
+    """(offset, scale, 1/scale or 1, whether the NumPy kernels must redo the chunk) of a chunk's
+    float32 bits ``bs``: the minimum and maximum by order keys, scale = range / levels. A chunk is
+    redone for a NaN or Inf, a scale or inverse that is not finite, and an extreme that is a zero
+    held with both signs (NumPy's SIMD min may return either zero)."""
+    kmin = np.int32(0x7FFFFFFF)
+    kmax = np.int32(-0x80000000)
+    for i in range(bs.shape[0]):
+        k = _order_key(bs[i])
+        kmin = min(kmin, k)
+        kmax = max(kmax, k)
+    lo = _f32_from_bits(np.uint32(_order_key(kmin) & 0xFFFFFFFF))
+    hi = _f32_from_bits(np.uint32(_order_key(kmax) & 0xFFFFFFFF))
+    scale = (hi - lo) / top
+    inv = np.float32(1.0) / (scale if scale > np.float32(0.0) else np.float32(1.0))
+    bad = not (kmax < _INF_KEY and kmin > _NEG_INF_KEY and np.isfinite(scale) and np.isfinite(inv))
+    if not bad and (kmin == np.int32(-1) or kmax == np.int32(0)):
+        bad = _has_both_zeros(bs)
+    return lo, scale, inv, bad
+
+
 @_kernel
 def quantize_chunks(x, bits, width, levels, params, codes, redo):
     """Per-chunk affine quantization of float32 ``x`` (``bits`` is x viewed as int32) in one
@@ -51,22 +73,9 @@ def quantize_chunks(x, bits, width, levels, params, codes, redo):
         xs = x[start:start + width]
         bs = bits[start:start + width]
         cs = codes[start:start + width]
-        kmin = np.int32(0x7FFFFFFF)
-        kmax = np.int32(-0x80000000)
-        for i in range(bs.shape[0]):
-            k = _order_key(bs[i])
-            kmin = min(kmin, k)
-            kmax = max(kmax, k)
-        lo = _f32_from_bits(np.uint32(_order_key(kmin) & 0xFFFFFFFF))
-        hi = _f32_from_bits(np.uint32(_order_key(kmax) & 0xFFFFFFFF))
-        scale = (hi - lo) / top
-        inv = np.float32(1.0) / (scale if scale > np.float32(0.0) else np.float32(1.0))
+        lo, scale, inv, bad = _chunk_range(bs, top)
         params[0, c] = lo
         params[1, c] = scale
-        bad = not (kmax < _INF_KEY and kmin > _NEG_INF_KEY
-                   and np.isfinite(scale) and np.isfinite(inv))
-        if not bad and (kmin == np.int32(-1) or kmax == np.int32(0)):  # an extreme is -0 or +0
-            bad = _has_both_zeros(bs)
         if bad:
             redo[c] = True
             redone += 1
@@ -113,22 +122,9 @@ def quantize_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tmp_
         bs = tmp_bits[:n]
         for i in range(n):
             xs[i] = gs[i] + es[i]
-        kmin = np.int32(0x7FFFFFFF)
-        kmax = np.int32(-0x80000000)
-        for i in range(n):
-            k = _order_key(bs[i])
-            kmin = min(kmin, k)
-            kmax = max(kmax, k)
-        lo = _f32_from_bits(np.uint32(_order_key(kmin) & 0xFFFFFFFF))
-        hi = _f32_from_bits(np.uint32(_order_key(kmax) & 0xFFFFFFFF))
-        scale = (hi - lo) / top
-        inv = np.float32(1.0) / (scale if scale > np.float32(0.0) else np.float32(1.0))
+        lo, scale, inv, bad = _chunk_range(bs, top)
         params[0, c] = lo
         params[1, c] = scale
-        bad = not (kmax < _INF_KEY and kmin > _NEG_INF_KEY
-                   and np.isfinite(scale) and np.isfinite(inv))
-        if not bad and (kmin == np.int32(-1) or kmax == np.int32(0)):
-            bad = _has_both_zeros(bs)
         if bad:
             redo[c] = True
             redone += 1
