@@ -41,7 +41,7 @@ def _register_builtins() -> None:
     register("powersgd-noef", partial(powersgd, error_feedback=False))
     # One round per step sends half the factors each step: rank 4 costs what two-round rank 2 costs.
     register("powersgd-1round", partial(PowerSGD, rank=4, start_iter=10, rounds=1))
-    # The whole-bucket square mixes layers, so it needs more rank (rank 1 lost 9 points on digits).
+    # The whole-bucket square mixes layers, so it needs more rank than per-layer PowerSGD.
     register("batched-powersgd", partial(BatchedPowerSGD, rank=8, start_iter=10))
 
     # Two-stage quantizers and sparsifiers, with error feedback (and without, to compare).

@@ -413,8 +413,7 @@ class BatchedPowerSGD(PowerSGD):
 
     Ignores the layout: the flat bucket of length L becomes a ``ceil(sqrt(L))``-sided square. Less
     computation than per-layer PowerSGD, but the square mixes unrelated layers and destroys their
-    low-rank structure. PyTorch advises rank 1; on the digits examples rank 1 lost 9 (NumPy MLP) to
-    80 (CNN) points of test accuracy while rank 8 stayed within 0.3 of plain allreduce, so measure.
+    low-rank structure: it needs far more rank than per-layer PowerSGD (BENCHMARKS.md, "Convergence").
     Its warm-start factors belong to the bucket's layout (the square has no tensors), so they
     restart after DDP's bucket rebuild. Same parameters as ``PowerSGD`` (``batched`` is implied).
     """
