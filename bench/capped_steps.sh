@@ -14,8 +14,10 @@
 # Environment:
 #   PATHS="reducer ddp"  the worker paths to run (default both; "reducer" or "ddp" for one)
 #   REDUCER_ARRAYS=views (default: gradients in GradientReducer.gradients) or own (copied in/out)
-#   REPEATS / WARMUP / METHODS / ORDER (round-robin, the default, or blocks: each method's steps
-#   together, as in training) override the worker's defaults; METHODS takes compressor specs
+#   REPEATS / WARMUP / METHODS / ORDER (blocks, the default: each method built, warmed up and timed
+#   before the next is built, so one method's memory is alive at a time -- every registered method
+#   at once, round-robin, needs over 24 GiB at 4 ranks and was OOM-killed here; or round-robin:
+#   one timed step of each method in turn, fairer under changing load, for a few methods) override the worker's defaults; METHODS takes compressor specs
 #   (powersgd:rank=4,start_iter=2), torch-* hooks, gloo-SPEC, all (see gradcomp.bench.methods).
 #   MODEL=bert-base runs BERT-base's parameter shapes instead (give it its own OUT folder).
 #   MPICH_RING=1 adds, per RATE, an explicit comparison run with MPICH's ring allreduce selected
@@ -43,7 +45,7 @@ worker() {  # worker RATE PATH OUTFILE [extra worker options...]
     shift 3
     "$HERE/capped.sh" "$rate" "$NRANKS" "$PY" -m gradcomp.bench.worker --path "$path" \
         --model "${MODEL:-resnet50}" --repeats "${REPEATS:-5}" --warmup "${WARMUP:-3}" \
-        --order "${ORDER:-round-robin}" --reducer-arrays "${REDUCER_ARRAYS:-views}" --out "$out" "$@"
+        --order "${ORDER:-blocks}" --reducer-arrays "${REDUCER_ARRAYS:-views}" --out "$out" "$@"
 }
 for rate in $RATES; do
     for path in $PATHS; do

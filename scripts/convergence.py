@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=ROOT / "results" / "convergence",
                    help="output folder (default: results/convergence, git-ignored)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--replot", action="store_true",
+                   help="run nothing: redraw OUT/convergence.png (and reprint the table) from OUT/convergence.json")
     p.add_argument("extra", nargs="*", help="after --: passed to the example unchanged")
     args = p.parse_args(argv)
     return args
@@ -100,14 +102,23 @@ def plot(results: dict[str, dict], path: Path, ranks: int) -> None:
     import matplotlib.pyplot as plt
 
     fig, (full, tail) = plt.subplots(1, 2, figsize=(13, 5))
-    lossy = iter(plt.get_cmap("tab10").colors)
+    # lossy methods: one colour per method, shared by its error-feedback and -noef runs (the -noef
+    # one dashed, hollow markers), so the pairs read as pairs; 20 colours before any repeats
+    palette = plt.get_cmap("tab20").colors
+    palette = palette[0::2] + palette[1::2]
+    colours: dict[str, tuple] = {}
     for name, r in results.items():
         if "val_curve" not in r:
             continue
         steps, losses = zip(*r["val_curve"])
         exact = name in EXACT
+        noef = name.partition(":")[0].endswith("-noef")
+        family = name.replace("-noef", "", 1)  # topk and topk-noef: one colour; topk:ratio=0.05 its own
+        colour = colours.setdefault(family, palette[len(colours) % len(palette)])
         # exact methods: grey/black, no markers, line styles that stay visible when they coincide
-        style = EXACT_STYLE[name] if exact else dict(color=next(lossy, None), lw=1.3, marker=".", ms=4)
+        style = EXACT_STYLE[name] if exact else dict(
+            color=colour, lw=1.3, marker="o" if noef else ".", ms=3.5 if noef else 4,
+            ls="--" if noef else "-", mfc="none" if noef else colour)
         label = f"{name} ({r['final_val_loss']:.3f})" + (" [exact]" if exact else "")
         for ax in (full, tail):
             ax.plot(steps, losses, label=label, **style)
@@ -138,6 +149,12 @@ def plot(results: dict[str, dict], path: Path, ranks: int) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        results = json.loads((args.out / "convergence.json").read_text())
+        print(table(results))
+        plot(results, args.out / "convergence.png", next(iter(results.values())).get("ranks", args.ranks))
+        print(f"\nwrote {args.out / 'convergence.png'}")
+        return 0
     results = {}
     for i, name in enumerate(args.compressors, 1):
         print(f"[{i}/{len(args.compressors)}] {name} on {args.ranks} ranks ...", end=" ", file=sys.stderr, flush=True)
