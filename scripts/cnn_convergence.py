@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from gradcomp import launcher
+from gradcomp.bench.tables import aligned_table
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "torch_ddp.py"
@@ -28,42 +28,27 @@ RESULT = re.compile(r"final loss (?P<loss>\S+)\s+test accuracy (?P<acc>[^%\s]+)%
                     r"(?P<bytes>\d+)\s+compression x(?P<ratio>[\d.infa]+)\s+train time (?P<seconds>[\d.]+) s")
 
 
-def mpiexec() -> str:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
-
-
 def parse_args(argv=None):
     import gradcomp
     from gradcomp.registry import compressor_spec
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    passthrough = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--compressors", nargs="+", default=list(gradcomp.REGISTRY), type=compressor_spec)
     p.add_argument("--ranks", "--np", type=int, default=4, help="mpiexec -n (default 4)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--json", metavar="PATH", help="also write every run's result here")
     p.add_argument("--logs", type=Path, help="folder for each run's full output (NAME.log)")
-    args = p.parse_args(argv)
-    args.example_args = passthrough
-    return args
+    p.add_argument("example_args", nargs="*", help="after --: passed to the example unchanged")
+    return p.parse_args(argv)
 
 
 def run_once(name: str, args) -> dict:
-    cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, str(EXAMPLE), "--compressor", name,
-           *args.example_args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [str(EXAMPLE), "--compressor", name, *args.example_args]
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
-        output, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                         for x in (exc.stdout, exc.stderr))
-        code = f"timeout after {args.timeout:.0f} s"
+    done = launcher.run(args.ranks, cmd, timeout=args.timeout, cwd=ROOT)
     wall = time.perf_counter() - start
+    output = done.output
+    code = f"timeout after {args.timeout:.0f} s" if done.hung else done.returncode
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
         (args.logs / f"{name.replace(':', '_').replace('=', '')}.log").write_text(output)
@@ -89,11 +74,7 @@ def table(results: dict[str, dict]) -> str:
         rows.append([name, f"{acc:.2f}", f"{acc - base:+.2f}" if base is not None else "",
                      f"{r['bytes_per_step']:,}", f"{r['compression_ratio']:.2f}",
                      f"{r['train_seconds']:.1f}", f"{r['wall_seconds']:.0f}"])
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w)
-                                           for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-    rule = "|" + "|".join("-" * (w + 1) + (":" if i else "-") for i, w in enumerate(widths)) + "|"
-    return "\n".join([line(header), rule] + [line(r) for r in rows])
+    return aligned_table(header, rows)
 
 
 def main(argv=None) -> int:

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from gradcomp.bench.tables import aligned_table
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "torch_lm.py"
 EXACT = ("none", "allreduce", "allgather")  # methods that average gradients without loss
@@ -88,11 +90,7 @@ def table(results: dict[str, dict]) -> str:
         rows.append([name, f"{loss:.4f}", f"{100 * loss / base:.2f}" if base else "",
                      f"{ratio:.2f}" if ratio else "-", f"{sent:,.0f}" if sent is not None else "-",
                      f"{r['seconds']:.1f}", f"{r['wall_seconds']:.0f}", "yes" if r["weights_identical"] else "NO"])
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w)
-                                           for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-    rule = "|" + "|".join("-" * (w + 1) + (":" if i else "-") for i, w in enumerate(widths)) + "|"
-    return "\n".join([line(header), rule] + [line(r) for r in rows])
+    return aligned_table(header, rows)
 
 
 def plot(results: dict[str, dict], path: Path, ranks: int) -> None:

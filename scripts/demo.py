@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -33,13 +32,11 @@ import textwrap
 import time
 from pathlib import Path
 
+from gradcomp.bench.tables import aligned_table
+from gradcomp.launcher import mpiexec
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "numpy_mlp.py"
-
-
-def mpiexec() -> str:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
 
 
 def parse_args(argv=None):
@@ -100,11 +97,7 @@ def table(results: dict[str, list[dict]]) -> str:
             f"{first['last_epoch']['compression_ratio']:.2f}",
             f"{1e3 * t:.2f}",
             f"{t / base_time:.2f}x" if base_time else ""])
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w)
-                                           for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-    rule = "|" + "|".join("-" * (w + 1) + (":" if i else "-") for i, w in enumerate(widths)) + "|"
-    return "\n".join([line(header), rule] + [line(r) for r in rows])
+    return aligned_table(header, rows)
 
 
 def timing_note(ranks: int, cpus: int | None) -> str:

@@ -65,9 +65,7 @@ def test_a_rank_that_fails_or_exits_ends_the_job(exit_script, pattern, words):
     result = run(3, [str(exit_script), pattern, "fp16"], timeout=90, env={"PYTHONPATH": str(ROOT)})
     assert not result.hung, f"{pattern}: the job hung:\n{result.output}"
     assert result.returncode != 0, f"{pattern}: the job exited 0:\n{result.output}"
-    # under heavy load mpiexec may kill the failing rank mid-traceback (seen once in CI): its
-    # traceback must have started; the reason is asserted whenever the output got that far
-    assert words in result.output or result.output.startswith("Traceback") or "left the job" in result.output, result.output
+    assert words in result.output, result.output
     assert "rank 0 finished" not in result.output
 
 

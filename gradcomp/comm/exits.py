@@ -28,6 +28,7 @@ import atexit
 import os
 import sys
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -36,6 +37,7 @@ import numpy as np
 _TAG = 7301
 _MAX_COMMS = 31  # (communicator id, collectives) pairs carried per goodbye message
 _POLL_S = 0.2
+_ABORT_GRACE_S = 0.5  # before MPI_Abort, for the launcher to forward this rank's last output
 
 _guard: "JobGuard | None" = None
 _guard_lock = threading.Lock()
@@ -108,6 +110,10 @@ class JobGuard:
         sys.stderr.write(f"gradcomp: rank {self.rank}: {why}. Ending the job (MPI_Abort).\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        # MPI_Abort makes mpiexec kill every rank at once, and output this rank has written but
+        # the launcher has not yet forwarded is lost with it (seen under load: a traceback cut
+        # off mid-line). A moment's grace lets the launcher drain the pipes; the job is ending.
+        time.sleep(_ABORT_GRACE_S)
         self.world.Abort(code)
 
     def _excepthook(self, kind, value, tb):

@@ -51,6 +51,21 @@ def _chunk_range(bs, top):
     return lo, scale, inv, bad
 
 
+@njit(inline="always")
+def _quantize_chunk(xs, bs, cs, n, top, params, c):
+    """Chunk ``c``'s parameters into ``params`` and, unless the chunk must be redone, its ``n``
+    codes ``clip(rint((x - min) * (1 / scale)), 0, levels)`` into ``cs``; returns (redo, min,
+    scale). ``n`` is passed, not read from a slice: LLVM vectorizes the fused caller's loops only
+    with one shared bound."""
+    lo, scale, inv, bad = _chunk_range(bs, top)
+    params[0, c] = lo
+    params[1, c] = scale
+    if not bad:
+        for i in range(n):
+            q = np.rint((xs[i] - lo) * inv)
+            cs[i] = np.uint8(min(max(q, np.float32(0.0)), top))
+    return bad, lo, scale
+
 @_kernel
 def quantize_chunks(x, bits, width, levels, params, codes, redo):
     """Per-chunk affine quantization of float32 ``x`` (``bits`` is x viewed as int32) in one
@@ -73,16 +88,9 @@ def quantize_chunks(x, bits, width, levels, params, codes, redo):
         xs = x[start:start + width]
         bs = bits[start:start + width]
         cs = codes[start:start + width]
-        lo, scale, inv, bad = _chunk_range(bs, top)
-        params[0, c] = lo
-        params[1, c] = scale
-        if bad:
+        if _quantize_chunk(xs, bs, cs, xs.shape[0], top, params, c)[0]:
             redo[c] = True
             redone += 1
-            continue
-        for i in range(xs.shape[0]):
-            q = np.rint((xs[i] - lo) * inv)
-            cs[i] = np.uint8(min(max(q, np.float32(0.0)), top))
     return redone
 
 @_kernel
@@ -122,16 +130,11 @@ def quantize_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tmp_
         bs = tmp_bits[:n]
         for i in range(n):
             xs[i] = gs[i] + es[i]
-        lo, scale, inv, bad = _chunk_range(bs, top)
-        params[0, c] = lo
-        params[1, c] = scale
+        bad, lo, scale = _quantize_chunk(xs, bs, cs, n, top, params, c)
         if bad:
             redo[c] = True
             redone += 1
             continue
-        for i in range(n):
-            q = np.rint((xs[i] - lo) * inv)
-            cs[i] = np.uint8(min(max(q, np.float32(0.0)), top))
         for i in range(n):
             es[i] = xs[i] - ((np.float32(0.0) + np.float32(cs[i]) * scale) + lo)
     return redone
