@@ -68,7 +68,11 @@ class GradientReducer:
 
     @property
     def gradients(self) -> list[Array]:
-        """Arrays shaped like the gradients, living in the reducer's flat buffers (see the class)."""
+        """Arrays shaped like the gradients, living in the reducer's flat buffers (see the class).
+        From then on ``step()`` without arguments reduces these arrays where they are: refilling
+        them and then copying in the arrays given at construction would silently average stale
+        values."""
+        self.arrays = list(self._views)
         return list(self._views)
 
     @property

@@ -265,6 +265,23 @@ def rank_allreduce_gradients(name):
     assert gc.allreduce_gradients([np.ones(3, np.float32)], gc.make(name), comm)[0].tolist() == [1, 1, 1]
 
 
+def rank_reducer_views_step():
+    """The class docstring's usage: fill ``reducer.gradients`` in place, call ``step()`` with no
+    arguments; the means land in those arrays (not the construction arrays' stale values)."""
+    comm = gc.MPICommunicator()
+    initial = [np.zeros((6, 5), np.float32), np.zeros(7, np.float32)]
+    reducer = gc.GradientReducer(initial, gc.Allreduce(), comm, bucket_cap_mb=1)
+    grads = reducer.gradients
+    for step in range(3):
+        for i, g in enumerate(grads):
+            g[...] = (comm.rank + 1) * (step + 1) * (i + 1)
+        out = reducer.step()
+        expected = (comm.size + 1) / 2 * (step + 1)
+        for i, g in enumerate(grads):
+            assert np.array_equal(g, np.full(g.shape, expected * (i + 1), np.float32)), (step, i, g)
+            assert out[i] is g
+
+
 def rank_different_compressors():
     comm = gc.MPICommunicator()
     comp = gc.Allreduce() if comm.rank == 0 else gc.FP16(gc.Allreduce())
@@ -323,6 +340,10 @@ def rank_stats_ratios():
 @pytest.mark.parametrize("name", ["allreduce", "fp16", "quantize-channel", "allgather"])
 def test_allreduce_gradients(name):
     run_ranks(3, "tests.test_core:rank_allreduce_gradients", name)
+
+
+def test_reducer_views_then_step():
+    run_ranks(3, "tests.test_core:rank_reducer_views_step")
 
 
 def test_ranks_with_different_compressors_raise():
