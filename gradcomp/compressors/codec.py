@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from ..arrays import Array, DTypeLike, array_module, cast, dtype_name
+from ..arrays import Array, DTypeLike, add_into, array_module, cast, dtype_name, subtract_into
 from ..bucket import Bucket
 from ..comm import Communicator, Workspace
 from .base import Compressor
@@ -215,15 +215,11 @@ def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: _Prepare
         codec.decode(rows[r], mine, ws, add=True)
     if size > 1:
         xp.divide(mine, mine.dtype.type(size), out=mine)
-    owner = feedback if feedback is not None and feedback.owner_feedback else None
-    if owner is not None:
-        owner.add_owner_residual(bucket, comm, mine, slice_len)
     second = ws.array(codec, "second", msg_len, message.dtype, like=g)
-    codec.encode(mine, second, ws)
-    if owner is not None:
-        own = ws.array(codec, "own2", slice_len, compute, like=g)
-        codec.decode(second, own, ws)
-        owner.keep_owner_residual(bucket, comm, mine, own, slice_len)
+    if feedback is not None and feedback.owner_feedback:
+        _encode_owner(codec, bucket, comm, feedback, mine, second)
+    else:
+        codec.encode(mine, second, ws)
     gathered = comm.allgather(second, out=ws.array(codec, "gathered", size * msg_len, message.dtype, like=g))
     out = _output(bucket, compute)
     for r in range(size):  # each slice straight into the output; a slice past its end via a copy
@@ -236,3 +232,20 @@ def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: _Prepare
             out[start:n] = tail[:n - start]
     return _narrow(bucket, out)
 
+
+def _encode_owner(codec: Codec, bucket: Bucket, comm: Communicator, feedback: ErrorFeedback,
+                  mine: Array, second: Array) -> None:
+    """The slice owner's error feedback: encode ``mine`` plus the owner's residual into
+    ``second`` and keep what the codes miss, in one pass where the codec can
+    (``encode_with_feedback``), else in steps (same bits)."""
+    ws = comm.workspace
+    residual = feedback.owner_residual(bucket, comm, mine.shape[0], mine.dtype, like=mine)
+    if not codec.encode_with_feedback(mine, residual, second, ws):
+        add_into(mine, residual)
+        codec.encode(mine, second, ws)
+        own = ws.array(codec, "own2", mine.shape[0], mine.dtype, like=mine)
+        codec.decode(second, own, ws)
+        residual[...] = mine
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN or Inf: settled just below
+            subtract_into(residual, own)
+    feedback.settle(residual)

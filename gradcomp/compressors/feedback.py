@@ -86,19 +86,11 @@ class ErrorFeedback(Compressor):
     def _owner_key(self, bucket: Bucket, comm: Communicator) -> str:
         return f"owner:{digest(bucket.layout_text()):x}:{comm.rank}/{comm.size}"
 
-    def add_owner_residual(self, bucket: Bucket, comm: Communicator, mine: Array, slice_len: int) -> None:
+    def owner_residual(self, bucket: Bucket, comm: Communicator, slice_len: int, dtype: DTypeLike,
+                       like: Array) -> Array:
+        """This rank's residual as the owner of its slice of ``bucket`` (updated in place)."""
         key = self._owner_key(bucket, comm)
-        flat, _ = self.owner_residuals.region([(key, 0, (slice_len,))], slice_len, mine.dtype, like=mine)
-        add_into(mine, flat)
-
-    def keep_owner_residual(self, bucket: Bucket, comm: Communicator, mine: Array, own: Array,
-                            slice_len: int) -> None:
-        key = self._owner_key(bucket, comm)
-        flat, _ = self.owner_residuals.region([(key, 0, (slice_len,))], slice_len, mine.dtype, like=mine)
-        flat[...] = mine
-        with np.errstate(invalid="ignore", over="ignore"):
-            subtract_into(flat, own)
-        _reset_non_finite(flat)
+        return self.owner_residuals.region([(key, 0, (slice_len,))], slice_len, dtype, like=like)[0]
 
     # -- Schedule hand-over and checkpoints ----------------------------------------------------------------
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
