@@ -109,3 +109,54 @@ def test_compiled_and_numpy_kernels_give_the_same_bits(monkeypatch, name):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"step {k} differs"
     for key in slow_state:
         assert np.array_equal(np.asarray(fast_state[key]), np.asarray(slow_state[key])), key
+
+
+@pytest.mark.parametrize("case", ["heavy-tailed", "mostly-zero", "constant", "nan", "small"])
+def test_topk_selection_on_large_buckets(case):
+    """top-k's sampled threshold (buckets of 2**18 values and more) picks a true top k, the same
+    positions as a full argpartition where magnitudes are distinct, NaN counted as largest, and
+    falls back to the full sort where the estimate fails (ties, NaN)."""
+    from gradcomp.comm import Workspace
+    from gradcomp.compressors.sparse import TopK, _k
+
+    rng = np.random.default_rng(7)
+    n = 700_001 if case != "small" else 5_000
+    x = {"heavy-tailed": rng.standard_t(2, n), "small": rng.standard_t(2, n),
+         "mostly-zero": np.where(rng.random(n) < 0.002, rng.standard_normal(n), 0.0),
+         "constant": np.full(n, -3.0),
+         "nan": np.where(rng.random(n) < 0.2, np.nan, rng.standard_normal(n))}[case].astype(np.float32)
+    k = _k(n, 0.01)
+    top = TopK()._top(x, k, Workspace())
+    key = np.where(np.isnan(x), np.inf, np.abs(x))
+    chosen = np.zeros(n, bool)
+    chosen[top] = True
+    assert top.shape == (k,) and np.all(np.diff(top) > 0)
+    assert key[chosen].min() >= key[~chosen].max()
+    if case in ("heavy-tailed", "small"):
+        assert np.array_equal(top, np.sort(np.argpartition(np.abs(x), n - k)[n - k:]))
+
+
+def test_topk_feedback_in_one_pass_equals_the_steps(monkeypatch):
+    """``TopK.encode_with_feedback`` (residual updated without decoding) gives the bits of the
+    runner's steps (add, encode, decode, subtract), over several steps of error feedback."""
+    from gradcomp.compressors import sparse
+
+    comm = gc.MPICommunicator(pipeline_depth=0)
+    rng = np.random.default_rng(3)
+    steps = [rng.standard_t(3, 300_000).astype(np.float32) for _ in range(4)]
+    steps[2][[5, 70_000]] = [np.nan, np.inf]
+
+    def run(fused):
+        comp = gc.make("topk")
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(sparse.TopK, "encode_with_feedback", lambda *a: False)
+            outs = [comp.reduce(gc.Bucket(x.copy(), 0, scratch=True), comm).result().copy() for x in steps]
+        return outs, comp.state_dict()
+
+    (fast, fast_state), (slow, slow_state) = run(True), run(False)
+    for k, (a, b) in enumerate(zip(fast, slow)):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"step {k} differs"
+    for key in slow_state:
+        assert np.array_equal(np.asarray(fast_state[key]), np.asarray(slow_state[key])), key
+    comm.close()
