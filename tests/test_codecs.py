@@ -136,21 +136,21 @@ def test_topk_selection_on_large_buckets(case):
         assert np.array_equal(top, np.sort(np.argpartition(np.abs(x), n - k)[n - k:]))
 
 
-def test_topk_feedback_in_one_pass_equals_the_steps(monkeypatch):
-    """``TopK.encode_with_feedback`` (residual updated without decoding) gives the bits of the
-    runner's steps (add, encode, decode, subtract), over several steps of error feedback."""
-    from gradcomp.compressors import sparse
-
+@pytest.mark.parametrize("name", ["topk", "randomk"])
+def test_sparse_feedback_in_one_pass_equals_the_steps(monkeypatch, name):
+    """The sparsifiers' ``encode_with_feedback`` (residual updated without decoding) gives the
+    bits of the runner's steps (add, encode, decode, subtract, settle), over several steps of error
+    feedback, a NaN and an Inf among them."""
     comm = gc.MPICommunicator(pipeline_depth=0)
     rng = np.random.default_rng(3)
     steps = [rng.standard_t(3, 300_000).astype(np.float32) for _ in range(4)]
     steps[2][[5, 70_000]] = [np.nan, np.inf]
 
     def run(fused):
-        comp = gc.make("topk")
+        comp = gc.make(name)
         with monkeypatch.context() as m:
             if not fused:
-                m.setattr(sparse.TopK, "encode_with_feedback", lambda *a: False)
+                m.setattr(type(comp.inner), "encode_with_feedback", lambda *a: False)
             outs = [comp.reduce(gc.Bucket(x.copy(), 0, scratch=True), comm).result().copy() for x in steps]
         return outs, comp.state_dict()
 

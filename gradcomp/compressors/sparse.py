@@ -150,6 +150,20 @@ class RandomK(Codec):
         with np.errstate(all="ignore"):
             message[k] = 0 if bool(array_module(x).isfinite(x.sum())) else np.nan
 
+    def encode_with_feedback(self, x: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
+        """As ``TopK``'s: ``residual`` becomes ``x + residual``, zero where sent, all zero when the
+        bucket was not finite (what decoding a NaN-flagged message and settling would leave)."""
+        if residual.dtype != x.dtype:
+            return False
+        add_into(residual, x)
+        self.encode(residual, message, workspace)
+        k = message.shape[0] - 1
+        if bool(array_module(message).isfinite(message[k])):
+            residual[workspace.array(self, "index", k, np.int64, like=x)] = 0
+        else:
+            residual[...] = 0
+        return True
+
     def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         k = message.shape[0] - 1
         index = workspace.array(self, "index", k, np.int64, like=out)
