@@ -191,6 +191,16 @@ def subtract_into(acc: Array, other: Array) -> Array:
     return acc
 
 
+def zero_non_finite(flat: Array) -> None:
+    """Zero the NaN and Inf entries of ``flat`` (an error-feedback residual after a bad step, so
+    one bad step does not poison the following ones); one cheap sum decides whether to look."""
+    xp = array_module(flat)
+    with np.errstate(all="ignore"):
+        total = flat.sum()  # NaN or Inf anywhere makes it non-finite (an overflow only costs a look)
+    if not bool(xp.isfinite(total)):
+        flat[~xp.isfinite(flat)] = 0
+
+
 def to_host(array: Array) -> np.ndarray:
     """A NumPy view/copy of ``array`` (synchronous for CuPy)."""
     if is_device_array(array):

@@ -68,8 +68,10 @@ class Codec(Compressor):
 
     def encode_with_feedback(self, x: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
         """Optional: encode ``x + residual`` and leave in ``residual`` what the message misses, in
-        one pass (``ErrorFeedback`` calls it where it can). Return False, having changed
-        nothing, where this codec or these arrays cannot; the runner then does it in steps."""
+        one pass (``ErrorFeedback`` calls it where it can), its NaN and Inf entries zeroed
+        (``zero_non_finite``: a kernel that knows there are none skips that look, a pass over the
+        residual). Return False, having changed nothing, where this codec or these arrays
+        cannot; the runner then does it in steps."""
         return False
 
     def compute_dtype(self, dtype: DTypeLike) -> np.dtype:
@@ -160,7 +162,6 @@ def _fused(codec: Codec, bucket: Bucket, pieces: list[tuple[int, int, Array]], w
             if k:
                 raise RuntimeError(f"{codec.describe()}: encode_with_feedback took some slices only")
             return False
-    feedback.settle(residual)
     return True
 
 
@@ -248,4 +249,4 @@ def _encode_owner(codec: Codec, bucket: Bucket, comm: Communicator, feedback: Er
         residual[...] = mine
         with np.errstate(invalid="ignore", over="ignore"):  # NaN or Inf: settled just below
             subtract_into(residual, own)
-    feedback.settle(residual)
+        feedback.settle(residual)

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..arrays import Array, DTypeLike, array_module, subtract_into, add_into
+from ..arrays import Array, DTypeLike, add_into, subtract_into, zero_non_finite
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
 from ..params import check_bool
@@ -81,7 +81,7 @@ class ErrorFeedback(Compressor):
     @staticmethod
     def settle(flat: Array) -> None:
         """A residual that turned NaN or Inf (a bad step) is reset there, not carried on."""
-        _reset_non_finite(flat)
+        zero_non_finite(flat)
 
     def _owner_key(self, bucket: Bucket, comm: Communicator) -> str:
         return f"owner:{digest(bucket.layout_text()):x}:{comm.rank}/{comm.size}"
@@ -127,12 +127,3 @@ class ErrorFeedback(Compressor):
             self.inner.load_state_dict(inner, known)  # checks its part before anything changes
         self.residuals.load(residuals)
         self.owner_residuals.load(owners)
-
-
-def _reset_non_finite(flat: Array) -> None:
-    """Zero the non-finite entries of a residual; one cheap sum decides whether to look."""
-    xp = array_module(flat)
-    with np.errstate(all="ignore"):
-        total = flat.sum()  # NaN or Inf anywhere makes it non-finite (an overflow only costs a look)
-    if not bool(xp.isfinite(total)):
-        flat[~xp.isfinite(flat)] = 0

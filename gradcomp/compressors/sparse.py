@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..arrays import Array, DTypeLike, add_into, array_module
+from ..arrays import Array, DTypeLike, add_into, array_module, zero_non_finite
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
 from ..params import check_float, check_int
@@ -68,6 +68,7 @@ class TopK(Codec):
         self.encode(residual, message, workspace)
         index, _ = self._views(message, x.shape[0])
         residual[index] = 0
+        zero_non_finite(residual)
         return True
 
     def _top(self, x: Array, k: int, workspace: Workspace) -> Array:
@@ -160,6 +161,7 @@ class RandomK(Codec):
         k = message.shape[0] - 1
         if bool(array_module(message).isfinite(message[k])):
             residual[workspace.array(self, "index", k, np.int64, like=x)] = 0
+            zero_non_finite(residual)
         else:
             residual[...] = 0
         return True

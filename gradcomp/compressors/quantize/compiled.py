@@ -171,7 +171,9 @@ def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp):
     and per chunk the mean magnitude, summed in float64 in eight lanes (lane k takes values
     8j + k in order, then the lanes are added in order: ``onebit`` does the same in NumPy); with
     ``feedback``, ``x = g + e`` first and ``e = x - scale * sign`` after. ``width`` and every
-    chunk's length are multiples of 8."""
+    chunk's length are multiples of 8. Returns how many chunks have a non-finite scale: only
+    those can leave a non-finite residual (elsewhere ``|e| <= max(|x|, scale)``)."""
+    bad = 0
     for c in range(scales.shape[0]):
         start = c * width
         gs = g[start:start + width]
@@ -198,6 +200,8 @@ def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp):
         total = ((((((a0 + a1) + a2) + a3) + a4) + a5) + a6) + a7
         scale = np.float32(total / n)
         scales[c] = scale
+        if not np.isfinite(scale):
+            bad += 1
         bs = bits[start // 8:(start + n) // 8]
         for j in range(n // 8):
             byte = np.uint8(0)
@@ -211,6 +215,7 @@ def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp):
                 for k in range(8):
                     bit = (byte >> np.uint8(k)) & np.uint8(1)
                     es[8 * j + k] = xs[8 * j + k] - (scale if bit else -scale)
+    return bad
 
 
 @_kernel

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...arrays import Array, ArrayModule, array_module
+from ...arrays import Array, ArrayModule, array_module, zero_non_finite
 from ...comm import Workspace
 from ..codec import Codec
 from .kernels import _compiled, chunk_count
@@ -53,7 +53,9 @@ class OneBit(Codec):
         jit = _compiled(x, scales, bits, *(() if residual is None else (residual,)))
         if jit is not None and x.dtype == np.float32:
             tmp = workspace.array(self, "tmp", CHUNK, np.float32, like=x)
-            jit.onebit_encode_chunks(x, residual if feedback else x, CHUNK, scales, bits, feedback, tmp)
+            bad = jit.onebit_encode_chunks(x, residual if feedback else x, CHUNK, scales, bits, feedback, tmp)
+            if bad and residual is not None:
+                zero_non_finite(residual)  # a non-finite scale: that chunk's residual is NaN or Inf
             return True
         if feedback:
             return False  # the runner adds the residual and keeps the error itself

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...arrays import Array, DTypeLike
+from ...arrays import Array, DTypeLike, zero_non_finite
 from ...comm import Workspace
 from ...params import check_choice
 from ..codec import Codec
@@ -73,6 +73,7 @@ class QuantizedAllreduce(Codec):
                 own = np.zeros_like(xs)
                 dequantize(own, params[:, c0:c1], codes[part], CHUNK, add=True)
                 np.subtract(xs, own, out=residual[part])
+                zero_non_finite(residual[part])  # the other chunks' residuals are finite
         if self.bits == 4:
             pack4(codes, packed)
         return True
