@@ -79,15 +79,16 @@ class Method:
     broken: str = ""  # why it is left out of "all" (it still runs when named)
     broken_paths: tuple = ()  # ((worker path, why), ...): left out of "all" on that path only
     transport: str = "mpi"  # gradcomp: "mpi", "gloo" (TorchCommunicator) or "mpi-allreduce"
-    hook: Callable | None = field(default=None, repr=False)  # torch: (world_size) -> (state, hook)
+    hook: Callable | None = field(default=None, repr=False)  # torch: (world_size, group) -> (state, hook)
 
-    def build(self, world_size: int | None = None) -> Any:
-        """gradcomp: a fresh compressor; torch: ``(state, hook)`` for ``register_comm_hook``."""
+    def build(self, world_size: int | None = None, group: Any = None) -> Any:
+        """gradcomp: a fresh compressor; torch: ``(state, hook)`` for ``register_comm_hook``,
+        its collectives on ``group`` (None: the default process group)."""
         if self.kind == "gradcomp":
             assert self.spec is not None  # every gradcomp method has one
             return make(self.spec)
         assert self.hook is not None  # every torch method has one
-        return self.hook(world_size)
+        return self.hook(world_size, group)
 
     def communicator(self, shared: dict) -> Any:
         """The communicator a gradcomp method runs on (one of each kind per process, in
@@ -148,31 +149,53 @@ def gradcomp_specs() -> list[str]:
 
 
 # -- PyTorch's own hooks -------------------------------------------------------------------------
-def _torch_hook(name: str, rank: int | None = None) -> Callable[[int | None], tuple[Any, Callable[..., Any]]]:
-    def build(world_size: int | None) -> tuple[Any, Callable[..., Any]]:
+def _torch_hook(name: str, rank: int | None = None) -> Callable[[int | None, Any], tuple[Any, Callable[..., Any]]]:
+    def build(world_size: int | None, group: Any = None) -> tuple[Any, Callable[..., Any]]:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
         from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as qh
         if name == "allreduce":
-            return None, dh.allreduce_hook
+            return group, dh.allreduce_hook
         if name == "fp16":
-            return None, dh.fp16_compress_hook
+            return group, dh.fp16_compress_hook
         if name == "bf16":
-            return None, dh.bf16_compress_hook
+            return group, dh.bf16_compress_hook
         if name == "quantize-tensor":
-            return None, qh.quantization_pertensor_hook
+            return group, qh.quantization_pertensor_hook
         if name == "quantize-channel":
-            return None, qh.quantization_perchannel_hook
+            return group, qh.quantization_perchannel_hook
         if name in ("powersgd", "fp16-powersgd"):
-            state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+            state = ph.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
                                      start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
                                      random_seed=0)
             hook: Callable[..., Any] = ph.powerSGD_hook
             if name == "fp16-powersgd":
                 hook = dh.fp16_compress_wrapper(hook)
-            return state, hook
+            return state, _one_bucket_at_a_time(hook)
         raise ValueError(name)
     return build
+
+
+def _one_bucket_at_a_time(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` with each bucket's future waited for before the next bucket's hook starts.
+
+    PyTorch's PowerSGD hook issues its second allreduce (of Q) from a callback of the first
+    one's future, which runs on whichever thread completes it, or at once when it is already
+    done: under DDP, with several buckets in flight, the ranks then enqueue bucket k's second
+    allreduce and bucket k+1's first in different orders. Over gloo on the capped link that hung
+    DDP or aborted the process ("Received data size doesn't match expected size"). In sequence,
+    every rank issues the same collectives in the same order; the bucket-level overlap the hook
+    loses is what gradcomp's communicator keeps by ordering its collectives on one thread."""
+    previous: list[Any] = []
+
+    def ordered(state, bucket):  # unannotated: DDP refuses the strings postponed annotations give
+        if previous:
+            previous.pop().wait()
+        future = hook(state, bucket)
+        previous.append(future)
+        return future
+
+    return ordered
 
 
 _GLOO_QUANTIZE = ("PyTorch 2.13 over gloo: on small buckets the hook raises IndexError in "
