@@ -350,17 +350,10 @@ class DDPPath:
     def module(self) -> Any:
         return _torch_classes()["module"](self.storage, self.consts, self.args.backward == "fresh")
 
-    def ddp(self) -> tuple[Any, Any]:
-        """(a DDP model, the process group of its own it runs on). One group per model: the
-        models of a round-robin run are alive together, and PyTorch 2.13's gloo aborted the
-        process ("Received data size doesn't match expected size") when a model was built on the
-        default group after PyTorch's hooks had run on it, on the capped link."""
-        import torch.distributed as dist
+    def ddp(self) -> Any:
         from torch.nn.parallel import DistributedDataParallel
 
-        group = dist.new_group(list(range(self.size)))
-        return DistributedDataParallel(self.module(), bucket_cap_mb=self.args.bucket_mb,
-                                       process_group=group), group
+        return DistributedDataParallel(self.module(), bucket_cap_mb=self.args.bucket_mb)
 
     def baselines(self) -> list[_Case]:
         return [_Backward(self), _DDPCase(self, None)]
@@ -413,7 +406,7 @@ class _DDPCase(_ModelCase):
             self.kind = "torch"
         else:
             super().__init__(m.name, m.label, m)
-        self.model, self.group = path.ddp()
+        self.model = path.ddp()
         if m is None:
             return
         if m.kind == "gradcomp":
@@ -422,7 +415,7 @@ class _DDPCase(_ModelCase):
             self.compressor = m.build()
             register(self.model, self.compressor, comm=m.communicator(path.shared))
         else:
-            state, hook = m.build(path.size, self.group)
+            state, hook = m.build(path.size)
             self.model.register_comm_hook(state, hook)
 
     def begin(self) -> None:
