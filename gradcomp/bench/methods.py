@@ -79,16 +79,15 @@ class Method:
     broken: str = ""  # why it is left out of "all" (it still runs when named)
     broken_paths: tuple = ()  # ((worker path, why), ...): left out of "all" on that path only
     transport: str = "mpi"  # gradcomp: "mpi", "gloo" (TorchCommunicator) or "mpi-allreduce"
-    hook: Callable | None = field(default=None, repr=False)  # torch: (world_size, group) -> (state, hook)
+    hook: Callable | None = field(default=None, repr=False)  # torch: (world_size) -> (state, hook)
 
-    def build(self, world_size: int | None = None, group: Any = None) -> Any:
-        """gradcomp: a fresh compressor; torch: ``(state, hook)`` for ``register_comm_hook``,
-        its collectives on ``group`` (None: the default process group)."""
+    def build(self, world_size: int | None = None) -> Any:
+        """gradcomp: a fresh compressor; torch: ``(state, hook)`` for ``register_comm_hook``."""
         if self.kind == "gradcomp":
             assert self.spec is not None  # every gradcomp method has one
             return make(self.spec)
         assert self.hook is not None  # every torch method has one
-        return self.hook(world_size, group)
+        return self.hook(world_size)
 
     def communicator(self, shared: dict) -> Any:
         """The communicator a gradcomp method runs on (one of each kind per process, in
@@ -149,23 +148,23 @@ def gradcomp_specs() -> list[str]:
 
 
 # -- PyTorch's own hooks -------------------------------------------------------------------------
-def _torch_hook(name: str, rank: int | None = None) -> Callable[[int | None, Any], tuple[Any, Callable[..., Any]]]:
-    def build(world_size: int | None, group: Any = None) -> tuple[Any, Callable[..., Any]]:
+def _torch_hook(name: str, rank: int | None = None) -> Callable[[int | None], tuple[Any, Callable[..., Any]]]:
+    def build(world_size: int | None) -> tuple[Any, Callable[..., Any]]:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
         from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as qh
         if name == "allreduce":
-            return group, dh.allreduce_hook
+            return None, dh.allreduce_hook
         if name == "fp16":
-            return group, dh.fp16_compress_hook
+            return None, dh.fp16_compress_hook
         if name == "bf16":
-            return group, dh.bf16_compress_hook
+            return None, dh.bf16_compress_hook
         if name == "quantize-tensor":
-            return group, qh.quantization_pertensor_hook
+            return None, qh.quantization_pertensor_hook
         if name == "quantize-channel":
-            return group, qh.quantization_perchannel_hook
+            return None, qh.quantization_perchannel_hook
         if name in ("powersgd", "fp16-powersgd"):
-            state = ph.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
+            state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                      start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
                                      random_seed=0)
             hook: Callable[..., Any] = ph.powerSGD_hook
