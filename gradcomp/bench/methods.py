@@ -197,10 +197,10 @@ def _one_bucket_at_a_time(hook: Callable[..., Any]) -> Callable[..., Any]:
     return ordered
 
 
-_GLOO_QUANTIZE = ("PyTorch 2.13 over gloo: on small buckets the hook raises IndexError in "
-                  "quantize_and_allgather (it indexes the all_gather future's value as NCCL returns "
-                  "it); on ResNet-50 buckets gloo aborts the process ('Received data size doesn't "
-                  "match expected size')")
+_GLOO_QUANTIZE = ("PyTorch 2.13 over gloo: the hook raises IndexError in quantize_and_allgather (it "
+                  "indexes the all_gather future's value as NCCL returns it), on small buckets and "
+                  "on ResNet-50's (4 ranks, loopback); on the capped link gloo aborted the process "
+                  "('Received data size doesn't match expected size')")
 
 TORCH_HOOKS = [
     Method("torch-allreduce", "torch", transport="gloo", same_as="allreduce", label="torch allreduce_hook",
