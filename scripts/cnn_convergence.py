@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from gradcomp import launcher
-from gradcomp.bench.tables import aligned_table
+from gradcomp.bench.tables import aligned_table, failures, run_each
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "torch_ddp.py"
@@ -79,19 +79,13 @@ def table(results: dict[str, dict]) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    results = {}
-    for i, name in enumerate(args.compressors, 1):
-        print(f"[{i}/{len(args.compressors)}] {name} on {args.ranks} ranks ...", end=" ", file=sys.stderr, flush=True)
-        r = results[name] = run_once(name, args)
-        status = f"{r['error']}" if "error" in r else f"{r['test_accuracy']:.2f} %"
-        print(f"{r['wall_seconds']:.0f} s, {status}", file=sys.stderr, flush=True)
+    results = run_each(args.compressors, args.ranks, lambda name: run_once(name, args),
+                       lambda r: f"{r['test_accuracy']:.2f} %")
     extra = " ".join(args.example_args)
     print(f"\nDigits CNN (examples/torch_ddp.py{' ' + extra if extra else ''}) on {args.ranks} ranks; "
           f"test accuracy of rank 0 after training\n")
     print(table(results))
-    for name, r in results.items():
-        if "error" in r:
-            print(f"\n{name} FAILED ({r['error']}), last lines:\n    " + "\n    ".join(r["tail"]))
+    print(failures(results), end="")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from gradcomp.bench.tables import aligned_table
+from gradcomp import launcher
+from gradcomp.bench.tables import aligned_table, failures, run_each
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "torch_lm.py"
@@ -56,19 +55,14 @@ def run_once(name: str, args) -> dict:
     """One mpiexec job: its JSON summary plus ``wall_seconds``, or {"error": ..., "tail": [...]}."""
     out_json = args.out / f"{name}.json"
     out_json.unlink(missing_ok=True)
-    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(args.ranks), sys.executable,
-           str(EXAMPLE), "--compressor", name, "--json", str(out_json), *args.extra]
+    cmd = [str(EXAMPLE), "--compressor", name, "--json", str(out_json), *args.extra]
     if args.steps:
         cmd += ["--steps", str(args.steps)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
-        output, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        output = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        code = f"timeout after {args.timeout:.0f} s"
+    done = launcher.run(args.ranks, cmd, timeout=args.timeout, cwd=ROOT)
     wall = time.perf_counter() - start
+    output = done.output
+    code = f"timeout after {args.timeout:.0f} s" if done.hung else done.returncode
     (args.out / f"{name}.log").write_text(output)
     if code != 0 or not out_json.exists():
         return {"compressor": name, "error": f"exit {code}", "tail": output.strip().splitlines()[-12:],
@@ -153,19 +147,12 @@ def main(argv=None) -> int:
         plot(results, args.out / "convergence.png", next(iter(results.values())).get("ranks", args.ranks))
         print(f"\nwrote {args.out / 'convergence.png'}")
         return 0
-    results = {}
-    for i, name in enumerate(args.compressors, 1):
-        print(f"[{i}/{len(args.compressors)}] {name} on {args.ranks} ranks ...", end=" ", file=sys.stderr, flush=True)
-        r = results[name] = run_once(name, args)
-        status = f"{r['error']}:\n    " + "\n    ".join(r["tail"]) if "error" in r else \
-            f"val loss {r['final_val_loss']:.4f}"
-        print(f"{r['wall_seconds']:.0f} s, {status}", file=sys.stderr, flush=True)
+    results = run_each(args.compressors, args.ranks, lambda name: run_once(name, args),
+                       lambda r: f"val loss {r['final_val_loss']:.4f}")
     print(f"\nexamples/torch_lm.py on {args.ranks} ranks; final validation loss in nats per byte; "
           f"bytes and compression over the second half of training\n")
     print(table(results))
-    for name, r in results.items():
-        if "error" in r:
-            print(f"\n{name} FAILED ({r['error']}), last lines:\n    " + "\n    ".join(r["tail"]))
+    print(failures(results), end="")
     (args.out / "convergence.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out / "convergence.png", args.ranks)
     print(f"\nwrote {args.out / 'convergence.json'} and {args.out / 'convergence.png'}")

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from ..arrays import Array, DTypeLike, add_into, array_module, cast, dtype_name, subtract_into
+from ..arrays import Array, DTypeLike, add_into, array_module, cast, dtype_name
 from ..bucket import Bucket
 from ..comm import Communicator, Workspace
 from .base import Compressor
@@ -246,7 +246,4 @@ def _encode_owner(codec: Codec, bucket: Bucket, comm: Communicator, feedback: Er
         codec.encode(mine, second, ws)
         own = ws.array(codec, "own2", mine.shape[0], mine.dtype, like=mine)
         codec.decode(second, own, ws)
-        residual[...] = mine
-        with np.errstate(invalid="ignore", over="ignore"):  # NaN or Inf: settled just below
-            subtract_into(residual, own)
-        feedback.settle(residual)
+        feedback.keep(residual, mine, own)

@@ -72,15 +72,14 @@ class ErrorFeedback(Compressor):
         add_into(x, self.residual(bucket, x.dtype, x))
 
     def keep_residual(self, bucket: Bucket, x: Array, own: Array) -> None:
-        flat = self.residual(bucket, x.dtype, x)
+        self.keep(self.residual(bucket, x.dtype, x), x, own)
+
+    @staticmethod
+    def keep(flat: Array, x: Array, own: Array) -> None:
+        """``flat = x - own``, what the message missed (a worker's or a slice owner's), settled."""
         flat[...] = x
         with np.errstate(invalid="ignore", over="ignore"):  # NaN or Inf: settled just below
             subtract_into(flat, own)
-        self.settle(flat)
-
-    @staticmethod
-    def settle(flat: Array) -> None:
-        """A residual that turned NaN or Inf (a bad step) is reset there, not carried on."""
         zero_non_finite(flat)
 
     def _owner_key(self, bucket: Bucket, comm: Communicator) -> str:

@@ -74,13 +74,12 @@ class TopK(Codec):
     def _top(self, x: Array, k: int, workspace: Workspace) -> Array:
         """The positions of ``x``'s ``k`` largest magnitudes, ascending (NaN counts as largest).
 
-        A full ``argpartition`` costs about 12 ns a value; instead a strided sample of 1 in
-        ``n / 65536`` estimates the magnitude that about ``1.5 k`` values reach, one pass collects
+        Instead of a full ``argpartition``, a strided sample of 1 in ``n / 65536`` estimates the magnitude that about ``1.5 k`` values reach, one pass collects
         the values at or above it (NaN included: ``not < t``), and ``argpartition`` runs on those
         only. Every value at or above the estimate is a candidate, so when at least ``k`` are, the
         candidates' top k are the bucket's top k; when fewer are (a sample that missed a heavy
         tail), or more than an eighth of the bucket (ties at the estimate: mostly zeros, NaN),
-        the full ``argpartition`` decides. 7x faster on a 6.4 M-value gradient bucket."""
+        the full ``argpartition`` decides (BENCHMARKS.md, section 5, has the speed)."""
         n = x.shape[0]
         xp = array_module(x)
         magnitude = workspace.array(self, "magnitude", n, np.float32, like=x)
@@ -159,9 +158,8 @@ class RandomK(Codec):
         add_into(residual, x)
         self.encode(residual, message, workspace)
         k = message.shape[0] - 1
-        if bool(array_module(message).isfinite(message[k])):
+        if bool(array_module(message).isfinite(message[k])):  # then the whole residual is finite
             residual[workspace.array(self, "index", k, np.int64, like=x)] = 0
-            zero_non_finite(residual)
         else:
             residual[...] = 0
         return True
