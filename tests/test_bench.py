@@ -313,6 +313,10 @@ def test_worker_measures_each_path(tmp_path, path):
         assert len(r["times_s"]) == 2 and all(np.isfinite(t) and t > 0 for t in r["times_s"]), name
         assert r["time_s"] > 0 and np.isfinite(r["time_s"]), name
         assert len(r["faults"]) == 2 and r["faults_per_step"] >= 0, name
+        # CPU of both ranks per step, and its floor: that CPU spread over the cores, per fp32 step
+        assert r["cpu_s"] > 0 and 0 <= r["cpu_system_share"] <= 1, name
+        assert r["cpu_floor_vs_allreduce"] == pytest.approx(
+            r["cpu_s"] / len(os.sched_getaffinity(0)) / by["allreduce"]["time_s"]), name
     fp32 = 2 * (2 - 1) / 2 * 4 * n
     for name in ("allreduce", "torch-allreduce") + (("ddp",) if path == "ddp" else ()):
         assert by[name]["bytes_per_rank"] == pytest.approx(fp32), name
@@ -371,7 +375,7 @@ def test_bench_cli_writes_json_csv_and_figures(tmp_path):
                 "bytes_vs_ranks-tiny-reducer.png", "kernels.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     summary = (out / "summary.md").read_text()
-    assert "| allreduce |" in summary and "faults/step" in summary
+    assert "| allreduce |" in summary and "faults/step" in summary and "CPU floor / fp32" in summary
 
 
 def test_worker_blocks_order_times_every_method(tmp_path):

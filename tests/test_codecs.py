@@ -72,18 +72,17 @@ def test_sparsifiers_send_what_they_promise():
     run_ranks(3, "tests.test_codecs:rank_sparsifiers")
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "onebit", "int8-noef", "int4-noef", "onebit-noef"])
-def test_compiled_and_numpy_kernels_give_the_same_bits(monkeypatch, name):
-    """The fused error-feedback kernels against the NumPy sequence, step after step (with NaN,
-    infinities and signed zeros in some chunks): every rank must compute the same bits whichever
-    kernels it has."""
-    from gradcomp import jit
+TWO_STAGE = ["int8", "int4", "onebit", "int8-noef", "int4-noef", "onebit-noef"]
+
+
+def _compiled_and_numpy_bits(name, comm):
+    """Run ``name`` for 6 steps (NaN, infinities and signed zeros in step 3) with the compiled
+    kernels and with them hidden; assert every output and every state entry has the same bits."""
+    from unittest import mock
+
     from gradcomp.compressors.quantize import onebit, twostage
 
-    if not jit.available():
-        pytest.skip("numba kernels unavailable")
-    comm = gc.MPICommunicator(pipeline_depth=0)
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(1 + comm.rank)
     steps = []
     for k in range(6):
         x = rng.standard_t(3, 512 * 7 + 130).astype(np.float32)
@@ -96,19 +95,43 @@ def test_compiled_and_numpy_kernels_give_the_same_bits(monkeypatch, name):
 
     def run(compiled):
         comp = gc.make(name)
-        with monkeypatch.context() as m:
-            if not compiled:
-                m.setattr(twostage, "_compiled", lambda *a: None)
-                m.setattr(onebit, "_compiled", lambda *a: None)
+        with mock.patch.object(twostage, "_compiled", twostage._compiled if compiled else lambda *a: None), \
+                mock.patch.object(onebit, "_compiled", onebit._compiled if compiled else lambda *a: None):
             outs = [comp.reduce(gc.Bucket(x.copy(), 0, scratch=True), comm).result().copy() for x in steps]
         return outs, comp.state_dict()
 
     fast, fast_state = run(True)
     slow, slow_state = run(False)
     for k, (a, b) in enumerate(zip(fast, slow)):
-        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"step {k} differs"
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{name}: step {k} differs"
     for key in slow_state:
-        assert np.array_equal(np.asarray(fast_state[key]), np.asarray(slow_state[key])), key
+        assert np.array_equal(np.asarray(fast_state[key]), np.asarray(slow_state[key])), (name, key)
+
+
+@pytest.mark.parametrize("name", TWO_STAGE)
+def test_compiled_and_numpy_kernels_give_the_same_bits(name):
+    """The fused error-feedback kernels against the NumPy sequence, step after step: every rank
+    must compute the same bits whichever kernels it has."""
+    from gradcomp import jit
+
+    if not jit.available():
+        pytest.skip("numba kernels unavailable")
+    _compiled_and_numpy_bits(name, gc.MPICommunicator(pipeline_depth=0))
+
+
+def rank_compiled_and_numpy_bits():
+    from gradcomp import jit
+
+    if jit.available():
+        comm = gc.MPICommunicator()
+        for name in TWO_STAGE:
+            _compiled_and_numpy_bits(name, comm)
+
+
+def test_compiled_and_numpy_kernels_give_the_same_bits_on_three_ranks():
+    """The same at 3 ranks, where the slice owner averages three messages (its one-pass stage
+    against the steps) and the slices have tails."""
+    run_ranks(3, "tests.test_codecs:rank_compiled_and_numpy_bits")
 
 
 @pytest.mark.parametrize("case", ["heavy-tailed", "mostly-zero", "constant", "nan", "small"])

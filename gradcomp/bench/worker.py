@@ -36,7 +36,11 @@ median over ``--repeats`` steps that follow ``--warmup`` untimed ones (PowerSGD 
 (``getrusage(RUSAGE_SELF).ru_minflt``, all threads of the rank) are counted around every timed
 step: ``faults_per_step`` is the median over steps of the largest count of any rank (gradcomp's
 steady state should allocate nothing; with glibc's defaults every fresh allocation of tens of MB
-costs first-touch faults). By default the timed steps go round-robin over the methods, so that a
+costs first-touch faults). CPU time is counted the same way (user + system, all threads):
+``cpu_s`` is the median over steps of the sum over ranks, and ``cpu_floor_vs_allreduce`` that
+sum spread over the cores the ranks share (``len(os.sched_getaffinity(0))``) as a fraction of the
+fp32 allreduce step: a step cannot take less than its floor, whatever the network, so a method
+whose floor is near its step time is bound by the CPU, not the wire. By default the timed steps go round-robin over the methods, so that a
 burst of load from other processes slows every method alike; ``--order blocks`` builds, warms up
 and times one method at a time (as a training run repeats one method; also only one method's
 memory is alive at a time, which BERT-sized runs with many methods need). The relative error is
@@ -77,8 +81,10 @@ def _progress(rank: int, done: int, total: int, name: str) -> None:
         print(f"@progress {done} {total} {name}", flush=True)
 
 
-def _minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def _usage() -> tuple[int, float, float]:
+    """(minor page faults, user CPU s, system CPU s) of this rank so far, all its threads."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_minflt, u.ru_utime, u.ru_stime
 
 
 _CHUNK = 1 << 20
@@ -137,6 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     times: dict[str, list[float]] = {}
     faults: dict[str, list[int]] = {}
+    cpu: dict[str, list[tuple[float, float]]] = {}  # (user, system) seconds of each timed step
     errors: dict[str, float] = {}
     diffs: dict[str, float] = {}
 
@@ -164,13 +171,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         case.prepare()  # restoring overwritten gradients is not part of the step
         world.Barrier()
         with case.timed():
-            f0 = _minor_faults()
+            f0, u0, s0 = _usage()
             t0 = time.perf_counter()
             case.step()
             t = time.perf_counter() - t0
-            f = _minor_faults() - f0
+            f1, u1, s1 = _usage()
         times[case.name].append(t)
-        faults[case.name].append(f)
+        faults[case.name].append(f1 - f0)
+        cpu[case.name].append((u1 - u0, s1 - s0))
         if rep == 0:  # after the clock, kept as numbers (a copy per method would not fit in memory)
             if case.kind == "baseline":
                 errors[case.name] = 0.0
@@ -193,7 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             case.release()
     cases = list(baselines)
     for case in cases:
-        times[case.name], faults[case.name] = [], []
+        times[case.name], faults[case.name], cpu[case.name] = [], [], []
     if args.order == "blocks":
         closed = []
         for case in cases:
@@ -205,7 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if opened is None:
                 continue
             case = opened
-            times[case.name], faults[case.name] = [], []
+            times[case.name], faults[case.name], cpu[case.name] = [], [], []
             case.prepare()
             case.step()  # one more untimed step: the previous method's memory churn settles
             case.release()
@@ -220,7 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             opened = open_case(i, m)
             if opened is not None:
                 cases.append(opened)
-                times[opened.name], faults[opened.name] = [], []
+                times[opened.name], faults[opened.name], cpu[opened.name] = [], [], []
         for case in cases:
             case.begin()
         for rep in range(args.repeats):
@@ -234,8 +242,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         world.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
         most = np.array(faults[name], dtype=np.int64)
         world.Allreduce(MPI.IN_PLACE, most, op=MPI.MAX)
+        used = np.array(cpu[name], dtype=np.float64)  # (steps, 2): this rank's user, system
+        world.Allreduce(MPI.IN_PLACE, used, op=MPI.SUM)
+        total_cpu = used.sum(axis=1)
         row.update(times_s=slowest.tolist(), time_s=float(np.median(slowest)),
                    faults=most.tolist(), faults_per_step=float(np.median(most)),
+                   cpu_s=float(np.median(total_cpu)),
+                   cpu_system_share=float(used[:, 1].sum() / max(used.sum(), 1e-12)),
                    rel_error=errors[name])
         if name in diffs:
             row[f"rel_diff_vs_{reference_name}"] = diffs[name]  # (a reference ran: a name)
@@ -254,7 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                cpus=os.cpu_count(), network=os.environ.get("GRADCOMP_NETWORK", ""),
                settings=_settings(), tag=args.tag or "", reducer_arrays=args.reducer_arrays,
                backward=args.backward if args.path == "ddp" else None,
-               results=_with_ratios(results, n, size))
+               results=_with_ratios(results, n, size, len(os.sched_getaffinity(0))))
     if "backward" in by and "time_s" in by["backward"]:
         job["compute_s"] = by["backward"]["time_s"]
     if "torch" in sys.modules:  # (importing it only to say which would cost seconds)
@@ -287,8 +300,9 @@ def _apply_tag(rows: list[dict[str, Any]], tag: str) -> None:
             r["same_as"] = f"{r['same_as']} ({tag})"
 
 
-def _with_ratios(results: list[dict[str, Any]], n: int, size: int) -> list[dict[str, Any]]:
+def _with_ratios(results: list[dict[str, Any]], n: int, size: int, cores: int) -> list[dict[str, Any]]:
     by = {r["method"]: r for r in results if "time_s" in r}
+    fp32 = by.get("allreduce", {}).get("time_s")
     fp32_bytes = wire_bytes("allreduce", 4 * n, size)
     for r in results:
         if "time_s" not in r:
@@ -296,6 +310,8 @@ def _with_ratios(results: list[dict[str, Any]], n: int, size: int) -> list[dict[
         for base in ("memcpy", "backward", "ddp", "allreduce", "fp16"):
             if base in by and by[base]["time_s"] > 0:
                 r[f"time_vs_{base}"] = r["time_s"] / by[base]["time_s"]
+        if fp32 and "cpu_s" in r:
+            r["cpu_floor_vs_allreduce"] = r["cpu_s"] / cores / fp32
         if r["kind"] != "baseline":
             r["compression_ratio"] = fp32_bytes / r["bytes_per_rank"] if r["bytes_per_rank"] else None
         twin = by.get(r.get("same_as") or "")

@@ -74,6 +74,14 @@ class Codec(Compressor):
         cannot; the runner then does it in steps."""
         return False
 
+    def average_with_feedback(self, rows: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
+        """Optional, two-stage codecs: the slice owner's stage in one pass. ``rows`` holds one
+        message of this slice per rank, in rank order; decode them into a zeroed slice in that
+        order, divide by their number, then do what ``encode_with_feedback`` does with
+        ``residual`` into ``message``, with the same bits as those steps. Return False, having
+        changed nothing, where this codec or these arrays cannot; the runner then does the steps."""
+        return False
+
     def compute_dtype(self, dtype: DTypeLike) -> np.dtype:
         """The dtype ``encode`` sees: float64 buckets stay float64, others are widened to float32."""
         return np.dtype(np.float64) if dtype_name(dtype) == "float64" else np.dtype(np.float32)
@@ -210,17 +218,11 @@ def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: _Prepare
     slice_len = prepared.slice_len
     msg_len = message.shape[0] // size
     rows = comm.alltoall(message, out=ws.array(codec, "rows", message.shape[0], message.dtype, like=g))
-    mine = ws.array(codec, "slice", slice_len, compute, like=g)
-    mine[...] = 0
-    for r in range(size):
-        codec.decode(rows[r], mine, ws, add=True)
-    if size > 1:
-        xp.divide(mine, mine.dtype.type(size), out=mine)
     second = ws.array(codec, "second", msg_len, message.dtype, like=g)
-    if feedback is not None and feedback.owner_feedback:
-        _encode_owner(codec, bucket, comm, feedback, mine, second)
-    else:
-        codec.encode(mine, second, ws)
+    one_pass = feedback is not None and feedback.owner_feedback and codec.average_with_feedback(
+        rows, feedback.owner_residual(bucket, comm, slice_len, compute, like=g), second, ws)
+    if not one_pass:
+        _average_and_encode(codec, bucket, comm, feedback, rows, second, compute, slice_len)
     gathered = comm.allgather(second, out=ws.array(codec, "gathered", size * msg_len, message.dtype, like=g))
     out = _output(bucket, compute)
     for r in range(size):  # each slice straight into the output; a slice past its end via a copy
@@ -232,6 +234,23 @@ def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: _Prepare
             codec.decode(gathered[r], tail, ws)
             out[start:n] = tail[:n - start]
     return _narrow(bucket, out)
+
+
+def _average_and_encode(codec: Codec, bucket: Bucket, comm: Communicator, feedback: ErrorFeedback | None,
+                        rows: Array, second: Array, compute: DTypeLike, slice_len: int) -> None:
+    """The slice owner's stage in steps: the rows decoded and summed in rank order, divided by
+    their number, encoded (with the owner's residual where it keeps one) into ``second``."""
+    ws = comm.workspace
+    mine = ws.array(codec, "slice", slice_len, compute, like=rows)
+    mine[...] = 0
+    for r in range(comm.size):
+        codec.decode(rows[r], mine, ws, add=True)
+    if comm.size > 1:
+        array_module(mine).divide(mine, mine.dtype.type(comm.size), out=mine)
+    if feedback is not None and feedback.owner_feedback:
+        _encode_owner(codec, bucket, comm, feedback, mine, second)
+    else:
+        codec.encode(mine, second, ws)
 
 
 def _encode_owner(codec: Codec, bucket: Bucket, comm: Communicator, feedback: ErrorFeedback,

@@ -165,56 +165,120 @@ def unpack4_dequantize_chunks(acc, params, packed, width, add):
                 a[2 * j + 1] = (np.float32(0.0) + high * scale) + lo
 
 
+#: multiplying 8 bytes of 0 or 1 (a uint64, little-endian) by this gathers byte k's bit into bit
+#: 56 + k, with no carries between the partial products: the 8 signs packed in one multiply
+_GATHER_BITS = np.uint64(0x0102040810204080)
+
+
+@njit(inline="always")
+def _onebit_chunk(xs, n, es, feedback, flags, bs):
+    """Encode the ``n`` values of ``xs`` (a chunk, in the L1 cache): its mean magnitude (float64,
+    eight lanes: lane k takes values 8j + k in order, then the lanes in order, as ``onebit`` does
+    in NumPy), its signs packed into ``bs`` (value 8j + k is bit k of byte j, 1 = not negative),
+    and with ``feedback`` ``es = xs - scale * sign``. Returns the scale. Separate loops, each one
+    LLVM vectorizes (a fused loop does not)."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
+    for j in range(n // 8):
+        b = 8 * j
+        a0 += abs(np.float64(xs[b]))
+        a1 += abs(np.float64(xs[b + 1]))
+        a2 += abs(np.float64(xs[b + 2]))
+        a3 += abs(np.float64(xs[b + 3]))
+        a4 += abs(np.float64(xs[b + 4]))
+        a5 += abs(np.float64(xs[b + 5]))
+        a6 += abs(np.float64(xs[b + 6]))
+        a7 += abs(np.float64(xs[b + 7]))
+    total = ((((((a0 + a1) + a2) + a3) + a4) + a5) + a6) + a7
+    scale = np.float32(total / n)
+    fs = flags[:n]
+    for i in range(n):
+        fs[i] = np.uint8(xs[i] >= np.float32(0.0))
+    eights = flags.view(np.uint64)
+    for j in range(n // 8):
+        bs[j] = np.uint8((eights[j] * _GATHER_BITS) >> np.uint64(56))
+    if feedback:
+        neg = -scale
+        for i in range(n):
+            es[i] = xs[i] - (scale if xs[i] >= np.float32(0.0) else neg)
+    return scale
+
+
 @_kernel
-def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp):
-    """Sign bits (little-endian within a byte: value 8j + k is bit k of byte j; 1 = not negative)
-    and per chunk the mean magnitude, summed in float64 in eight lanes (lane k takes values
-    8j + k in order, then the lanes are added in order: ``onebit`` does the same in NumPy); with
-    ``feedback``, ``x = g + e`` first and ``e = x - scale * sign`` after. ``width`` and every
-    chunk's length are multiples of 8. Returns how many chunks have a non-finite scale: only
-    those can leave a non-finite residual (elsewhere ``|e| <= max(|x|, scale)``)."""
+def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp, flags):
+    """Sign bits and a mean-magnitude scale per chunk (``_onebit_chunk``); with ``feedback``,
+    ``x = g + e`` first and ``e = x - scale * sign`` after. ``width`` and every chunk's length
+    are multiples of 8; ``tmp`` (float32) and ``flags`` (uint8) hold ``width`` values. Returns
+    how many chunks have a non-finite scale: only those can leave a non-finite residual
+    (elsewhere ``|e| <= max(|x|, scale)``)."""
     bad = 0
     for c in range(scales.shape[0]):
         start = c * width
         gs = g[start:start + width]
         n = gs.shape[0]
         xs = tmp[:n]
+        es = e[start:start + n]
         if feedback:
-            es = e[start:start + width]
             for i in range(n):
                 xs[i] = gs[i] + es[i]
         else:
             for i in range(n):
                 xs[i] = gs[i]
-        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0  # eight independent sums vectorize
-        for j in range(n // 8):
-            b = 8 * j
-            a0 += abs(np.float64(xs[b]))
-            a1 += abs(np.float64(xs[b + 1]))
-            a2 += abs(np.float64(xs[b + 2]))
-            a3 += abs(np.float64(xs[b + 3]))
-            a4 += abs(np.float64(xs[b + 4]))
-            a5 += abs(np.float64(xs[b + 5]))
-            a6 += abs(np.float64(xs[b + 6]))
-            a7 += abs(np.float64(xs[b + 7]))
-        total = ((((((a0 + a1) + a2) + a3) + a4) + a5) + a6) + a7
-        scale = np.float32(total / n)
+        scale = _onebit_chunk(xs, n, es, feedback, flags, bits[start // 8:(start + n) // 8])
         scales[c] = scale
         if not np.isfinite(scale):
             bad += 1
-        bs = bits[start // 8:(start + n) // 8]
-        for j in range(n // 8):
-            byte = np.uint8(0)
-            for k in range(8):
-                byte |= np.uint8(xs[8 * j + k] >= np.float32(0.0)) << np.uint8(k)
-            bs[j] = byte
-        if feedback:
-            es = e[start:start + width]
-            for j in range(n // 8):
-                byte = bs[j]
-                for k in range(8):
-                    bit = (byte >> np.uint8(k)) & np.uint8(1)
-                    es[8 * j + k] = xs[8 * j + k] - (scale if bit else -scale)
+    return bad
+
+
+@njit(inline="always")
+def _onebit_add(scale, bs, o, add):
+    """``o (+)= scale * sign`` for one chunk; a NaN scale makes it one canonical NaN (a NaN
+    product's sign is not portable)."""
+    if np.isnan(scale):
+        o[:] = np.float32(np.nan)
+        return
+    for j in range(bs.shape[0]):
+        byte = bs[j]
+        for k in range(8):
+            bit = (byte >> np.uint8(k)) & np.uint8(1)
+            value = scale if bit else -scale
+            if add:
+                o[8 * j + k] += value
+            else:
+                o[8 * j + k] = value
+
+
+@_kernel
+def onebit_owner_chunks(rows, chunks, width, n, e, scales, bits, tmp, flags):
+    """The slice owner's stage in one pass per chunk: the ``rows`` (one message per rank: float32
+    scales of ``chunks`` chunks, then the sign bits of ``n`` values) decoded and summed in rank
+    order from 0.0, divided by the number of rows, ``e`` added, encoded into ``scales`` and
+    ``bits`` and ``e`` left with the error: the operations of decoding each row into a zeroed
+    slice, dividing and ``onebit_encode_chunks`` with feedback, in the same order, without the
+    slice-sized sum. Returns the count of non-finite scales, as that kernel."""
+    size = rows.shape[0]
+    bad = 0
+    for c in range(chunks):
+        start = c * width
+        m = min(width, n - start)
+        xs = tmp[:m]
+        for i in range(m):
+            xs[i] = np.float32(0.0)
+        for r in range(size):
+            row = rows[r]
+            scale = row[:4 * chunks].view(np.float32)[c]
+            _onebit_add(scale, row[4 * chunks + start // 8:4 * chunks + (start + m) // 8], xs, True)
+        if size > 1:
+            div = np.float32(size)
+            for i in range(m):
+                xs[i] = xs[i] / div
+        es = e[start:start + m]
+        for i in range(m):
+            xs[i] = xs[i] + es[i]
+        scale = _onebit_chunk(xs, m, es, True, flags, bits[start // 8:(start + m) // 8])
+        scales[c] = scale
+        if not np.isfinite(scale):
+            bad += 1
     return bad
 
 
@@ -225,17 +289,4 @@ def onebit_decode_chunks(scales, bits, out, width, add):
     for c in range(scales.shape[0]):
         start = c * width
         o = out[start:start + width]
-        scale = scales[c]
-        if np.isnan(scale):
-            o[:] = np.float32(np.nan)
-            continue
-        bs = bits[start // 8:(start + o.shape[0]) // 8]
-        for j in range(bs.shape[0]):
-            byte = bs[j]
-            for k in range(8):
-                bit = (byte >> np.uint8(k)) & np.uint8(1)
-                value = scale if bit else -scale
-                if add:
-                    o[8 * j + k] += value
-                else:
-                    o[8 * j + k] = value
+        _onebit_add(scales[c], bits[start // 8:(start + o.shape[0]) // 8], o, add)

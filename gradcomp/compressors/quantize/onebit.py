@@ -52,8 +52,9 @@ class OneBit(Codec):
         feedback = residual is not None
         jit = _compiled(x, scales, bits, *(() if residual is None else (residual,)))
         if jit is not None and x.dtype == np.float32:
-            tmp = workspace.array(self, "tmp", CHUNK, np.float32, like=x)
-            bad = jit.onebit_encode_chunks(x, residual if feedback else x, CHUNK, scales, bits, feedback, tmp)
+            tmp, flags = self._chunk_temporaries(workspace, x)
+            bad = jit.onebit_encode_chunks(x, residual if feedback else x, CHUNK, scales, bits, feedback,
+                                           tmp, flags)
             if bad and residual is not None:
                 zero_non_finite(residual)  # a non-finite scale: that chunk's residual is NaN or Inf
             return True
@@ -72,6 +73,24 @@ class OneBit(Codec):
         xp.greater_equal(x, 0, out=positive)
         bits[...] = xp.packbits(positive, bitorder="little")
         return True
+
+    def average_with_feedback(self, rows: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
+        """The owner's stage in one compiled pass per chunk (``onebit_owner_chunks``): float32
+        NumPy only, else False."""
+        n = residual.shape[0]
+        scales, bits = self._views(message, n)
+        jit = _compiled(rows, residual, scales, bits) if residual.dtype == np.float32 else None
+        if jit is None or not n:
+            return False
+        tmp, flags = self._chunk_temporaries(workspace, residual)
+        if jit.onebit_owner_chunks(rows, scales.shape[0], CHUNK, n, residual, scales, bits, tmp, flags):
+            zero_non_finite(residual)
+        return True
+
+    def _chunk_temporaries(self, workspace: Workspace, like: Array) -> tuple[Array, Array]:
+        """One chunk of float32 values and one of uint8 sign flags, for the compiled kernels."""
+        return (workspace.array(self, "tmp", CHUNK, np.float32, like=like),
+                workspace.array(self, "flags", CHUNK, np.uint8, like=like))
 
     def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         n = out.shape[0]
