@@ -18,6 +18,11 @@
 # interface (GLOO_SOCKET_IFNAME=eth0, MASTER_ADDR=10.77.0.1). GRADCOMP_NETWORK=RATE is exported so
 # the benchmark records the cap.
 #
+# CAPPED_MTU=9000 sets that MTU on every veth (default: 1500, the kernel's): a comparison, not the
+# headline. At 1500 the emulated hosts' kernels (TCP, veth, bridge, tbf for 4 ranks, on the same
+# cores as the ranks) take most of the CPU and fp32 moves at about half the cap; at 9000 they take
+# a fifth as much and fp32 nears the cap (BENCHMARKS.md, section 3).
+#
 # Cleanup: namespaces (and with them the veths, the bridge and the qdiscs) are deleted on success,
 # failure and on INT/TERM/HUP. Needs root and iproute2 (ip, tc): without them it prints why and
 # exits with status 77 (the conventional "skipped").
@@ -110,6 +115,10 @@ for ((r = 0; r < NRANKS; r++)); do
     ip -n "$ns" link set eth0 up
     ip -n "$BRNS" link set "v$r" master br0
     ip -n "$BRNS" link set "v$r" up
+    if [ -n "${CAPPED_MTU:-}" ]; then
+        ip -n "$ns" link set eth0 mtu "$CAPPED_MTU" && ip -n "$BRNS" link set "v$r" mtu "$CAPPED_MTU" \
+            || fail "cannot set MTU $CAPPED_MTU"
+    fi
     tc -n "$ns" qdisc add dev eth0 root $TBF || fail "tc rejected rate '$RATE' (use tc units: 1gbit, 500mbit)"
     tc -n "$BRNS" qdisc add dev "v$r" root $TBF || fail "tc rejected rate '$RATE' on v$r"
     # A veth hands each packet to the receiving side on whichever CPU the sender happens to run;

@@ -74,6 +74,9 @@ class Codec(Compressor):
         cannot; the runner then does it in steps."""
         return False
 
+    #: whether ``average_with_feedback`` is implemented (the runner then tries it first)
+    one_pass_owner: ClassVar[bool] = False
+
     def average_with_feedback(self, rows: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
         """Optional, two-stage codecs: the slice owner's stage in one pass. ``rows`` holds one
         message of this slice per rank, in rank order; decode them into a zeroed slice in that
@@ -218,11 +221,7 @@ def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: _Prepare
     slice_len = prepared.slice_len
     msg_len = message.shape[0] // size
     rows = comm.alltoall(message, out=ws.array(codec, "rows", message.shape[0], message.dtype, like=g))
-    second = ws.array(codec, "second", msg_len, message.dtype, like=g)
-    one_pass = feedback is not None and feedback.owner_feedback and codec.average_with_feedback(
-        rows, feedback.owner_residual(bucket, comm, slice_len, compute, like=g), second, ws)
-    if not one_pass:
-        _average_and_encode(codec, bucket, comm, feedback, rows, second, compute, slice_len)
+    second = _owner_stage(codec, bucket, comm, feedback, rows, compute, slice_len, msg_len)
     gathered = comm.allgather(second, out=ws.array(codec, "gathered", size * msg_len, message.dtype, like=g))
     out = _output(bucket, compute)
     for r in range(size):  # each slice straight into the output; a slice past its end via a copy
@@ -236,21 +235,30 @@ def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: _Prepare
     return _narrow(bucket, out)
 
 
-def _average_and_encode(codec: Codec, bucket: Bucket, comm: Communicator, feedback: ErrorFeedback | None,
-                        rows: Array, second: Array, compute: DTypeLike, slice_len: int) -> None:
-    """The slice owner's stage in steps: the rows decoded and summed in rank order, divided by
-    their number, encoded (with the owner's residual where it keeps one) into ``second``."""
+def _owner_stage(codec: Codec, bucket: Bucket, comm: Communicator, feedback: ErrorFeedback | None,
+                 rows: Array, compute: DTypeLike, slice_len: int, msg_len: int) -> Array:
+    """The slice owner's message: the rows decoded and summed in rank order, divided by their
+    number, encoded (with the owner's residual where it keeps one), in one pass where the codec
+    can (``average_with_feedback``), else in those steps."""
     ws = comm.workspace
+    owner_feedback = feedback is not None and feedback.owner_feedback
+    if owner_feedback and codec.one_pass_owner:
+        second = ws.array(codec, "second", msg_len, rows.dtype, like=rows)
+        residual = feedback.owner_residual(bucket, comm, slice_len, compute, like=rows)
+        if codec.average_with_feedback(rows, residual, second, ws):
+            return second
     mine = ws.array(codec, "slice", slice_len, compute, like=rows)
     mine[...] = 0
     for r in range(comm.size):
         codec.decode(rows[r], mine, ws, add=True)
     if comm.size > 1:
         array_module(mine).divide(mine, mine.dtype.type(comm.size), out=mine)
-    if feedback is not None and feedback.owner_feedback:
+    second = ws.array(codec, "second", msg_len, rows.dtype, like=rows)
+    if owner_feedback:
         _encode_owner(codec, bucket, comm, feedback, mine, second)
     else:
         codec.encode(mine, second, ws)
+    return second
 
 
 def _encode_owner(codec: Codec, bucket: Bucket, comm: Communicator, feedback: ErrorFeedback,

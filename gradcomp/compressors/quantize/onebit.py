@@ -29,6 +29,7 @@ class OneBit(Codec):
     collective = "two-stage"
     chunk = CHUNK
     nan_effect = "chunk"
+    one_pass_owner = True
     relative_error_limit = 0.95  # without error feedback, on the kit's structured signal
 
     def message_size(self, n: int) -> int:
