@@ -128,6 +128,40 @@ def rank_compiled_and_numpy_bits():
             _compiled_and_numpy_bits(name, comm)
 
 
+def rank_pieces_give_the_bits_of_whole_slices():
+    """Buckets large enough to be cut into pieces (the owner stage of one overlapping the next
+    one's transfer) give the bits of one piece per slice, outputs and state, NaN included."""
+    from unittest import mock
+
+    from gradcomp.compressors import codec as codec_module
+
+    comm = gc.MPICommunicator()
+    rng = np.random.default_rng(3 + comm.rank)
+    n = comm.size * 4 * codec_module.PIECE_CHUNKS * 512 + 3000  # 4 pieces per slice, a tail
+    steps = [rng.standard_t(3, n).astype(np.float32) for _ in range(3)]
+    steps[1][5000:5100] = np.nan
+    for name in TWO_STAGE:
+        def run(pieces):
+            comp = gc.make(name)
+            with mock.patch.object(codec_module, "MAX_PIECES", pieces):
+                outs = [comp.reduce(gc.Bucket(x.copy(), 0, scratch=True), comm).result().copy() for x in steps]
+            return outs, comp.state_dict(), comp.stats()
+
+        whole, whole_state, whole_stats = run(1)
+        cut, cut_state, cut_stats = run(4)
+        for k, (a, b) in enumerate(zip(cut, whole)):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{name}: step {k} differs"
+        for key in whole_state:
+            a, b = np.asarray(cut_state[key]), np.asarray(whole_state[key])
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), (name, key)
+        assert cut_stats["bytes_sent"] == whole_stats["bytes_sent"], name
+        assert cut_stats["rounds"] == 4 * whole_stats["rounds"], name  # one alltoall + allgather a piece
+
+
+def test_pieces_give_the_bits_of_whole_slices():
+    run_ranks(3, "tests.test_codecs:rank_pieces_give_the_bits_of_whole_slices")
+
+
 def test_compiled_and_numpy_kernels_give_the_same_bits_on_three_ranks():
     """The same at 3 ranks, where the slice owner averages three messages (its one-pass stage
     against the steps) and the slices have tails."""

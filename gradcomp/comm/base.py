@@ -227,6 +227,21 @@ class OrderedCommunicator:
     def ibroadcast(self, array: Array, root: int = 0) -> Future[Array]:
         return self.submit(lambda _p, _e: self._broadcast(array, root))
 
+    # -- overlapped exchanges, on the wire thread ------------------------------------------------------
+    def overlaps(self, like: Array) -> bool:
+        """Whether ``start_alltoall`` and ``start_allgather`` take buffers like ``like``: several
+        exchanges may then be in flight while the wire thread computes (the two-stage codecs' pieces)."""
+        return False
+
+    def start_alltoall(self, array: Array, out: Array) -> Any:
+        """Start ``alltoall(array, out)`` (``out``: ``(size, n/size)``); returns a handle whose
+        ``wait()`` ends it. Every rank starts and waits in the same order."""
+        raise NotImplementedError
+
+    def start_allgather(self, array: Array, out: Array) -> Any:
+        """Start ``allgather(array, out)``; as ``start_alltoall``."""
+        raise NotImplementedError
+
     # -- what a subclass implements: the collectives proper, on the wire thread ----------------------
     def _allreduce(self, array: Array, overwrite: bool = False) -> Array:
         raise NotImplementedError

@@ -27,6 +27,7 @@ the collective, the averaging, writing into a scratch bucket, and error feedback
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -49,6 +50,10 @@ class Codec(Compressor):
     message_dtype: ClassVar[Any] = np.uint8
     #: two-stage slices hold whole multiples of this many values (the codec's chunk)
     chunk: ClassVar[int] = 1
+    #: whether each chunk is encoded on its own (no parameter spans two chunks): the two-stage
+    #: runner may then cut a slice into pieces and overlap one piece's owner stage with the next
+    #: piece's transfer, with the same bits as whole slices (``_layout``)
+    independent_chunks: ClassVar[bool] = False
 
     # -- the codec proper ---------------------------------------------------------------------------
     def message_size(self, n: int) -> int:
@@ -104,14 +109,56 @@ class Codec(Compressor):
 @dataclass
 class _Prepared:
     x: Any               # the (widened, error-corrected) vector that was encoded
-    message: Any         # this rank's message (two-stage: size slices' messages, back to back)
+    message: Any         # this rank's message (two-stage: see ``_Layout``)
     slice_len: int       # two-stage: values per slice (a multiple of the chunk)
     decision: Any = None  # what ``Codec.start`` returned
+    layout: Any = None   # two-stage: the ``_Layout``
 
 
-def _slice_len(codec: Codec, n: int, size: int) -> int:
+#: a two-stage slice is cut into at most this many pieces (``GRADCOMP_TWO_STAGE_PIECES``; 1: whole
+#: slices), of at least ``PIECE_CHUNKS`` chunks
+MAX_PIECES = int(os.environ.get("GRADCOMP_TWO_STAGE_PIECES", "4"))
+PIECE_CHUNKS = 128
+
+
+@dataclass
+class _Layout:
+    """Where each piece of each rank's slice sits in the two-stage message.
+
+    Every rank owns one slice of ``slice_len`` values; each slice is cut into the same pieces
+    (``bounds[p]``: values ``lo:hi`` of the slice, chunk-aligned) and the message holds piece
+    after piece, each piece as ``size`` codec messages of ``sizes[p]`` units, owner after owner,
+    from ``offsets[p]``: one alltoall and one allgather per piece. One piece is the plain layout
+    (slice after slice)."""
+    slice_len: int
+    bounds: list[tuple[int, int]]
+    sizes: list[int]
+    offsets: list[int]
+
+    def part(self, message: Array, p: int, r: int) -> Array:
+        start = self.offsets[p] + r * self.sizes[p]
+        return message[start:start + self.sizes[p]]
+
+    def block(self, message: Array, p: int, size: int) -> Array:
+        return message[self.offsets[p]:self.offsets[p] + size * self.sizes[p]]
+
+
+def _layout(codec: Codec, n: int, comm: Communicator, like: Array) -> _Layout:
     chunks = -(-n // codec.chunk)
-    return -(-chunks // size) * codec.chunk
+    per_slice = -(-chunks // comm.size)
+    slice_len = per_slice * codec.chunk
+    pieces = 1
+    overlaps = getattr(comm, "overlaps", None)  # (a Communicator need not offer it)
+    if codec.independent_chunks and overlaps is not None and overlaps(like):
+        pieces = max(1, min(MAX_PIECES, per_slice // PIECE_CHUNKS))
+    bounds, sizes, offsets, at = [], [], [], 0
+    for p in range(pieces):
+        lo, hi = (per_slice * p // pieces) * codec.chunk, (per_slice * (p + 1) // pieces) * codec.chunk
+        bounds.append((lo, hi))
+        sizes.append(codec.message_size(hi - lo))
+        offsets.append(at)
+        at += comm.size * sizes[-1]
+    return _Layout(slice_len, bounds, sizes, offsets)
 
 
 def _prepare(codec: Codec, bucket: Bucket, comm: Communicator, workspace: Workspace,
@@ -120,16 +167,21 @@ def _prepare(codec: Codec, bucket: Bucket, comm: Communicator, workspace: Worksp
     n = bucket.numel
     decision = codec.start(bucket, comm, workspace)
     compute = codec.compute_dtype(g.dtype)
-    two_stage = codec.collective == "two-stage"
-    slice_len = _slice_len(codec, n, comm.size) if two_stage else n
-    padded = slice_len * comm.size if two_stage else n
-    size = codec.message_size(slice_len)
     mtype = compute if codec.message_dtype is None else codec.message_dtype
-    message = workspace.array(codec, "message", size * (comm.size if two_stage else 1), mtype, like=g)
-    pieces = [(r * slice_len, r * slice_len + slice_len, message[r * size:(r + 1) * size])
-              for r in range(comm.size if two_stage else 1)]
+    layout = None
+    if codec.collective == "two-stage":
+        layout = _layout(codec, n, comm, g)
+        slice_len = layout.slice_len
+        padded = slice_len * comm.size
+        message = workspace.array(codec, "message", comm.size * sum(layout.sizes), mtype, like=g)
+        pieces = [(r * slice_len + lo, r * slice_len + hi, layout.part(message, p, r))
+                  for p, (lo, hi) in enumerate(layout.bounds) for r in range(comm.size)]
+    else:
+        slice_len = padded = n
+        message = workspace.array(codec, "message", codec.message_size(n), mtype, like=g)
+        pieces = [(0, n, message)]
     if feedback is not None and g.dtype == compute and _fused(codec, bucket, pieces, workspace, feedback):
-        return _Prepared(g, message, slice_len, decision)
+        return _Prepared(g, message, slice_len, decision, layout)
     if feedback is None and g.dtype == compute and padded == n:
         x = g  # read only
     else:
@@ -145,7 +197,7 @@ def _prepare(codec: Codec, bucket: Bucket, comm: Communicator, workspace: Worksp
         for start, stop, part in pieces:
             codec.decode(part, own[start:stop], workspace)
         feedback.keep_residual(bucket, x[:n], own[:n])
-    return _Prepared(x, message, slice_len, decision)
+    return _Prepared(x, message, slice_len, decision, layout)
 
 
 def _fused(codec: Codec, bucket: Bucket, pieces: list[tuple[int, int, Array]], workspace: Workspace,
@@ -218,56 +270,90 @@ def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: _Prepare
             xp.divide(acc, acc.dtype.type(size), out=acc)
         return _narrow(bucket, acc)
     # two-stage
-    slice_len = prepared.slice_len
-    msg_len = message.shape[0] // size
-    rows = comm.alltoall(message, out=ws.array(codec, "rows", message.shape[0], message.dtype, like=g))
-    second = _owner_stage(codec, bucket, comm, feedback, rows, compute, slice_len, msg_len)
-    gathered = comm.allgather(second, out=ws.array(codec, "gathered", size * msg_len, message.dtype, like=g))
+    layout = prepared.layout
+    residual = None
+    if feedback is not None and feedback.owner_feedback:
+        residual = feedback.owner_residual(bucket, comm, layout.slice_len, compute, like=g)
+    rows = ws.array(codec, "rows", message.shape[0], message.dtype, like=g)
+    gathered = ws.array(codec, "gathered", message.shape[0], message.dtype, like=g)
     out = _output(bucket, compute)
-    for r in range(size):  # each slice straight into the output; a slice past its end via a copy
-        start = r * slice_len
-        if start + slice_len <= n:
-            codec.decode(gathered[r], out[start:start + slice_len], ws)
-        elif start < n:
-            tail = ws.array(codec, "tail", slice_len, compute, like=g)
-            codec.decode(gathered[r], tail, ws)
-            out[start:n] = tail[:n - start]
+    pieces = len(layout.bounds)
+    if pieces == 1:
+        got = comm.alltoall(message, out=rows)
+        second = _owner_stage(codec, comm, feedback, residual, got, compute, layout, 0)
+        _decode_piece(codec, layout, 0, comm.allgather(second, out=gathered), out, n, ws)
+        return _narrow(bucket, out)
+    # Piece p's owner stage runs while piece p+1's alltoall and piece p-1's allgather are on the
+    # wire; every rank starts them in the same order: A0, A1, G0, A2, G1, ...
+    got = [layout.block(rows, p, size).reshape(size, -1) for p in range(pieces)]
+    back = [layout.block(gathered, p, size).reshape(size, -1) for p in range(pieces)]
+    wire: Any = comm  # (``_layout`` cut pieces: it offers the overlapped exchanges)
+    exchange = wire.start_alltoall(layout.block(message, 0, size), got[0])
+    gathering = []
+    for p in range(pieces):
+        exchange.wait()
+        if p + 1 < pieces:
+            exchange = wire.start_alltoall(layout.block(message, p + 1, size), got[p + 1])
+        second = _owner_stage(codec, comm, feedback, residual, got[p], compute, layout, p)
+        gathering.append(wire.start_allgather(second, back[p]))
+        if p:
+            gathering[p - 1].wait()
+            _decode_piece(codec, layout, p - 1, back[p - 1], out, n, ws)
+    gathering[-1].wait()
+    _decode_piece(codec, layout, pieces - 1, back[-1], out, n, ws)
     return _narrow(bucket, out)
 
 
-def _owner_stage(codec: Codec, bucket: Bucket, comm: Communicator, feedback: ErrorFeedback | None,
-                 rows: Array, compute: DTypeLike, slice_len: int, msg_len: int) -> Array:
-    """The slice owner's message: the rows decoded and summed in rank order, divided by their
-    number, encoded (with the owner's residual where it keeps one), in one pass where the codec
-    can (``average_with_feedback``), else in those steps."""
+def _decode_piece(codec: Codec, layout: _Layout, p: int, gathered: Array, out: Array, n: int,
+                  ws: Workspace) -> None:
+    """Every owner's message of piece ``p`` straight into its place in ``out``; a piece past the
+    bucket's end via a copy."""
+    lo, hi = layout.bounds[p]
+    for r in range(gathered.shape[0]):
+        start, stop = r * layout.slice_len + lo, r * layout.slice_len + hi
+        if stop <= n:
+            codec.decode(gathered[r], out[start:stop], ws)
+        elif start < n:
+            tail = ws.array(codec, "tail", hi - lo, out.dtype, like=out)
+            codec.decode(gathered[r], tail, ws)
+            out[start:n] = tail[:n - start]
+
+
+def _owner_stage(codec: Codec, comm: Communicator, feedback: ErrorFeedback | None, residual: Array | None,
+                 rows: Array, compute: DTypeLike, layout: _Layout, p: int) -> Array:
+    """The slice owner's message for piece ``p``: the rows decoded and summed in rank order,
+    divided by their number, encoded (with the owner's ``residual`` where it keeps one), in one
+    pass where the codec can (``average_with_feedback``), else in those steps."""
     ws = comm.workspace
-    owner_feedback = feedback is not None and feedback.owner_feedback
-    if owner_feedback and codec.one_pass_owner:
-        second = ws.array(codec, "second", msg_len, rows.dtype, like=rows)
-        residual = feedback.owner_residual(bucket, comm, slice_len, compute, like=rows)
-        if codec.average_with_feedback(rows, residual, second, ws):
+    lo, hi = layout.bounds[p]
+    start = layout.offsets[p] // comm.size  # each piece's message in its own place: the allgather
+    end = start + layout.sizes[p]           # of the one before may still be reading it
+    if residual is not None and codec.one_pass_owner:
+        second = ws.array(codec, "second", layout.offsets[-1] // comm.size + layout.sizes[-1],
+                          rows.dtype, like=rows)[start:end]
+        if codec.average_with_feedback(rows, residual[lo:hi], second, ws):
             return second
-    mine = ws.array(codec, "slice", slice_len, compute, like=rows)
+    mine = ws.array(codec, "slice", hi - lo, compute, like=rows)
     mine[...] = 0
     for r in range(comm.size):
         codec.decode(rows[r], mine, ws, add=True)
     if comm.size > 1:
         array_module(mine).divide(mine, mine.dtype.type(comm.size), out=mine)
-    second = ws.array(codec, "second", msg_len, rows.dtype, like=rows)
-    if owner_feedback:
-        _encode_owner(codec, bucket, comm, feedback, mine, second)
+    second = ws.array(codec, "second", layout.offsets[-1] // comm.size + layout.sizes[-1],
+                      rows.dtype, like=rows)[start:end]
+    if residual is not None and feedback is not None:
+        _encode_owner(codec, comm, feedback, residual[lo:hi], mine, second)
     else:
         codec.encode(mine, second, ws)
     return second
 
 
-def _encode_owner(codec: Codec, bucket: Bucket, comm: Communicator, feedback: ErrorFeedback,
+def _encode_owner(codec: Codec, comm: Communicator, feedback: ErrorFeedback, residual: Array,
                   mine: Array, second: Array) -> None:
-    """The slice owner's error feedback: encode ``mine`` plus the owner's residual into
+    """The slice owner's error feedback: encode ``mine`` plus the owner's ``residual`` into
     ``second`` and keep what the codes miss, in one pass where the codec can
     (``encode_with_feedback``), else in steps (same bits)."""
     ws = comm.workspace
-    residual = feedback.owner_residual(bucket, comm, mine.shape[0], mine.dtype, like=mine)
     if not codec.encode_with_feedback(mine, residual, second, ws):
         add_into(mine, residual)
         codec.encode(mine, second, ws)

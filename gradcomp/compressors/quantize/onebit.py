@@ -30,6 +30,7 @@ class OneBit(Codec):
     chunk = CHUNK
     nan_effect = "chunk"
     one_pass_owner = True
+    independent_chunks = True
     relative_error_limit = 0.95  # without error feedback, on the kit's structured signal
 
     def message_size(self, n: int) -> int:

@@ -29,6 +29,7 @@ class QuantizedAllreduce(Codec):
     collective = "two-stage"
     chunk = CHUNK
     nan_effect = "chunk"
+    independent_chunks = True
 
     def __init__(self, bits: int = 8):
         super().__init__()
