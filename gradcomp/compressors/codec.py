@@ -17,7 +17,9 @@ and declares which collective carries it (``collective``):
   every slice to its owner, which decodes and sums the ``size`` messages in rank order, encodes the
   mean, and an allgather of those messages returns it; every rank, the owner included, decodes the
   same messages, so replicas are bit-identical (int8/int4/1-bit allreduce). Bytes per rank:
-  ``2(N-1)/N`` messages, flat in N.
+  ``2(N-1)/N`` messages, flat in N. Where chunks are independent and the communicator can keep
+  several exchanges in flight, a large slice goes in up to four pieces, and the owner stage of
+  one runs while the next one's alltoall is on the wire (``_Layout``; the same bits).
 
 plus what it promises: ``error_bound`` (per element, against the exact mean, for the conformance
 kit) and ``nan_effect``. The runner (``Codec.prepare``/``finish``) does everything else once:
@@ -115,9 +117,17 @@ class _Prepared:
     layout: Any = None   # two-stage: the ``_Layout``
 
 
+def _pieces_from_env() -> int:
+    text = os.environ.get("GRADCOMP_TWO_STAGE_PIECES", "4")
+    value = int(text) if text.strip().isdigit() else 0
+    if value < 1:
+        raise ValueError(f"GRADCOMP_TWO_STAGE_PIECES must be a whole number >= 1, got {text!r}")
+    return value
+
+
 #: a two-stage slice is cut into at most this many pieces (``GRADCOMP_TWO_STAGE_PIECES``; 1: whole
-#: slices), of at least ``PIECE_CHUNKS`` chunks
-MAX_PIECES = int(os.environ.get("GRADCOMP_TWO_STAGE_PIECES", "4"))
+#: slices, the schedule before pieces), of at least ``PIECE_CHUNKS`` chunks
+MAX_PIECES = _pieces_from_env()
 PIECE_CHUNKS = 128
 
 
