@@ -142,7 +142,8 @@ export MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE
 export GLOO_SOCKET_IFNAME=eth0 MASTER_ADDR=10.77.0.1
 # MPICH's algorithm and allocator variables are left as a user has them (plain mpiexec): set
 # them in the environment yourself to compare (BENCHMARKS.md labels such rows).
-for v in MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM MALLOC_TRIM_THRESHOLD_ MALLOC_MMAP_THRESHOLD_; do
+for v in MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM MALLOC_TRIM_THRESHOLD_ MALLOC_MMAP_THRESHOLD_ CAPPED_MTU \
+         GRADCOMP_TWO_STAGE_PIECES GRADCOMP_PIPELINE_DEPTH GRADCOMP_MPI_WAIT; do
     [ -n "${!v:-}" ] && echo "capped.sh: note: $v=${!v} is set (not a default configuration)" >&2
 done
 

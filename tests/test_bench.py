@@ -505,6 +505,24 @@ def test_capped_runs_ranks_in_their_own_namespaces_and_cleans_up(fail_with):
     assert _our_namespaces() == before
 
 
+def test_worker_records_what_is_not_a_default_configuration(monkeypatch):
+    """MPICH and allocator variables and the comparison knobs (jumbo frames, whole two-stage
+    slices, ...) go into the job's ``settings``, which the report prints; capped.sh's own
+    plumbing does not."""
+    from gradcomp.bench.worker import _settings
+
+    for k in list(os.environ):
+        if k.startswith(("MPIR_CVAR_", "MALLOC_", "CAPPED_", "GRADCOMP_")):
+            monkeypatch.delenv(k)
+    assert _settings() == {}
+    monkeypatch.setenv("CAPPED_MTU", "9000")
+    monkeypatch.setenv("GRADCOMP_TWO_STAGE_PIECES", "1")
+    monkeypatch.setenv("MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM", "ring")
+    monkeypatch.setenv("GRADCOMP_NETWORK", "1gbit")
+    assert _settings() == {"CAPPED_MTU": "9000", "GRADCOMP_TWO_STAGE_PIECES": "1",
+                           "MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM": "ring"}
+
+
 def test_capped_steps_runs_both_paths_and_the_mpich_ring_row(tmp_path):
     """``bench/capped_steps.sh`` writes one JSON per path (``capped-RATE-PATH.json``), with
     ``MPICH_RING=1`` a tagged run with MPICH's ring selected, and rebuilds the report."""

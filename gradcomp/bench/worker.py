@@ -117,9 +117,15 @@ def _exact_mean(world: Any, grads: list[np.ndarray]) -> list[np.ndarray]:
     return exact
 
 
+#: gradcomp's and bench/capped.sh's comparison knobs: a run with one set is not a default one
+_KNOBS = ("CAPPED_MTU", "GRADCOMP_TWO_STAGE_PIECES", "GRADCOMP_PIPELINE_DEPTH", "GRADCOMP_MPI_WAIT")
+
+
 def _settings() -> dict[str, str]:
-    """MPICH and glibc allocator variables set in the environment (not a default configuration)."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("MPIR_CVAR_", "MALLOC_"))}
+    """What in the environment makes this run differ from a user's default configuration: MPICH
+    and glibc allocator variables and the comparison knobs (the report prints them per job)."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(("MPIR_CVAR_", "MALLOC_")) or k in _KNOBS}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

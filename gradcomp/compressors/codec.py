@@ -112,7 +112,6 @@ class Codec(Compressor):
 class _Prepared:
     x: Any               # the (widened, error-corrected) vector that was encoded
     message: Any         # this rank's message (two-stage: see ``_Layout``)
-    slice_len: int       # two-stage: values per slice (a multiple of the chunk)
     decision: Any = None  # what ``Codec.start`` returned
     layout: Any = None   # two-stage: the ``_Layout``
 
@@ -151,6 +150,12 @@ class _Layout:
 
     def block(self, message: Array, p: int, size: int) -> Array:
         return message[self.offsets[p]:self.offsets[p] + size * self.sizes[p]]
+
+    def owner_message(self, buffer: Array, p: int) -> Array:
+        """Piece ``p``'s place in ``buffer``, which holds one message per piece back to back (the
+        owner's: the allgather of piece p-1 may still be reading its own while p is encoded)."""
+        start = sum(self.sizes[:p])
+        return buffer[start:start + self.sizes[p]]
 
 
 def _layout(codec: Codec, n: int, comm: Communicator, like: Array) -> _Layout:
@@ -191,7 +196,7 @@ def _prepare(codec: Codec, bucket: Bucket, comm: Communicator, workspace: Worksp
         message = workspace.array(codec, "message", codec.message_size(n), mtype, like=g)
         pieces = [(0, n, message)]
     if feedback is not None and g.dtype == compute and _fused(codec, bucket, pieces, workspace, feedback):
-        return _Prepared(g, message, slice_len, decision, layout)
+        return _Prepared(g, message, decision, layout)
     if feedback is None and g.dtype == compute and padded == n:
         x = g  # read only
     else:
@@ -207,7 +212,7 @@ def _prepare(codec: Codec, bucket: Bucket, comm: Communicator, workspace: Worksp
         for start, stop, part in pieces:
             codec.decode(part, own[start:stop], workspace)
         feedback.keep_residual(bucket, x[:n], own[:n])
-    return _Prepared(x, message, slice_len, decision, layout)
+    return _Prepared(x, message, decision, layout)
 
 
 def _fused(codec: Codec, bucket: Bucket, pieces: list[tuple[int, int, Array]], workspace: Workspace,
@@ -336,11 +341,12 @@ def _owner_stage(codec: Codec, comm: Communicator, feedback: ErrorFeedback | Non
     pass where the codec can (``average_with_feedback``), else in those steps."""
     ws = comm.workspace
     lo, hi = layout.bounds[p]
-    start = layout.offsets[p] // comm.size  # each piece's message in its own place: the allgather
-    end = start + layout.sizes[p]           # of the one before may still be reading it
+
+    def message() -> Array:
+        return layout.owner_message(ws.array(codec, "second", sum(layout.sizes), rows.dtype, like=rows), p)
+
     if residual is not None and codec.one_pass_owner:
-        second = ws.array(codec, "second", layout.offsets[-1] // comm.size + layout.sizes[-1],
-                          rows.dtype, like=rows)[start:end]
+        second = message()
         if codec.average_with_feedback(rows, residual[lo:hi], second, ws):
             return second
     mine = ws.array(codec, "slice", hi - lo, compute, like=rows)
@@ -349,8 +355,7 @@ def _owner_stage(codec: Codec, comm: Communicator, feedback: ErrorFeedback | Non
         codec.decode(rows[r], mine, ws, add=True)
     if comm.size > 1:
         array_module(mine).divide(mine, mine.dtype.type(comm.size), out=mine)
-    second = ws.array(codec, "second", layout.offsets[-1] // comm.size + layout.sizes[-1],
-                      rows.dtype, like=rows)[start:end]
+    second = message()
     if residual is not None and feedback is not None:
         _encode_owner(codec, comm, feedback, residual[lo:hi], mine, second)
     else:

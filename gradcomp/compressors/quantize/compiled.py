@@ -257,6 +257,7 @@ def onebit_owner_chunks(rows, chunks, width, n, e, scales, bits, tmp, flags):
     slice, dividing and ``onebit_encode_chunks`` with feedback, in the same order, without the
     slice-sized sum. Returns the count of non-finite scales, as that kernel."""
     size = rows.shape[0]
+    row_scales = [rows[r, :4 * chunks].view(np.float32) for r in range(size)]
     bad = 0
     for c in range(chunks):
         start = c * width
@@ -265,9 +266,7 @@ def onebit_owner_chunks(rows, chunks, width, n, e, scales, bits, tmp, flags):
         for i in range(m):
             xs[i] = np.float32(0.0)
         for r in range(size):
-            row = rows[r]
-            scale = row[:4 * chunks].view(np.float32)[c]
-            _onebit_add(scale, row[4 * chunks + start // 8:4 * chunks + (start + m) // 8], xs, True)
+            _onebit_add(row_scales[r][c], rows[r, 4 * chunks + start // 8:4 * chunks + (start + m) // 8], xs, True)
         if size > 1:
             div = np.float32(size)
             for i in range(m):
