@@ -78,6 +78,17 @@ class Constant(Zeros):
         out[...] = 0.5
 
 
+class Muted(Zeros):
+    """Wrong like Zeros, and its output never reaches mpiexec: as when MPI_Abort ends the job
+    before the launcher forwards the failing rank's last lines."""
+    def encode(self, x, message, workspace):
+        import os
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, 1)
+        os.dup2(quiet, 2)
+        super().encode(x, message, workspace)
+
+
 class ForgetsState(gradcomp.PowerSGD):
     """Saves nothing of its error-feedback state: a resumed run differs."""
     def __init__(self):
@@ -121,6 +132,7 @@ def test_a_correct_compressor_from_outside_passes(third_party, factory):
 @pytest.mark.parametrize("factory, check, words", [
     ("Zeros", "accuracy", "relative error 1 "),
     ("Constant", "accuracy", "relative error"),
+    ("Muted", "accuracy", "relative error 1 "),
     ("ForgetsState", "checkpoint", "resumed run differs"),
     ("DrawsPerRank", "shapes", "ranks hold different results"),
 ])

@@ -7,6 +7,8 @@ catching exceptions): a job that hangs is killed after the timeout and fails the
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import textwrap
 import threading
 
@@ -67,6 +69,15 @@ def test_a_rank_that_fails_or_exits_ends_the_job(exit_script, pattern, words):
     assert result.returncode != 0, f"{pattern}: the job exited 0:\n{result.output}"
     assert words in result.output, result.output
     assert "rank 0 finished" not in result.output
+
+
+def test_ending_the_job_never_returns():
+    """MPICH's MPI_Abort can return when two ranks abort at once; the rank must not go on."""
+    code = ("from gradcomp.comm.exits import end_job\n"
+            "class Returns:\n    def Abort(self, code): pass\n"
+            "end_job(Returns(), 3)\nprint('went on')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3 and "went on" not in done.stdout, done.stdout + done.stderr
 
 
 def test_a_normal_end_is_not_disturbed(exit_script):

@@ -43,6 +43,18 @@ _guard: "JobGuard | None" = None
 _guard_lock = threading.Lock()
 
 
+def end_job(comm, code: int) -> None:
+    """``MPI_Abort`` on ``comm``, and never return: MPICH's abort can return when another rank
+    aborts at the same moment (seen: a rank printing after its abort), and a rank that goes on
+    after its job was ended can only mislead."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        comm.Abort(code)
+    finally:
+        os._exit(code)
+
+
 def guard() -> "JobGuard":
     """The process's JobGuard, created on first use. Collective: every rank must reach it (the
     first ``MPICommunicator()``, or ``gradcomp.torch.init_process_group()`` under mpiexec)."""
@@ -114,7 +126,7 @@ class JobGuard:
         # the launcher has not yet forwarded is lost with it (seen under load: a traceback cut
         # off mid-line). A moment's grace lets the launcher drain the pipes; the job is ending.
         time.sleep(_ABORT_GRACE_S)
-        self.world.Abort(code)
+        end_job(self.world, code)
 
     def _excepthook(self, kind, value, tb):
         self._previous_hook(kind, value, tb)

@@ -110,7 +110,7 @@ class MPICommunicator(OrderedCommunicator):
         return f"MPICommunicator(rank={self.rank}, size={self.size}, cuda_aware={self.cuda_aware})"
 
     def abort(self, code: int = 1) -> None:
-        self.comm.Abort(code)
+        exits.end_job(self.comm, code)
 
     def _count(self, kind: str, nbytes: float) -> None:
         if self._ident is not None:

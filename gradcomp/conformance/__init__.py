@@ -44,6 +44,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -66,24 +67,27 @@ class Outcome:
 def run(target: str, ranks: Sequence[int] = (1, 2, 3), checks: Sequence[str] | None = None,
         timeout: float = 600) -> list[Outcome]:
     """Run the kit on ``target`` (``module:factory`` or ``registry:SPEC``) at each rank count."""
-    from .checks import CHECKS
+    from .checks import CHECKS, REPORT_ENV
 
     names = list(checks) if checks else list(CHECKS)
     unknown = [c for c in names if c not in CHECKS]
     if unknown:
         raise ValueError(f"unknown checks {unknown}; known: {', '.join(CHECKS)}")
     cwd = os.getcwd()
-    env = {"PYTHONPATH": cwd + os.pathsep + os.environ.get("PYTHONPATH", "")}
     outcomes = []
     for n in ranks:
-        result = launch(n, ["-m", "gradcomp.conformance.checks", target, *names], timeout=timeout,
-                        env=env, cwd=cwd)
-        passed = re.findall(r"^CONFORMANCE-PASS (\S+)", result.output, re.M)
-        fail = re.search(r"^CONFORMANCE-FAIL (.*)$", result.output, re.M)
+        with tempfile.TemporaryDirectory(prefix="gradcomp-kit-") as report:
+            env = {"PYTHONPATH": cwd + os.pathsep + os.environ.get("PYTHONPATH", ""), REPORT_ENV: report}
+            result = launch(n, ["-m", "gradcomp.conformance.checks", target, *names], timeout=timeout,
+                            env=env, cwd=cwd)
+            # The report files hold every result line even when MPI_Abort cut the output short.
+            reports = [open(os.path.join(report, f)).read() for f in sorted(os.listdir(report))]
+        passed = re.findall(r"^CONFORMANCE-PASS (\S+)", "".join(reports), re.M)
+        fails = [r.split("CONFORMANCE-FAIL ", 1)[1].strip() for r in reports if "CONFORMANCE-FAIL " in r]
         if result.hung:
             failed = f"hang: no result within {timeout:g} s (after {', '.join(passed) or 'no check'})"
-        elif fail:
-            failed = fail.group(1)
+        elif fails:
+            failed = fails[0]  # a traceback keeps all its lines
         elif result.returncode != 0 or len(passed) != len(names):
             tail = "\n".join(result.output.strip().splitlines()[-12:])
             failed = f"the job failed (exit {result.returncode}):\n{tail}"

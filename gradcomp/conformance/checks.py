@@ -6,11 +6,16 @@ TARGET is ``module:factory`` (importable from the current directory) or ``regist
 check is collective and ends with every rank agreeing; an assertion that fails on one rank prints
 ``CONFORMANCE-FAIL <check>: <why>`` and aborts the job (a failed check must not leave the other
 ranks waiting in the next collective). Rank 0 prints ``CONFORMANCE-PASS <check>`` per check.
+
+Each line is also appended to ``$GRADCOMP_CONFORMANCE_REPORT/rank<r>`` when the kit sets that
+folder: ``MPI_Abort`` can end the job before mpiexec forwards what the failing rank printed (seen
+in CI: a failed job with no output at all), and a file written before the abort cannot be lost.
 """
 from __future__ import annotations
 
 import importlib
 import io
+import os
 import sys
 import traceback
 
@@ -342,11 +347,23 @@ def load_factory(target: str):
     return factory
 
 
+REPORT_ENV = "GRADCOMP_CONFORMANCE_REPORT"
+
+
+def say(rank: int, line: str) -> None:
+    """Print a result line, and keep it in this rank's report file when the kit asked for one."""
+    folder = os.environ.get(REPORT_ENV)
+    if folder:  # first: the file is what the kit reads
+        with open(os.path.join(folder, f"rank{rank}"), "a") as f:
+            f.write(line + "\n")
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main(argv) -> None:
-    from mpi4py import MPI
+    from ..comm.exits import guard
 
     target, names = argv[0], argv[1:] or list(CHECKS)
-    world = MPI.COMM_WORLD
     comm = gc.MPICommunicator()
     kit = Kit(load_factory(target), comm)
     for name in names:
@@ -354,12 +371,11 @@ def main(argv) -> None:
             CHECKS[name](kit)
         except BaseException as exc:
             detail = f"{type(exc).__name__}: {exc}" if isinstance(exc, AssertionError) else traceback.format_exc()
-            sys.stdout.write(f"CONFORMANCE-FAIL {name} (rank {world.Get_rank()} of {world.Get_size()}): {detail}\n")
-            sys.stdout.flush()
-            world.Abort(1)
+            say(comm.rank, f"CONFORMANCE-FAIL {name} (rank {comm.rank} of {comm.size}): {detail}")
+            guard().abort(f"conformance check {name} failed")
         comm.comm.Barrier()
-        if world.Get_rank() == 0:
-            print(f"CONFORMANCE-PASS {name}", flush=True)
+        if comm.rank == 0:
+            say(0, f"CONFORMANCE-PASS {name}")
     comm.close()
 
 

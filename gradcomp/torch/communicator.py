@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..arrays import Array, ArrayModule, DTypeLike, add_into, array_module, synchronize
 from ..comm import OrderedCommunicator
 from ..comm.base import default_depth
+from ..comm.exits import end_job
 from .tensors import as_array, as_tensor
 
 
@@ -77,7 +78,7 @@ class TorchCommunicator(OrderedCommunicator):
     def abort(self, code: int = 1) -> None:
         mpi = sys.modules.get("mpi4py.MPI")
         if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-            mpi.COMM_WORLD.Abort(code)
+            end_job(mpi.COMM_WORLD, code)
         sys.stderr.flush()
         os._exit(code)
 
