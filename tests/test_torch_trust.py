@@ -185,7 +185,7 @@ gt.register(model, Flaky())
 x, y = torch.zeros(8, 1, 8, 8), torch.zeros(8, dtype=torch.int64)
 for step in range(5):
     torch.nn.functional.cross_entropy(model(x), y).backward()
-print("rank", launch.rank, "finished", flush=True)
+print(f"rank {launch.rank} finished", flush=True)
 '''
 
 
@@ -228,7 +228,7 @@ flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
 digests = [None] * 2
 torch.distributed.all_gather_object(digests, hashlib.sha256(flat.tobytes()).hexdigest())
 assert digests[0] == digests[1], "replicas differ"
-print("rank", launch.rank, "of", launch.size, "trained", state.compressor.stats()["steps"], "steps", flush=True)
+print(f"rank {launch.rank} of {launch.size} trained {state.compressor.stats()['steps']} steps", flush=True)  # one write: the ranks share a pipe
 torch.distributed.barrier()
 import os
 os._exit(0)  # skip torch 2.13's process-group teardown, which aborts now and then (see test_powersgd)

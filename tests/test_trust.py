@@ -45,7 +45,7 @@ for step in range(6):
                 return comm.allreduce(bucket.buffer)
         Failing().reduce(np.ones(8, np.float32), comm).result()
     gc.allreduce_gradients(grads, comp, comm)
-print("rank", comm.rank, "finished", flush=True)
+print(f"rank {comm.rank} finished", flush=True)
 '''
 
 
