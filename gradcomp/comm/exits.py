@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -79,6 +79,7 @@ class JobGuard:
         self._stop = threading.Event()
         self._aborting = False
         self._req: Any = None  # the pending goodbye receive (an MPI.Request) while watching
+        self._at_clean_exit: list[Callable[[], None]] = []
         if self.size > 1:
             self._req = self.comm.Irecv([self._buf, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=_TAG)
             self._thread = threading.Thread(target=self._watch, name="gradcomp-guard", daemon=True)
@@ -89,6 +90,11 @@ class JobGuard:
         atexit.register(self._at_exit)
 
     # -- registration ---------------------------------------------------------------------------------
+    def at_clean_exit(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` at exit once this guard has let the process end normally (never when it
+        aborts): teardown that could wait on peers must not delay an abort."""
+        self._at_clean_exit.append(fn)
+
     def register(self, communicator, mpi_comm) -> int:
         """Watch ``communicator`` (over ``mpi_comm``); returns its id, the same on each of its ranks:
         a digest of its members' world ranks and how many watched communicators of the same
@@ -138,6 +144,11 @@ class JobGuard:
         return [(i, ref()) for i, ref in self._communicators.items() if ref() is not None]
 
     def _at_exit(self):
+        self._say_goodbye()
+        for fn in reversed(self._at_clean_exit):
+            fn()
+
+    def _say_goodbye(self):
         if self.size == 1 or self.MPI.Is_finalized():
             return
         live = self._live()
