@@ -26,6 +26,7 @@ import time
 from ..launcher import mpiexec  # noqa: F401  (also what the tests use to launch workers)
 from ..launcher import run as launch_ranks
 from .methods import select, torch_available
+from .worker import not_default
 
 CSV_FIELDS = ["model", "ranks", "network", "method", "kind", "same_as", "time_s", "time_vs_memcpy",
               "time_vs_allreduce", "time_vs_fp16", "time_vs_same_method", "bytes_per_rank",
@@ -338,8 +339,10 @@ def summarize(jobs, kernel_rows, capped) -> str:
         if job.get("compute_s") is not None:
             notes.append(f"compute alone (forward + backward without DDP): {job['compute_s'] * 1e3:.1f} ms "
                          "of each step")
-        if job.get("settings"):
-            notes.append("set in the environment: " + ", ".join(f"`{k}={v}`" for k, v in job["settings"].items()))
+        tuned = {k: v for k, v in job.get("settings", {}).items() if not_default(k)}
+        if tuned:
+            notes.append("not a default configuration, set in the environment: "
+                         + ", ".join(f"`{k}={v}`" for k, v in tuned.items()))
         if notes:
             out.append("; ".join(notes) + "\n")
         out += job_table(job)

@@ -40,8 +40,8 @@ costs first-touch faults). CPU time is counted the same way (user + system, all 
 ``cpu_s`` is the median over steps of the sum over ranks, and ``cpu_floor_vs_allreduce`` that
 sum spread over the cores the ranks share (``len(os.sched_getaffinity(0))``) as a fraction of the
 fp32 allreduce step: a step cannot take less than its floor, whatever the network, so a method
-whose floor is near its step time is bound by the CPU, not the wire. By default the timed steps go round-robin over the methods, so that a
-burst of load from other processes slows every method alike; ``--order blocks`` builds, warms up
+whose floor is near its step time is bound by the CPU, not the wire. By default the timed steps
+go round-robin over the methods, so that a burst of load from other processes slows every method alike; ``--order blocks`` builds, warms up
 and times one method at a time (as a training run repeats one method; also only one method's
 memory is alive at a time, which BERT-sized runs with many methods need). The relative error is
 measured against the exact mean (a float64 MPI allreduce of everyone's gradients) on the first
@@ -119,13 +119,23 @@ def _exact_mean(world: Any, grads: list[np.ndarray]) -> list[np.ndarray]:
 
 #: gradcomp's and bench/capped.sh's comparison knobs: a run with one set is not a default one
 _KNOBS = ("CAPPED_MTU", "GRADCOMP_TWO_STAGE_PIECES", "GRADCOMP_PIPELINE_DEPTH", "GRADCOMP_MPI_WAIT")
+#: what bench/capped.sh sets so that MPI's traffic crosses the capped interface, as it does between
+#: hosts (no shared memory): the emulated network, not a tuning
+_NETWORK_PLUMBING = ("MPIR_CVAR_NOLOCAL", "MPIR_CVAR_CH4_NETMOD")
+
+
+def not_default(name: str) -> bool:
+    """Whether environment variable ``name`` makes a run differ from a user's default
+    configuration: an MPICH (other than the emulated network's plumbing) or glibc allocator
+    variable, or a comparison knob."""
+    mpich_or_malloc = name.startswith(("MPIR_CVAR_", "MALLOC_")) and name not in _NETWORK_PLUMBING
+    return mpich_or_malloc or name in _KNOBS
 
 
 def _settings() -> dict[str, str]:
-    """What in the environment makes this run differ from a user's default configuration: MPICH
-    and glibc allocator variables and the comparison knobs (the report prints them per job)."""
-    return {k: v for k, v in sorted(os.environ.items())
-            if k.startswith(("MPIR_CVAR_", "MALLOC_")) or k in _KNOBS}
+    """The variables of this run's environment that ``not_default`` names (the report prints them
+    per job)."""
+    return {k: v for k, v in sorted(os.environ.items()) if not_default(k)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -81,9 +81,6 @@ class Codec(Compressor):
         cannot; the runner then does it in steps."""
         return False
 
-    #: whether ``average_with_feedback`` is implemented (the runner then tries it first)
-    one_pass_owner: ClassVar[bool] = False
-
     def average_with_feedback(self, rows: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
         """Optional, two-stage codecs: the slice owner's stage in one pass. ``rows`` holds one
         message of this slice per rank, in rank order; decode them into a zeroed slice in that
@@ -345,7 +342,7 @@ def _owner_stage(codec: Codec, comm: Communicator, feedback: ErrorFeedback | Non
     def message() -> Array:
         return layout.owner_message(ws.array(codec, "second", sum(layout.sizes), rows.dtype, like=rows), p)
 
-    if residual is not None and codec.one_pass_owner:
+    if residual is not None:
         second = message()
         if codec.average_with_feedback(rows, residual[lo:hi], second, ws):
             return second

@@ -46,6 +46,7 @@ import re
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from ..launcher import run as launch
@@ -81,7 +82,7 @@ def run(target: str, ranks: Sequence[int] = (1, 2, 3), checks: Sequence[str] | N
             result = launch(n, ["-m", "gradcomp.conformance.checks", target, *names], timeout=timeout,
                             env=env, cwd=cwd)
             # The report files hold every result line even when MPI_Abort cut the output short.
-            reports = [open(os.path.join(report, f)).read() for f in sorted(os.listdir(report))]
+            reports = [p.read_text() for p in sorted(Path(report).iterdir())]
         passed = re.findall(r"^CONFORMANCE-PASS (\S+)", "".join(reports), re.M)
         fails = [r.split("CONFORMANCE-FAIL ", 1)[1].strip() for r in reports if "CONFORMANCE-FAIL " in r]
         if result.hung:

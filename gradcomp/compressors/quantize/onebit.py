@@ -29,7 +29,6 @@ class OneBit(Codec):
     collective = "two-stage"
     chunk = CHUNK
     nan_effect = "chunk"
-    one_pass_owner = True
     independent_chunks = True
     relative_error_limit = 0.95  # without error feedback, on the kit's structured signal
 
