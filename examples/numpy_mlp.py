@@ -36,6 +36,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--compressor", default="allreduce", type=compressor_spec,
                    help="a registry name or name:key=value,... (e.g. powersgd:rank=4)")
+    p.add_argument("--optimizer", default="sgd",
+                   help="sgd (momentum SGD here, gradients averaged by --compressor), or gradcomp's dgc as "
+                        "dgc[:key=value,...] (it communicates itself; --compressor is then not used)")
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.1, help="peak learning rate (cosine decay to 0)")
@@ -100,6 +103,14 @@ def accuracy(params, x, y) -> float:
     return float((forward(params, x)[-1].argmax(axis=1) == y).mean())
 
 
+def test_loss(params, x, y) -> float:
+    """Mean softmax cross-entropy on (x, y)."""
+    logits = forward(params, x)[-1].astype(np.float64)
+    logits -= logits.max(axis=1, keepdims=True)
+    log_p = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    return -float(log_p[np.arange(len(y)), y].mean())
+
+
 def weights_digest(params) -> np.ndarray:
     """SHA-256 of all weights, as 32 uint8 (so it can travel through the buffer API)."""
     h = hashlib.sha256()
@@ -120,17 +131,26 @@ def traffic(before: dict, after: dict) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     comm = gradcomp.MPICommunicator()
-    compressor = gradcomp.make(args.compressor)
     (x, y), (x_test, y_test) = load_shard(args.seed, comm.rank, comm.size)
     params = init_params(args.seed, [x.shape[1], args.hidden, args.hidden, 10])
     velocity = [np.zeros_like(p) for p in params]
+    optimizer = None
+    if args.optimizer != "sgd":
+        from gradcomp.registry import parse_spec
+
+        name, options = parse_spec(args.optimizer)
+        if name != "dgc":
+            raise SystemExit(f"unknown optimizer {name!r} (sgd, dgc)")
+        optimizer = gradcomp.optim.DGC(params, lr=args.lr, momentum=args.momentum, comm=comm,
+                                       bucket_cap_mb=args.bucket_cap_mb, **options)
+    compressor = gradcomp.make(args.compressor) if optimizer is None else optimizer.compressor
     steps_per_epoch = len(x) // args.batch_size
     total_steps = args.epochs * steps_per_epoch
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     say(f"{args.compressor}: {compressor!r} on {comm.size} ranks, {len(x)} training samples per rank, "
         f"{steps_per_epoch} steps per epoch")
 
-    step_times, epoch_losses, last_epoch_start = [], [], compressor.stats()
+    step_times, epoch_losses, test_curve, last_epoch_start = [], [], [], compressor.stats()
     for epoch in range(args.epochs):
         if epoch == args.epochs - 1:
             last_epoch_start = compressor.stats()
@@ -140,30 +160,37 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             batch = order[b * args.batch_size:(b + 1) * args.batch_size]
             loss, grads = loss_and_grads(params, x[batch], y[batch])
-            gradcomp.allreduce_gradients(grads, compressor, comm, bucket_cap_mb=args.bucket_cap_mb)
             step = epoch * steps_per_epoch + b
             lr = np.float32(args.lr * 0.5 * (1 + np.cos(np.pi * step / total_steps)))
-            for p, v, g in zip(params, velocity, grads):
-                v *= np.float32(args.momentum)
-                v += g
-                p -= lr * v
+            if optimizer is not None:
+                optimizer.step(grads, lr=float(lr))
+            else:
+                gradcomp.allreduce_gradients(grads, compressor, comm, bucket_cap_mb=args.bucket_cap_mb)
+                for p, v, g in zip(params, velocity, grads):
+                    v *= np.float32(args.momentum)
+                    v += g
+                    p -= lr * v
             step_times.append(time.perf_counter() - t0)
             losses.append(loss)
         mean_loss = float(comm.allreduce(np.array([np.mean(losses)]))[0] / comm.size)
         epoch_losses.append(mean_loss)
-        say(f"epoch {epoch + 1:3d}  loss {mean_loss:.4f}")
+        test_curve.append([(epoch + 1) * steps_per_epoch, test_loss(params, x_test, y_test),
+                           accuracy(params, x_test, y_test)])
+        say(f"epoch {epoch + 1:3d}  loss {mean_loss:.4f}  test loss {test_curve[-1][1]:.4f}")
 
     digests = comm.allgather(weights_digest(params))
     identical = bool((digests == digests[0]).all())
     summary = dict(
-        compressor=args.compressor, config=repr(compressor), ranks=comm.size, epochs=args.epochs,
+        compressor=args.compressor if optimizer is None else "none", optimizer=args.optimizer,
+        config=repr(compressor if optimizer is None else optimizer), ranks=comm.size, epochs=args.epochs,
         steps=total_steps, batch_size_per_rank=args.batch_size, lr=args.lr, seed=args.seed,
-        bucket_cap_mb=args.bucket_cap_mb, epoch_losses=epoch_losses,
+        bucket_cap_mb=args.bucket_cap_mb, epoch_losses=epoch_losses, test_curve=test_curve,
         train_accuracy_shard0=accuracy(params, x, y), test_accuracy=accuracy(params, x_test, y_test),
         time_per_step_s=float(np.median(step_times)),
         run=traffic({"steps": 0, "bytes_sent": 0.0, "reference_bytes": 0.0}, compressor.stats()),
         last_epoch=traffic(last_epoch_start, compressor.stats()),
-        weight_digests=[bytes(d).hex() for d in digests], weights_identical=identical)
+        weight_digests=[bytes(d).hex() for d in digests], weights_identical=identical,
+        guard=compressor.stats().get("guard"))
     last = summary["last_epoch"]
     say(f"test accuracy {summary['test_accuracy']:.4f}; last epoch: "
         f"{last['bytes_sent_per_step']:.0f} bytes sent per rank per step, "

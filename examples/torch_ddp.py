@@ -74,28 +74,59 @@ def make_comm(kind: str):
     return None  # gradcomp.torch.register picks (MPI under mpiexec)
 
 
+def test_loss(model, x, y) -> float:
+    with torch.no_grad():
+        return F.cross_entropy(model(x), y).item()
+
+
 def train(compressor: str, epochs: int = 30, per_rank_batch: int = 32, lr: float = 0.05,
-          comm: str = "auto", bucket_cap_mb: float = 0.05, seed: int = 0, launch=None) -> dict:
+          comm: str = "auto", bucket_cap_mb: float = 0.05, seed: int = 0, launch=None,
+          optimizer: str = "sgd") -> dict:
+    """Train; ``optimizer`` is ``sgd`` (torch's, momentum 0.9, gradients averaged by the hook) or
+    gradcomp's ``dgc[:key=value,...]``, which communicates itself (``compressor`` is then unused)."""
+    from gradcomp.registry import parse_spec
+
     launch = launch or gt.init_process_group()
-    x_train, y_train, x_test, y_test = digits(seed=seed)
+    x_train, y_train, x_test, y_test = (t.to(launch.device) for t in digits(seed=seed))
     torch.manual_seed(seed)
     model = DistributedDataParallel(DigitsCNN().to(launch.device), bucket_cap_mb=bucket_cap_mb)
-    state = gt.register(model, gradcomp.make(compressor), make_comm(comm))
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    start = time.perf_counter()
+    name, options = parse_spec(optimizer)
+    if name == "sgd":
+        state = gt.register(model, gradcomp.make(compressor), make_comm(comm))
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, **options)
+        stats = state.compressor.stats
+    elif name == "dgc":
+        state = None
+        opt = gt.DGC(model.parameters(), lr=lr, momentum=0.9, model=model, comm=make_comm(comm),
+                     bucket_cap_mb=bucket_cap_mb, **options)
+        stats = opt.stats
+    else:
+        raise SystemExit(f"unknown optimizer {name!r} (sgd, dgc)")
+    curve, late, start, step = [], {}, time.perf_counter(), 0
     for epoch in range(epochs):
         for idx in global_batches(len(y_train), per_rank_batch, launch.rank, launch.size, epoch, seed):
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x_train[idx].to(launch.device)), y_train[idx].to(launch.device))
+            loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()
             opt.step()
+            step += 1
+        if epoch == epochs * 3 // 4 - 1:
+            late = dict(stats())
+        model.eval()
+        curve.append([step, test_loss(model, x_test, y_test), accuracy(model, x_test, y_test),
+                      time.perf_counter() - start])
+        model.train()
     seconds = time.perf_counter() - start
     model.eval()
-    stats = state.compressor.stats()
-    return dict(compressor=compressor, ranks=launch.size, epochs=epochs, loss=loss.item(),
-                test_accuracy=accuracy(model, x_test.to(launch.device), y_test.to(launch.device)),
-                bytes_per_step=stats["bytes_sent_per_step"], compression_ratio=stats["compression_ratio"],
-                seconds=seconds, comm=repr(state.comm))
+    end = stats()
+    sent = end["bytes_sent"] - late.get("bytes_sent", 0.0)
+    reference = end["reference_bytes"] - late.get("reference_bytes", 0.0)
+    return dict(compressor=compressor, optimizer=optimizer, ranks=launch.size, epochs=epochs, steps=step,
+                loss=loss.item(), test_accuracy=accuracy(model, x_test, y_test), test_curve=curve,
+                bytes_per_step=end["bytes_sent_per_step"],
+                steady_bytes_per_step=sent / max(end["steps"] - late.get("steps", 0), 1),
+                compression_ratio=reference / sent if sent else 1.0,
+                seconds=seconds, comm=repr(state.comm if state is not None else opt.method_state.comm))
 
 
 def main(argv=None):
@@ -110,10 +141,18 @@ def main(argv=None):
     parser.add_argument("--bucket-cap-mb", type=float, default=0.05,
                         help="DDP bucket size (small, so the model spans several buckets)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--optimizer", default="sgd",
+                        help="sgd (torch's, gradients averaged by --compressor) or gradcomp's dgc[:key=value,...]")
+    parser.add_argument("--json", metavar="PATH", help="write the result here (rank 0)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     result = train(args.compressor, args.epochs, args.batch_size, args.lr, args.comm,
-                   args.bucket_cap_mb, args.seed)
+                   args.bucket_cap_mb, args.seed, optimizer=args.optimizer)
+    if torch.distributed.get_rank() == 0 and args.json:
+        import json
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps(result, indent=1))
     if torch.distributed.get_rank() == 0:
         print(f"compressor={result['compressor']} ranks={result['ranks']} epochs={result['epochs']} "
               f"comm={result['comm']}\n"

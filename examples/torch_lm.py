@@ -41,6 +41,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--compressor", default="allreduce", type=compressor_spec,
                    help="a registry name or name:key=value,... (none: DDP without a hook)")
+    p.add_argument("--optimizer", default="adamw",
+                   help="adamw (torch's; gradients averaged by --compressor), or gradcomp's onebitadam or "
+                        "dgc, as name[:key=value,...] (they communicate themselves: --compressor none)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--layers", type=int, default=3)
@@ -148,6 +151,20 @@ def traffic(stats: dict, since: dict) -> tuple[float, float]:
     return sent / max(steps, 1), (ref / sent if sent else 1.0)
 
 
+def make_optimizer(spec: str, groups, lr: float, model):
+    """torch's AdamW, or one of gradcomp's optimizers (``onebitadam``, ``dgc``) from a spec."""
+    from gradcomp.registry import parse_spec
+
+    name, options = parse_spec(spec)
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **options)
+    if name == "onebitadam":
+        return gt.OneBitAdam(groups, lr=lr, betas=(0.9, 0.95), model=model, **options)
+    if name == "dgc":
+        return gt.DGC(groups, lr=lr, model=model, **options)
+    raise SystemExit(f"unknown optimizer {name!r} (adamw, onebitadam, dgc)")
+
+
 def train(args) -> dict:
     torch.set_num_threads(1)
     launch = gt.init_process_group()
@@ -161,18 +178,19 @@ def train(args) -> dict:
     state = None if args.compressor == "none" else gt.register(model, gradcomp.make(args.compressor))
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() != 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
+    opt = make_optimizer(args.optimizer, groups, args.lr, model)
     # linear warm-up, then cosine decay to a tenth of the peak
     schedule = lambda s: (s + 1) / args.warmup if s < args.warmup else \
         0.1 + 0.45 * (1 + math.cos(math.pi * (s - args.warmup) / max(args.steps - args.warmup, 1)))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
 
     def evaluate(step):
+        trained = time.perf_counter() - start - eval_seconds  # training seconds so far
         model.eval()
         loss = validation_loss(net, val_text, val_starts, args.context, rank, size)
         model.train()
-        val_curve.append([step, loss])
+        val_curve.append([step, loss, trained])
         # mean training loss since the last evaluation, over all ranks
         window = torch.tensor([sum(train_losses), len(train_losses)], dtype=torch.float64, device=device)
         dist.all_reduce(window)
@@ -200,8 +218,8 @@ def train(args) -> dict:
         opt.step()
         sched.step()
         train_losses.append(loss.item())
-        if step + 1 == args.steps // 2 and state is not None:
-            half_stats = dict(state.compressor.stats())
+        if step + 1 == args.steps // 2:
+            half_stats = dict(state.compressor.stats() if state is not None else getattr(opt, "stats", dict)())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             t = time.perf_counter()
             evaluate(step + 1)
@@ -217,12 +235,13 @@ def train(args) -> dict:
                   weight_digests=digests, parameters=sum(p.numel() for p in net.parameters()),
                   config={k: v for k, v in vars(args).items() if k not in ("json", "compressor")},
                   train_bytes=len(train_text), val_bytes=len(val_text))
-    if state is not None:
-        stats = state.compressor.stats()
+    stats_of = state.compressor.stats if state is not None else getattr(opt, "stats", None)
+    if stats_of is not None:
+        stats = stats_of()
         # second half of training: after any warm-up of plain averaging (PowerSGD's start_iter)
         result["bytes_sent_per_step"], result["compression_ratio"] = traffic(stats, half_stats)
-        result["stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
-        result["compressor_repr"] = repr(state.compressor)
+        result["stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str, dict))}
+        result["compressor_repr"] = repr(state.compressor if state is not None else opt.method_state)
     return result
 
 

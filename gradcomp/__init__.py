@@ -17,6 +17,11 @@ from .compressors import (BF16, FP16, REGISTRY, Allgather, Allreduce, Codec, Com
 from .powersgd import BatchedPowerSGD, PowerSGD
 from .reducer import GradientReducer, allreduce_gradients
 from .schedule import Schedule
+from .planning import Recipe
+from .planning.names import register_builtins as _register_builtins
+from . import optim  # DGC, OneBitAdam: methods that need the optimizer
+
+_register_builtins()
 
 __version__ = "0.2.0"
 
@@ -24,4 +29,4 @@ __all__ = ["Bucket", "Communicator", "MPICommunicator", "CollectiveError", "Comm
            "default_communicator", "Compressor", "Codec", "ErrorFeedback", "Allreduce", "Allgather",
            "FP16", "BF16", "QuantizePerTensor", "QuantizePerChannel", "QuantizedAllreduce", "OneBit",
            "TopK", "RandomK", "PowerSGD", "BatchedPowerSGD",
-           "Schedule", "REGISTRY", "make", "register", "GradientReducer", "allreduce_gradients"]
+           "Schedule", "Recipe", "REGISTRY", "make", "register", "GradientReducer", "allreduce_gradients"]

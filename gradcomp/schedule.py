@@ -85,6 +85,14 @@ class Schedule(Compressor):
     def step(self) -> int:
         return self._step
 
+    @property
+    def error_feedback_on(self) -> bool:
+        return any(c.error_feedback_on for c in self.compressors)
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.starts[-1] + self.compressors[-1].warmup_steps
+
     def stage_at(self, step: int) -> int:
         """Index of the stage that reduces training step ``step``."""
         return bisect.bisect_right(self.starts, step) - 1
@@ -137,6 +145,15 @@ class Schedule(Compressor):
             k = self._last_stage.get(key)
             if k is not None:
                 out.update(self.compressors[k].take_residual([key]))
+        return out
+
+    def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
+        """The residuals of the stages that last reduced ``keys``."""
+        out: dict[str, Array] = {}
+        for key in keys:
+            k = self._last_stage.get(key)
+            if k is not None:
+                out.update(self.compressors[k].residuals([key]))
         return out
 
     def stats(self) -> dict[str, Any]:

@@ -93,6 +93,11 @@ class TensorStore:
         sig, off, shape = home
         return self._regions[sig][off:off + math.prod(shape)].reshape(shape)
 
+    def view(self, key: str) -> Array | None:
+        """``key``'s value, live (writes go through), shaped like its tensor; None if absent."""
+        with self._lock:
+            return self._value(key)
+
     def drop(self, keys: Iterable[str]) -> None:
         """Forget ``keys``: the next ``region`` reports them missing."""
         with self._lock:

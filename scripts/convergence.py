@@ -1,162 +1,275 @@
-"""Convergence of every compressor on a harder task: examples/torch_lm.py once per compressor.
+"""Convergence of every method on three workloads and several seeds: one table and figure each.
 
-    python scripts/convergence.py                                    # none + all of gradcomp.REGISTRY
-    python scripts/convergence.py --compressors none allreduce powersgd --steps 200 --out /tmp/conv
+    python scripts/convergence.py --workload lm --methods none powersgd onebitadam --seeds 0 1 2
+    python scripts/convergence.py --workload mlp --seeds 0 1 2          # every registered name + dgc
+    python scripts/convergence.py --report --out results/conv           # tables and figures only
 
-Each compressor is one ``mpiexec -n RANKS`` job (the mpiexec beside this Python) training the same
-byte-level transformer on the Python standard library with the same seed and step count; the job
-writes a JSON summary. The table compares the final validation loss (nats per byte) with the
-``allreduce`` run (or, without one, the ``none`` run: DDP's own allreduce, no hook); exact methods
-should match it to a fraction of a percent, lossy ones show what their compression costs. Bytes and
-compression ratio are those of the second half of training, after any warm-up. ``seconds`` is
-training time without the evaluations, ``wall s`` the whole job. Writes ``OUT/convergence.json``
-(every summary, failures included) and ``OUT/convergence.png`` (validation-loss curves).
-A failed run is a row marked FAILED with the end of its output; the others still run.
+Workloads (each an example script, one ``mpiexec -n RANKS`` job per method and seed):
+
+* ``lm``: ``examples/torch_lm.py``, a byte-level transformer under AdamW, DDP, validation loss;
+* ``mlp``: ``examples/numpy_mlp.py``, the digits MLP under momentum SGD, NumPy only, test loss;
+* ``cnn``: ``examples/torch_ddp.py``, the digits CNN under momentum SGD, DDP, test loss.
+
+A method is a registry spec (``topk``, ``powersgd:rank=2``: the user's optimizer unchanged, the
+gradients averaged by that compressor), ``none`` (DDP's own allreduce: the reference of the torch
+workloads; ``allreduce`` is the MLP's), or one of gradcomp's optimizers, which communicate
+themselves: ``onebitadam[:key=value,...]`` (the LM) and ``dgc[:...]`` (any workload).
+
+Per workload and method, over the seeds: the final loss (mean and worst) against the exact
+reference of the same seed, the final accuracy (digits), the steps to reach the reference's final
+loss (each seed against its own reference; "-" when a seed never gets there), and the bytes each
+rank sends per step in the last quarter of training (steady state, after any warm-up) and over
+the whole run. A run whose loss is not finite, or higher at the end than at the start, counts as
+diverged. Runs are kept as ``OUT/WORKLOAD/METHOD@SEED.json`` and skipped when present (so an
+interrupted sweep resumes); ``--report`` only reads them.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 import time
 from pathlib import Path
 
 from gradcomp import launcher
-from gradcomp.bench.tables import aligned_table, failures, run_each
+from gradcomp.bench.tables import aligned_table
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "torch_lm.py"
-EXACT = ("none", "allreduce", "allgather")  # methods that average gradients without loss
-EXACT_STYLE = {"none": dict(color="0.65", lw=4.5, ls="-", zorder=3),
-               "allreduce": dict(color="black", lw=1.8, ls="--", zorder=4),
-               "allgather": dict(color="black", lw=1.8, ls=":", zorder=4)}
+EXAMPLES = {"lm": "torch_lm.py", "mlp": "numpy_mlp.py", "cnn": "torch_ddp.py"}
+REFERENCE = {"lm": "none", "mlp": "allreduce", "cnn": "none"}
+OPTIMIZERS = ("onebitadam", "dgc")
+LOSS_NAME = {"lm": "validation loss (nats/byte)", "mlp": "test loss", "cnn": "test loss"}
 
 
 def parse_args(argv=None):
-    import gradcomp
-    from gradcomp.registry import compressor_spec
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--compressors", nargs="+", default=["none", *gradcomp.REGISTRY], type=compressor_spec,
-                   help="'none' and/or registry names (default: none + all of gradcomp.REGISTRY)")
-    p.add_argument("--ranks", type=int, default=4, help="mpiexec -n (default 4)")
-    p.add_argument("--steps", type=int, help="training steps (default: the example's)")
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "convergence",
-                   help="output folder (default: results/convergence, git-ignored)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    p.add_argument("--replot", action="store_true",
-                   help="run nothing: redraw OUT/convergence.png (and reprint the table) from OUT/convergence.json")
+    p.add_argument("--workload", choices=sorted(EXAMPLES), nargs="+", default=["lm"])
+    p.add_argument("--methods", nargs="+", help="default: the reference, every registered name, and "
+                   "gradcomp's optimizers for the workload")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "convergence")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    p.add_argument("--report", action="store_true", help="run nothing: tables and figures from OUT")
+    p.add_argument("--rerun", action="store_true", help="run again even where a result exists")
     p.add_argument("extra", nargs="*", help="after --: passed to the example unchanged")
-    args = p.parse_args(argv)
-    return args
+    return p.parse_args(argv)
 
 
-def run_once(name: str, args) -> dict:
-    """One mpiexec job: its JSON summary plus ``wall_seconds``, or {"error": ..., "tail": [...]}."""
-    out_json = args.out / f"{name}.json"
-    out_json.unlink(missing_ok=True)
-    cmd = [str(EXAMPLE), "--compressor", name, "--json", str(out_json), *args.extra]
-    if args.steps:
-        cmd += ["--steps", str(args.steps)]
+def default_methods(workload: str) -> list[str]:
+    import gradcomp
+
+    names = [REFERENCE[workload]] + [n for n in gradcomp.REGISTRY if n != REFERENCE[workload]]
+    return names + (["onebitadam", "dgc"] if workload == "lm" else ["dgc"])
+
+
+def command(workload: str, method: str, seed: int, out_json: Path, extra: list[str]) -> list[str]:
+    """The example's command line for one run."""
+    head = method.partition(":")[0]
+    cmd = [str(ROOT / "examples" / EXAMPLES[workload]), "--seed", str(seed), "--json", str(out_json)]
+    if head in OPTIMIZERS:
+        cmd += ["--optimizer", method] + (["--compressor", "none"] if workload == "lm" else [])
+    else:
+        cmd += ["--compressor", method]
+    return cmd + list(extra)
+
+
+def run_one(workload: str, method: str, seed: int, args) -> dict:
+    folder = args.out / workload
+    folder.mkdir(parents=True, exist_ok=True)
+    out_json = folder / f"{method}@{seed}.json"
+    if out_json.exists() and not args.rerun:
+        return json.loads(out_json.read_text())
     start = time.perf_counter()
-    done = launcher.run(args.ranks, cmd, timeout=args.timeout, cwd=ROOT)
-    wall = time.perf_counter() - start
-    output = done.output
-    code = f"timeout after {args.timeout:.0f} s" if done.hung else done.returncode
-    (args.out / f"{name}.log").write_text(output)
-    if code != 0 or not out_json.exists():
-        return {"compressor": name, "error": f"exit {code}", "tail": output.strip().splitlines()[-12:],
-                "wall_seconds": wall}
-    return dict(json.loads(out_json.read_text()), wall_seconds=wall)
+    done = launcher.run(args.ranks, command(workload, method, seed, out_json, args.extra),
+                        timeout=args.timeout, cwd=ROOT)
+    (folder / f"{method}@{seed}.log").write_text(done.output)
+    if done.returncode != 0 or not out_json.exists():
+        error = {"method": method, "seed": seed, "error": "hung" if done.hung else f"exit {done.returncode}",
+                 "tail": done.output.strip().splitlines()[-12:], "wall_seconds": time.perf_counter() - start}
+        out_json.write_text(json.dumps(error, indent=1))
+        return error
+    result = json.loads(out_json.read_text())
+    result.update(method=method, seed=seed, wall_seconds=time.perf_counter() - start)
+    out_json.write_text(json.dumps(result, indent=1))
+    return result
 
 
-def table(results: dict[str, dict]) -> str:
-    base_name = next((b for b in ("allreduce", "none") if "final_val_loss" in results.get(b, {})), None)
-    base = results[base_name]["final_val_loss"] if base_name else None
-    header = ["compressor", "final val loss", f"vs {base_name or 'base'} %", "compression",
-              "bytes/rank/step", "seconds", "wall s", "same weights"]
+# -- reading a run ---------------------------------------------------------------------------------
+def curve(r: dict) -> list[tuple[int, float]]:
+    """(step, loss) points of a run, every workload alike."""
+    if "val_curve" in r:
+        return [(int(p[0]), float(p[1])) for p in r["val_curve"]]
+    return [(int(p[0]), float(p[1])) for p in r.get("test_curve", [])]
+
+
+def accuracy(r: dict) -> float | None:
+    acc = r.get("test_accuracy")
+    if acc is None:
+        return None
+    return 100 * acc if acc <= 1 else acc  # the MLP reports a fraction, the CNN percent
+
+
+def traffic(r: dict) -> tuple[float | None, float | None]:
+    """(bytes per rank per step in steady state, over the whole run)."""
+    if "last_epoch" in r:  # the MLP
+        return r["last_epoch"]["bytes_sent_per_step"], r["run"]["bytes_sent_per_step"]
+    if "steady_bytes_per_step" in r:  # the CNN
+        return r["steady_bytes_per_step"], r["bytes_per_step"]
+    stats = r.get("stats")
+    if stats is None:
+        return None, None
+    return r.get("bytes_sent_per_step"), stats.get("bytes_sent_per_step")
+
+
+def diverged(r: dict) -> bool:
+    points = curve(r)
+    return (not points or not all(math.isfinite(l) for _, l in points) or points[-1][1] >= points[0][1])
+
+
+def steps_to(points: list[tuple[int, float]], target: float) -> int | None:
+    return next((s for s, l in points if l <= target), None)
+
+
+# -- the table ----------------------------------------------------------------------------------------
+def load(folder: Path) -> dict[str, dict[int, dict]]:
+    runs: dict[str, dict[int, dict]] = {}
+    for path in sorted(folder.glob("*@*.json")):
+        method, _, seed = path.stem.rpartition("@")
+        runs.setdefault(method, {})[int(seed)] = json.loads(path.read_text())
+    return runs
+
+
+def table(workload: str, runs: dict[str, dict[int, dict]]) -> str:
+    ref_name = REFERENCE[workload]
+    refs = runs.get(ref_name, {})
+    header = ["method", "final loss (mean)", "vs exact % (mean / worst)", "test acc % (mean / worst)",
+              "vs exact points (mean / worst)", "steps to exact's final loss", "bytes/rank/step steady",
+              "compression steady", "bytes/rank/step whole run", "seeds", "diverged"]
     rows = []
-    for name, r in results.items():
-        if "error" in r:
-            rows.append([name, "FAILED", r["error"], "", "", "", f"{r['wall_seconds']:.0f}", ""])
+    for method, by_seed in runs.items():
+        good = {s: r for s, r in by_seed.items() if "error" not in r}
+        failed = sorted(s for s, r in by_seed.items() if "error" in r)
+        if not good:
+            rows.append([method, "FAILED"] + [""] * (len(header) - 3) + [f"{len(failed)}"])
             continue
-        loss, ratio, sent = r["final_val_loss"], r["compression_ratio"], r["bytes_sent_per_step"]
-        rows.append([name, f"{loss:.4f}", f"{100 * loss / base:.2f}" if base else "",
-                     f"{ratio:.2f}" if ratio else "-", f"{sent:,.0f}" if sent is not None else "-",
-                     f"{r['seconds']:.1f}", f"{r['wall_seconds']:.0f}", "yes" if r["weights_identical"] else "NO"])
+        finals = [curve(r)[-1][1] for r in good.values()]
+        rel = [100 * (curve(r)[-1][1] / curve(refs[s])[-1][1] - 1) for s, r in good.items()
+               if s in refs and "error" not in refs[s]]
+        accs = [a for r in good.values() if (a := accuracy(r)) is not None]
+        points = [accuracy(r) - accuracy(refs[s]) for s, r in good.items()
+                  if s in refs and "error" not in refs[s] and accuracy(r) is not None]
+        reach = []
+        for s, r in good.items():
+            if s in refs and "error" not in refs[s]:
+                reach.append(steps_to(curve(r), curve(refs[s])[-1][1]))
+        steady, whole = zip(*(traffic(r) for r in good.values()))
+        ref_bytes = _reference_bytes(good, refs)
+        mean_steady = _mean(steady)
+        rows.append([
+            method, f"{statistics.mean(finals):.4f}",
+            f"{statistics.mean(rel):+.2f} / {max(rel, key=abs):+.2f}" if rel else "",
+            f"{statistics.mean(accs):.2f} / {min(accs):.2f}" if accs else "",
+            f"{statistics.mean(points):+.2f} / {min(points):+.2f}" if points else "",
+            " ".join("-" if x is None else str(x) for x in reach),
+            f"{mean_steady:,.0f}" if mean_steady is not None else "-",
+            f"{ref_bytes / mean_steady:.1f}x" if ref_bytes and mean_steady else "-",
+            f"{_mean(whole):,.0f}" if _mean(whole) is not None else "-",
+            str(len(good)) + (f" (+{len(failed)} failed)" if failed else ""),
+            str(sum(diverged(r) for r in good.values()))])
     return aligned_table(header, rows)
 
 
-def plot(results: dict[str, dict], path: Path, ranks: int) -> None:
+def _mean(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.mean(known) if known else None
+
+
+def _reference_bytes(good: dict[int, dict], refs: dict[int, dict]) -> float | None:
+    """What a plain fp32 allreduce sends per rank per step (from the runs' own counters)."""
+    for r in list(good.values()) + list(refs.values()):
+        stats = r.get("stats") or {}
+        if stats.get("reference_bytes") and stats.get("steps"):
+            return stats["reference_bytes"] / stats["steps"]
+        if "last_epoch" in r:
+            return r["last_epoch"]["reference_bytes_per_step"]
+        if "steady_bytes_per_step" in r and r.get("compression_ratio"):
+            return r["steady_bytes_per_step"] * r["compression_ratio"]
+    return None
+
+
+def plot(workload: str, runs: dict[str, dict[int, dict]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (full, tail) = plt.subplots(1, 2, figsize=(13, 5))
-    # lossy methods: one colour per method, shared by its error-feedback and -noef runs (the -noef
-    # one dashed, hollow markers), so the pairs read as pairs; 20 colours before any repeats
     palette = plt.get_cmap("tab20").colors
     palette = palette[0::2] + palette[1::2]
-    colours: dict[str, tuple] = {}
-    for name, r in results.items():
-        if "val_curve" not in r:
+    lows = []
+    last = 0
+    for k, (method, by_seed) in enumerate(runs.items()):
+        curves = [curve(r) for r in by_seed.values() if "error" not in r]
+        if not curves:
             continue
-        steps, losses = zip(*r["val_curve"])
-        exact = name in EXACT
-        noef = name.partition(":")[0].endswith("-noef")
-        family = name.replace("-noef", "", 1)  # topk and topk-noef: one colour; topk:ratio=0.05 its own
-        colour = colours.setdefault(family, palette[len(colours) % len(palette)])
-        # exact methods: grey/black, no markers, line styles that stay visible when they coincide
-        style = EXACT_STYLE[name] if exact else dict(
-            color=colour, lw=1.3, marker="o" if noef else ".", ms=3.5 if noef else 4,
-            ls="--" if noef else "-", mfc="none" if noef else colour)
-        label = f"{name} ({r['final_val_loss']:.3f})" + (" [exact]" if exact else "")
+        # the mean over seeds at each evaluation step all runs share
+        steps = sorted(set.intersection(*(set(s for s, _ in c) for c in curves)))
+        mean = [statistics.mean(dict(c)[s] for c in curves) for s in steps]
+        exact = method == REFERENCE[workload]
+        style = dict(color="black", lw=2.2, zorder=5) if exact else dict(color=palette[k % len(palette)], lw=1.2)
+        label = f"{method} ({mean[-1]:.3f})"
         for ax in (full, tail):
-            ax.plot(steps, losses, label=label, **style)
-    done = [r for r in results.values() if "val_curve" in r]
-    if not done:
+            ax.plot(steps, mean, label=label, **style)
+        last = max(last, steps[-1])
+        lows += [m for s, m in zip(steps, mean) if s >= steps[-1] / 2 and math.isfinite(m)]
+    if not lows:
         plt.close(fig)
         return
-    # right panel: the second half, where the differences are
-    last = max(s for r in done for s, _ in r["val_curve"])
-    tail_losses = [l for r in done for s, l in r["val_curve"] if s >= last / 2]
     tail.set_xlim(last / 2, last * 1.01)
-    tail.set_ylim(min(tail_losses) - 0.02, max(tail_losses) + 0.02)
-    full.set_title("validation loss")
-    tail.set_title("second half, zoomed")
-    for ax in (full, tail):
+    ref = [statistics.mean(curve(r)[-1][1] for r in runs.get(REFERENCE[workload], {}).values() if "error" not in r)] \
+        if runs.get(REFERENCE[workload]) else []
+    low = min(lows)
+    tail.set_ylim(low - 0.05 * abs(low), (ref[0] if ref else low) * 1.3)
+    for ax, title in ((full, LOSS_NAME[workload]), (tail, "second half, zoomed")):
+        ax.set_title(title)
         ax.set_xlabel("step")
-        ax.set_ylabel("cross-entropy, nats/byte")
         ax.grid(alpha=0.3)
-    r0 = done[0]
-    fig.suptitle(f"examples/torch_lm.py: {r0['parameters']:,}-parameter byte-level transformer on the "
-                 f"stdlib, {ranks} ranks, {r0['steps']} steps")
-    tail.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=9, title="compressor (final)")
+    seeds = sorted({s for by_seed in runs.values() for s in by_seed})
+    fig.suptitle(f"{EXAMPLES[workload]}: mean over seeds {seeds}")
+    tail.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, title="method (final)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.replot:
-        results = json.loads((args.out / "convergence.json").read_text())
-        print(table(results))
-        plot(results, args.out / "convergence.png", next(iter(results.values())).get("ranks", args.ranks))
-        print(f"\nwrote {args.out / 'convergence.png'}")
-        return 0
-    results = run_each(args.compressors, args.ranks, lambda name: run_once(name, args),
-                       lambda r: f"val loss {r['final_val_loss']:.4f}")
-    print(f"\nexamples/torch_lm.py on {args.ranks} ranks; final validation loss in nats per byte; "
-          f"bytes and compression over the second half of training\n")
-    print(table(results))
-    print(failures(results), end="")
-    (args.out / "convergence.json").write_text(json.dumps(results, indent=1))
-    plot(results, args.out / "convergence.png", args.ranks)
-    print(f"\nwrote {args.out / 'convergence.json'} and {args.out / 'convergence.png'}")
-    return 1 if any("error" in r or not r["weights_identical"] for r in results.values()) else 0
+    status = 0
+    for workload in args.workload:
+        folder = args.out / workload
+        if not args.report:
+            methods = args.methods or default_methods(workload)
+            jobs = [(m, s) for s in args.seeds for m in methods]
+            for i, (method, seed) in enumerate(jobs, 1):
+                start = time.perf_counter()
+                print(f"[{workload} {i}/{len(jobs)}] {method} seed {seed} ...", end=" ", file=sys.stderr, flush=True)
+                r = run_one(workload, method, seed, args)
+                shown = r.get("error") or f"final loss {curve(r)[-1][1]:.4f}"
+                print(f"{time.perf_counter() - start:.0f} s, {shown}", file=sys.stderr, flush=True)
+        runs = load(folder)
+        if not runs:
+            continue
+        print(f"\n{workload}: {EXAMPLES[workload]}, {LOSS_NAME[workload]}, {args.ranks} ranks\n")
+        print(table(workload, runs))
+        plot(workload, runs, args.out / f"convergence-{workload}.png")
+        bad = [f"{m}@{s}" for m, by in runs.items() for s, r in by.items() if "error" in r or diverged(r)]
+        if bad:
+            print(f"\nfailed or diverged: {', '.join(bad)}")
+            status = 1
+    return status
 
 
 if __name__ == "__main__":

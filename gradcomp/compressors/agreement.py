@@ -31,22 +31,24 @@ def describe(bucket: Bucket | None, compressor, prepared, problem: str | None) -
 
 
 def agree(comm: Communicator, bucket, compressor, prepared=None,
-          problem: str | None = None) -> Bucket:
+          problem: str | None = None, flag: int = 0) -> tuple[Bucket, np.ndarray]:
     """Check, collectively, that every rank brings a compatible bucket, configuration and state;
-    return the bucket as a ``Bucket``. ``problem``: why this rank cannot take part (a buffer that
-    cannot be a bucket, a local stage that failed); every rank then raises ``CollectiveError``.
+    return the bucket as a ``Bucket`` and every rank's ``flag``. ``problem``: why this rank cannot
+    take part (a buffer that cannot be a bucket, a local stage that failed); every rank then raises
+    ``CollectiveError``. ``flag``: a number that may differ across ranks and travels with the
+    digests for free (the divergence guard's, ``guard``).
     """
     if problem is None and not isinstance(bucket, Bucket):
         problem = buffer_problem(bucket)
         if problem is None:
             bucket = Bucket(bucket)
     texts = describe(bucket if problem is None else None, compressor, prepared, problem)
-    mine = np.array([digest(t) for t in texts], dtype=np.int64)
+    mine = np.array([digest(t) for t in texts] + [int(flag)], dtype=np.int64)
     mine[0] = 0 if problem is None else 1
     table = comm.allgather(mine)
     differs = [col for col in range(len(FIELDS)) if (table[:, col] != table[0, col]).any()]
     if not differs and problem is None:
-        return bucket
+        return bucket, table[:, len(FIELDS)]
     bad = [r for r in range(comm.size) if table[r, 0]]
     if bad:
         # ranks that cannot take part: say who and why (their texts), nothing else matters

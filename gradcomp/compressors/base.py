@@ -31,6 +31,7 @@ from ..arrays import FLOAT_DTYPES, Array, DTypeLike, is_device_array, synchroniz
 from ..bucket import Bucket, buffer_problem
 from ..comm import Communicator, Workspace, default_communicator, wire_bytes
 from .agreement import agree
+from .guard import Guard
 
 
 def _on_device(device: Any, fn: Callable[..., Any], *args: Any) -> Any:
@@ -77,10 +78,21 @@ class Compressor:
         error accumulated over many steps stays bounded instead of the error of each step."""
         return False
 
+    @property
+    def warmup_steps(self) -> int:
+        """Steps before this compressor reaches its steady-state method (a recipe's exact
+        warm-up and ramp, PowerSGD's ``start_iter``): the conformance kit runs past them."""
+        return 0
+
     def __init__(self) -> None:
         self._stats: dict[str, Any] = dict(calls=0, steps=0, input_bytes=0, bytes_sent=0.0, rounds=0,
                                            reference_bytes=0.0)
         self._comm_ref: weakref.ref | None = None
+        self._guard: Guard | None = None
+
+    def _new_guard(self) -> Guard:
+        self._guard = Guard()
+        return self._guard
 
     # -- public API ------------------------------------------------------------------------------
     def reduce(self, bucket: Bucket | Array, comm: Communicator | None = None) -> Future[Array]:
@@ -126,10 +138,19 @@ class Compressor:
 
     def checked_run(self, bucket: Bucket | Array, comm: Communicator, prepared: Any = None,
                     problem: str | None = None) -> Array:
-        """``agree``, then ``run``, recording traffic (on the wire thread)."""
-        bucket = agree(comm, bucket, self, prepared, problem)
+        """``agree``, then ``run``, recording traffic and watching residuals (on the wire thread)."""
+        guard = getattr(self, "_guard", None)
+        if guard is None and self.error_feedback_on:
+            guard = self._new_guard()
+        bucket, flags = agree(comm, bucket, self, prepared, problem, guard.flag if guard is not None else 0)
+        watch = guard is not None and guard.due(self._stats["steps"])
+        if guard is not None:
+            guard.announce(flags, self.describe())
+            norms = guard.gradient_norms(bucket) if watch else []
         before_bytes, before_calls = comm.bytes_sent, getattr(comm, "collectives", 0)
         out = run_stage(self, bucket, comm, prepared)
+        if watch and guard is not None:
+            guard.measure(bucket, self.residuals(bucket.keys), norms)
         s = self._stats
         s["calls"] += 1
         s["steps"] += int(bucket.is_last)
@@ -204,6 +225,9 @@ class Compressor:
         s["bytes_sent_per_step"] = s["bytes_sent"] / steps
         s["rounds_per_step"] = s["rounds"] / steps
         s["compression_ratio"] = (s["reference_bytes"] / s["bytes_sent"]) if s["bytes_sent"] else 1.0
+        guard = getattr(self, "_guard", None)
+        if guard is not None:
+            s["guard"] = guard.stats()
         return s
 
     def state_dict(self) -> dict[str, Any]:
@@ -221,6 +245,12 @@ class Compressor:
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         """Hand over the error-feedback residuals kept for ``keys`` (removing them): ``Schedule``
         adds them to the gradient when another stage takes over. Default: none kept."""
+        return {}
+
+    def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
+        """The error-feedback residuals kept for ``keys``, as live views shaped like their
+        tensors (no copy; read them between steps): the divergence guard measures them, DGC's
+        momentum masking reads them. Default: none kept."""
         return {}
 
     # -- one communicator per compressor ----------------------------------------------------------------

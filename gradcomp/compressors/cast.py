@@ -57,6 +57,10 @@ class Cast(Compressor):
     def error_feedback_on(self) -> bool:
         return self.inner.error_feedback_on
 
+    @property
+    def warmup_steps(self) -> int:
+        return self.inner.warmup_steps
+
     def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray | None:
         """The inner method's bound on half-precision inputs, plus the two casts."""
         hdt: Any = np.float16 if self.half == "float16" else ml_dtypes.bfloat16
@@ -94,6 +98,9 @@ class Cast(Compressor):
 
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         return self.inner.take_residual(keys)
+
+    def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
+        return self.inner.residuals(keys)
 
 
 class FP16(Cast):

@@ -39,7 +39,7 @@ class ErrorFeedback(Compressor):
                             f"{type(inner).__name__}; PowerSGD has error feedback built in")
         self.inner = inner
         self.owner_feedback = check_bool("owner_feedback", owner_feedback)
-        self.residuals = TensorStore()
+        self.store = TensorStore()
         self.owner_residuals = TensorStore()
 
     @property
@@ -66,7 +66,7 @@ class ErrorFeedback(Compressor):
     # -- hooks called by the codec runner --------------------------------------------------------------
     def residual(self, bucket: Bucket, dtype: DTypeLike, like: Array) -> Array:
         """The bucket's residual (one flat region of the per-tensor store, updated in place)."""
-        return self.residuals.region(bucket.placements(), bucket.numel, dtype, like=like)[0]
+        return self.store.region(bucket.placements(), bucket.numel, dtype, like=like)[0]
 
     def add_residual(self, bucket: Bucket, x: Array) -> None:
         add_into(x, self.residual(bucket, x.dtype, x))
@@ -93,12 +93,15 @@ class ErrorFeedback(Compressor):
 
     # -- Schedule hand-over and checkpoints ----------------------------------------------------------------
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
-        return self.residuals.pop(keys)
+        return self.store.pop(keys)
+
+    def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
+        return {k: v for k in keys if (v := self.store.view(k)) is not None}
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"config": self.describe()}
-        out.update({f"residual/{k}": v for k, v in self.residuals.arrays().items()})
-        out.update(shape_entries(self.residuals))
+        out.update({f"residual/{k}": v for k, v in self.store.arrays().items()})
+        out.update(shape_entries(self.store))
         out.update({f"owner/{k}": v for k, v in self.owner_residuals.arrays().items()})
         out.update({f"inner/{k}": v for k, v in self.inner.state_dict().items()})
         return out
@@ -124,5 +127,5 @@ class ErrorFeedback(Compressor):
         reject_leftovers(state, owner)
         if inner or self.inner.state_dict():
             self.inner.load_state_dict(inner, known)  # checks its part before anything changes
-        self.residuals.load(residuals)
+        self.store.load(residuals)
         self.owner_residuals.load(owners)

@@ -18,6 +18,7 @@ import io
 import os
 import sys
 import traceback
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -26,8 +27,8 @@ import gradcomp as gc
 
 from .signals import LAYOUT, LENGTHS, digest, numel, relative_error, structured, tensor_of
 
-STEPS = 14          # past the 10-step warm-up of the registered PowerSGD variants
-LONG = 300          # steps of the accumulated-error check (random-k at 1% needs a few hundred)
+STEPS = 14          # steps of each check past the compressor's warm-up (``warmup_steps``)
+LONG = 300          # steps of the accumulated-error check past the warm-up (random-k at 1% needs a few hundred)
 NAN_AT = 700        # a position in the second 512-value chunk, inside LAYOUT's last matrix
 
 
@@ -81,7 +82,8 @@ def check_shapes(kit: Kit) -> None:
     rng = np.random.default_rng(100 + kit.rank)
     for length in LENGTHS:
         comp, twin = kit.build(), kit.build()
-        for step in range(STEPS):
+        steps = comp.warmup_steps + STEPS
+        for step in range(steps):
             a = rng.standard_normal(numel(LAYOUT)).astype(np.float32)
             b = rng.standard_t(4, length).astype(np.float32)
             out_a = kit.reduce(comp, a, 0, LAYOUT, last=False)
@@ -93,7 +95,7 @@ def check_shapes(kit: Kit) -> None:
             kit.check_bound(comp, a, out_a, np.float32, f"layout bucket, step {step}")
             kit.check_bound(comp, b, out_b, np.float32, f"length {length}, step {step}")
         stats = comp.stats()
-        assert stats["calls"] == 2 * STEPS and stats["steps"] == STEPS, f"stats count {stats}"
+        assert stats["calls"] == 2 * steps and stats["steps"] == steps, f"stats count {stats}"
         if kit.size > 1 and length > 0:
             assert stats["bytes_sent"] > 0, "no bytes counted"
 
@@ -103,7 +105,7 @@ def check_dtypes(kit: Kit) -> None:
     rng = np.random.default_rng(7 + kit.rank)
     for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
         comp = kit.build()
-        for step in range(STEPS):
+        for step in range(comp.warmup_steps + STEPS):
             x = (rng.standard_normal(777) * 0.1).astype(dtype)
             out = kit.reduce(comp, x, 0, [(37, 21)])
             kit.check_bound(comp, x, out, dtype, f"{np.dtype(dtype).name} step {step}")
@@ -114,22 +116,25 @@ def check_accuracy(kit: Kit) -> None:
     feedback keep the error accumulated over many steps small and shrinking; others stay within
     their declared relative error. A compressor that returns zeros or a constant fails here."""
     comp = kit.build()
+    warm = comp.warmup_steps
     shared = np.random.default_rng(11)
     own = np.random.default_rng([12, kit.rank])
     sum_out = np.zeros(numel(LAYOUT))
     sum_mean = np.zeros(numel(LAYOUT))
     lags, errors = {}, []
     signal = structured(LAYOUT, shared, own)
-    for step in range(LONG):
+    for step in range(warm + LONG):
         x = (signal + 0.3 * np.abs(signal).mean() * own.standard_normal(signal.size)).astype(np.float32)
         out = kit.reduce(comp, x, 0, LAYOUT)
         kit.same_everywhere(out, f"step {step}")
+        if step < warm:
+            continue  # the warm-up's error is the warm-up method's; what follows is measured
         mean = kit.inputs(x).mean(axis=0)
         errors.append(relative_error(out, mean))
         sum_out += out
         sum_mean += mean
-        if step + 1 in (LONG // 2, LONG):
-            lags[step + 1] = relative_error(sum_out, sum_mean)
+        if step + 1 - warm in (LONG // 2, LONG):
+            lags[step + 1 - warm] = relative_error(sum_out, sum_mean)
     if comp.error_feedback_on:
         half, full = lags[LONG // 2], lags[LONG]
         assert full <= 0.5, (f"error feedback: after {LONG} steps the summed output is off by "
@@ -155,9 +160,10 @@ def check_non_finite(kit: Kit) -> None:
     for bad in (np.nan, np.inf):
         comp = kit.build()
         effect = comp.nan_effect
-        for step in range(STEPS + 3):
+        at = comp.warmup_steps + STEPS - 1
+        for step in range(at + 4):
             x = rng.standard_normal(n).astype(np.float32)
-            hit = step == STEPS - 1
+            hit = step == at
             if hit and kit.rank == kit.size - 1:
                 x[NAN_AT] = bad
             out = kit.reduce(comp, x, 0, LAYOUT)
@@ -175,8 +181,8 @@ def check_non_finite(kit: Kit) -> None:
                 if effect in ("element", "chunk"):  # exact; "tensor"/"bucket" bound where it may go
                     assert not finite[expect_bad].any(), f"{bad}: declared '{effect}' effect incomplete"
                 assert finite[~expect_bad].all(), f"{bad}: non-finite values outside the declared '{effect}'"
-            elif step > STEPS:
-                assert finite.all(), f"{bad}: still non-finite {step - STEPS + 1} steps later"
+            elif step > at + 1:
+                assert finite.all(), f"{bad}: still non-finite {step - at} steps later"
 
 
 def check_checkpoint(kit: Kit) -> None:
@@ -184,11 +190,12 @@ def check_checkpoint(kit: Kit) -> None:
     continues bit for bit, and a damaged or empty state is refused with ValueError and changes
     nothing."""
     rng = np.random.default_rng([5, kit.rank])
+    straight, first = kit.build(), kit.build()
+    warm = straight.warmup_steps
     steps = [[(1, None, False, rng.standard_normal(300).astype(np.float32)),
               (0, LAYOUT, True, rng.standard_normal(numel(LAYOUT)).astype(np.float32))]
-             for _ in range(STEPS + 4)]
-    stop = STEPS - 2
-    straight, first = kit.build(), kit.build()
+             for _ in range(warm + STEPS + 4)]
+    stop = warm + STEPS - 2
     expected = [[kit.reduce(straight, g, i, lay, last) for i, lay, last, g in step] for step in steps]
     for step in steps[:stop]:
         for i, lay, last, g in step:
@@ -293,8 +300,9 @@ def check_schedule(kit: Kit) -> None:
     and its error-feedback residuals are handed to the next stage, not lost."""
     rng = np.random.default_rng([9, kit.rank])
     switch_in, switch_out = 2, 2 + STEPS
-    sched = gc.Schedule([(0, gc.Allreduce()), (switch_in, kit.build()), (switch_out, gc.Allreduce())])
     alone, exact = kit.build(), gc.Allreduce()
+    switch_out += alone.warmup_steps
+    sched = gc.Schedule([(0, gc.Allreduce()), (switch_in, kit.build()), (switch_out, gc.Allreduce())])
     for step in range(switch_out + 2):
         g = rng.standard_normal(numel(LAYOUT)).astype(np.float32)
         got = kit.reduce(sched, g, 0, LAYOUT)
@@ -363,12 +371,19 @@ def say(rank: int, line: str) -> None:
 def main(argv) -> None:
     from ..comm.exits import guard
 
-    target, names = argv[0], argv[1:] or list(CHECKS)
+    target = argv[0]
     comm = gc.MPICommunicator()
-    kit = Kit(load_factory(target), comm)
+    if target.startswith("optimizer:"):
+        from . import optimizers
+
+        checks: dict = optimizers.CHECKS
+        kit: Any = optimizers.OptimizerKit(optimizers.optimizer_factory(target[len("optimizer:"):]), comm)
+    else:
+        checks, kit = CHECKS, Kit(load_factory(target), comm)
+    names = argv[1:] or list(checks)
     for name in names:
         try:
-            CHECKS[name](kit)
+            checks[name](kit)
         except BaseException as exc:
             detail = f"{type(exc).__name__}: {exc}" if isinstance(exc, AssertionError) else traceback.format_exc()
             say(comm.rank, f"CONFORMANCE-FAIL {name} (rank {comm.rank} of {comm.size}): {detail}")

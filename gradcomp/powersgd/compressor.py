@@ -155,6 +155,10 @@ class PowerSGD(Compressor):
     def error_feedback_on(self) -> bool:
         return self.error_feedback
 
+    @property
+    def warmup_steps(self) -> int:
+        return self.start_iter
+
     # -- the local stage ---------------------------------------------------------------------------
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Work:
         step = self._step
@@ -381,6 +385,9 @@ class PowerSGD(Compressor):
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         """Remove and return the error-feedback residuals of ``keys`` (``Schedule``'s hand-over)."""
         return self._errors.pop(keys)
+
+    def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
+        return {k: v for k in keys if (v := self._errors.view(k)) is not None}
 
     def compression_stats(self) -> tuple[float, int, int]:
         """``(rate, numel_before, numel_after)`` over compressed buckets, like PyTorch's."""

@@ -12,6 +12,7 @@ it). ``HookState.state_dict()`` checkpoints a compressor as tensors (``torch.sav
 from .communicator import TorchCommunicator
 from .hook import HookState, comm_hook, default_comm, gradcomp_hook, register
 from .launch import Launch, init_process_group
+from .optim import DGC, OneBitAdam, local_hook
 
 __all__ = ["register", "comm_hook", "init_process_group", "Launch", "TorchCommunicator",
-           "HookState", "gradcomp_hook", "default_comm"]
+           "HookState", "gradcomp_hook", "default_comm", "OneBitAdam", "DGC", "local_hook"]

@@ -1,0 +1,241 @@
+"""What the optimizer-level methods share: checked parameters, one exchange, checkpoints.
+
+An ``Optimizer`` here owns the parameters' update *and* their communication: every rank passes its
+own local gradients to ``step``, the optimizer folds them into its state, averages what its method
+sends over the ranks through a ``GradientReducer`` (buckets, the ordered pipeline, bit-identical
+means), and updates the parameters in place, the same bits on every rank.
+
+What ranks must agree on goes through the same agreement as every compressor (DESIGN invariant
+3): the exchange's compressor is wrapped in ``_Agreed``, whose declared configuration holds the
+optimizer's description and whose per-bucket state holds its step, phase and this step's learning
+rates, so a rank with another ``betas`` or a step behind is a ``CollectiveError`` on every rank
+before any data moves, never silently diverging replicas.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ..arrays import FLOAT_DTYPES, Array, array_module, dtype_name
+from ..bucket import Bucket, buffer_problem, digest
+from ..comm import Communicator, Workspace, default_communicator
+from ..compressors.base import Compressor, run_stage
+from ..params import check_float
+from ..reducer import GradientReducer
+from ..state import check_array, reject_leftovers, take_int
+
+Hyper = float | Sequence[float]
+
+
+class _Agreed(Compressor):
+    """``inner``, with its owner optimizer's configuration and step state agreed on as well."""
+
+    def __init__(self, inner: Compressor, owner: Optimizer):
+        super().__init__()
+        self.inner = inner
+        self._owner = owner
+
+    @property
+    def nan_effect(self) -> str | None:  # type: ignore[override]
+        return self.inner.nan_effect
+
+    @property
+    def error_feedback_on(self) -> bool:
+        return self.inner.error_feedback_on
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.inner.warmup_steps
+
+    def config(self) -> dict[str, Any]:
+        return {"optimizer": self._owner.describe(), "inner": self.inner}
+
+    def describe(self) -> str:
+        return f"{self._owner.describe()} exchanging with {self.inner.describe()}"
+
+    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> Any:
+        return self.inner.prepare(bucket, comm, workspace)
+
+    def finish(self, bucket: Bucket, comm: Communicator, prepared: Any) -> Array:
+        return run_stage(self.inner, bucket, comm, prepared)
+
+    def agreement_state(self, bucket: Bucket, prepared: Any) -> dict[str, Any]:
+        return {**self._owner.agreement_state(), **self.inner.agreement_state(bucket, prepared)}
+
+    def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
+        return self.inner.take_residual(keys)
+
+    def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
+        return self.inner.residuals(keys)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
+        self.inner.load_state_dict(state, shapes)
+
+
+def check_params(params: Sequence[Array], owner: str) -> list[Array]:
+    """``params`` as a list of updatable arrays (NumPy or CuPy, float, contiguous, one module)."""
+    out = list(params)
+    if not out:
+        raise ValueError(f"{owner}: got an empty parameter list")
+    modules = set()
+    for i, p in enumerate(out):
+        if type(p).__module__.split(".")[0] == "torch":
+            raise TypeError(f"{owner}: parameter {i} is a torch tensor; use gradcomp.torch.{owner}, "
+                            "or pass NumPy views (tensor.detach().numpy())")
+        if not hasattr(p, "dtype") or not hasattr(p, "shape"):
+            raise TypeError(f"{owner}: parameter {i} must be a NumPy or CuPy array, got {type(p).__name__}")
+        if dtype_name(p.dtype) not in FLOAT_DTYPES:
+            raise TypeError(f"{owner}: parameter {i} must be floating point, got {dtype_name(p.dtype)}")
+        flat = p.reshape(-1) if p.ndim else p.reshape(1)
+        problem = buffer_problem(flat)
+        if problem or not p.flags.c_contiguous:
+            raise ValueError(f"{owner}: parameter {i} cannot be updated in place "
+                             f"({problem or 'not contiguous'})")
+        modules.add(array_module(p).__name__)
+    if len(modules) > 1:
+        raise TypeError(f"{owner}: parameters mix array modules ({', '.join(sorted(modules))})")
+    return out
+
+
+def per_param(name: str, value: Hyper, count: int, minimum: float = 0.0) -> list[float]:
+    """A hyperparameter given once or once per parameter, as one checked float per parameter."""
+    if isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool):
+        return [check_float(name, value, minimum=minimum)] * count
+    values = list(value)  # type: ignore[arg-type]
+    if len(values) != count:
+        raise ValueError(f"{name}: expected one value or {count} (one per parameter), got {len(values)}")
+    return [check_float(f"{name}[{i}]", v, minimum=minimum) for i, v in enumerate(values)]
+
+
+class Optimizer:
+    """Base class: parameters, hyperparameters per parameter, the exchange, checkpoints.
+
+    Subclasses set ``_arrays`` (name -> list of state arrays shaped like the parameters), build
+    their exchange with ``_exchange(compressor)`` and implement ``step`` and ``config``.
+    """
+
+    def __init__(self, params: Sequence[Array], lr: Hyper, weight_decay: Hyper,
+                 comm: Communicator | None, bucket_cap_mb: float):
+        name = type(self).__name__
+        self.params = check_params(params, name)
+        self.lr = per_param("lr", lr, len(self.params))
+        self.weight_decay = per_param("weight_decay", weight_decay, len(self.params))
+        self.comm = comm if comm is not None else default_communicator()
+        self.bucket_cap_mb = check_float("bucket_cap_mb", bucket_cap_mb, above=0)
+        self.steps = 0
+        self._step_lr = self.lr
+        self._arrays: dict[str, list[Array]] = {}
+        self.reducer: GradientReducer  # set by ``_exchange``, which every subclass calls
+        self.compressor: _Agreed
+
+    # -- what subclasses implement -----------------------------------------------------------------------
+    def step(self, grads: Sequence[Array], lr: Hyper | None = None, weight_decay: Hyper | None = None) -> None:
+        """One update from this rank's local ``grads``; ``lr``/``weight_decay`` for this step."""
+        raise NotImplementedError
+
+    def config(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def phase(self) -> str:
+        """What this step does (``"warm-up"``, ``"compressed"``, ...), agreed on by every rank."""
+        return ""
+
+    def describe(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({fields})"
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+    def agreement_state(self) -> dict[str, Any]:
+        lr = self._step_lr
+        rates = f"{lr[0]!r}" if len(set(lr)) == 1 else f"{digest(repr(lr)):x}"
+        return {"optimizer step": self.steps, "phase": self.phase(), "lr": rates}
+
+    # -- the exchange ---------------------------------------------------------------------------------------
+    def _exchange(self, compressor: Compressor) -> GradientReducer:
+        """A reducer over arrays shaped like the parameters, averaging with ``compressor``."""
+        self.compressor = _Agreed(compressor, self)
+        like = [array_module(p).zeros(p.shape, p.dtype) for p in self.params]
+        self.reducer = GradientReducer(like, self.compressor, self.comm, self.bucket_cap_mb)
+        return self.reducer
+
+    def _hyper(self, lr: Hyper | None, weight_decay: Hyper | None) -> tuple[list[float], list[float]]:
+        n = len(self.params)
+        rates = self.lr if lr is None else per_param("lr", lr, n)
+        decay = self.weight_decay if weight_decay is None else per_param("weight_decay", weight_decay, n)
+        self._step_lr = rates
+        return rates, decay
+
+    def _check_grads(self, grads: Sequence[Array]) -> list[Array]:
+        grads = list(grads)
+        if len(grads) != len(self.params):
+            raise ValueError(f"{type(self).__name__}.step: expected {len(self.params)} gradients "
+                             f"(one per parameter), got {len(grads)}")
+        for i, (g, p) in enumerate(zip(grads, self.params)):
+            if getattr(g, "shape", None) != p.shape:
+                raise ValueError(f"{type(self).__name__}.step: gradient {i} has shape "
+                                 f"{getattr(g, 'shape', None)}, its parameter {p.shape}")
+        return grads
+
+    def stats(self) -> dict[str, Any]:
+        """The exchange's traffic (``Compressor.stats``) plus the optimizer's step and phase."""
+        return {**self.compressor.stats(), "optimizer_step": self.steps, "phase": self.phase()}
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Plain arrays and numbers: the step, every state array by parameter position, and the
+        exchange's compressor state under ``exchange/``."""
+        out: dict[str, Any] = {"config": self.describe(), "step": self.steps}
+        for name, arrays in self._arrays.items():
+            for i, a in enumerate(arrays):
+                out[f"{name}/{i}"] = np.array(_host(a), copy=True)
+        out.update({f"exchange/{k}": v for k, v in self.compressor.state_dict().items()})
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()``'s output; everything is checked before anything changes."""
+        state = dict(state)
+        owner = type(self).__name__
+        if "config" not in state:
+            raise ValueError(f"{owner} state: missing 'config' (expected the output of state_dict())")
+        saved = str(np.asarray(state.pop("config")))
+        if saved != self.describe():
+            raise ValueError(f"{owner} state: saved by {saved}, but this optimizer is {self.describe()}")
+        step = take_int(state, "step", owner)
+        loaded: dict[str, list[np.ndarray]] = {}
+        for name, arrays in self._arrays.items():
+            loaded[name] = []
+            for i, a in enumerate(arrays):
+                key = f"{name}/{i}"
+                if key not in state:
+                    raise ValueError(f"{owner} state: missing {key!r}")
+                loaded[name].append(check_array(state.pop(key), key, owner, a.shape, (dtype_name(a.dtype),)))
+        exchange = {k[len("exchange/"):]: state.pop(k) for k in [k for k in state if k.startswith("exchange/")]}
+        reject_leftovers(state, owner)
+        self.compressor.load_state_dict(exchange, self.reducer.shapes)
+        for name, arrays in self._arrays.items():
+            for a, value in zip(arrays, loaded[name]):
+                a[...] = array_module(a).asarray(value)
+        self.steps = step
+
+
+def _host(a: Array) -> np.ndarray:
+    from ..arrays import to_host
+
+    return np.asarray(to_host(a))
+
+
+def global_norm(arrays: Sequence[Array]) -> float:
+    """The 2-norm of all ``arrays`` together, summed in float64."""
+    total = 0.0
+    for a in arrays:
+        xp = array_module(a)
+        total += float(xp.vdot(a.reshape(-1), a.reshape(-1)).real) if dtype_name(a.dtype) == "float64" \
+            else float(xp.square(a, dtype=np.float64).sum())
+    return math.sqrt(total)

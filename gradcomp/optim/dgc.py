@@ -1,0 +1,98 @@
+"""Deep Gradient Compression: momentum SGD that sends the top-k of each rank's accumulated velocity.
+
+Top-k with error feedback on raw gradients, under momentum SGD, sends a coordinate's gradient
+late and then lets the momentum multiply it (Lin et al., ICLR 2018, section 3.2). DGC moves the
+momentum in front of the compression instead, on every rank:
+
+* **momentum correction**: ``u = momentum * u + g`` (the rank's own velocity) and ``acc += u``; the
+  top ``ratio`` of ``acc`` by magnitude is sent (values and positions, allgathered) and cleared
+  from ``acc``, the rest waits. ``acc`` is the error-feedback residual of the exchange
+  (``ErrorFeedback(TopK)``), so it is checkpointed and handed over like any other residual;
+* **momentum factor masking**: where a value was sent, ``u`` is cleared too, so stale momentum does
+  not push the same coordinate again;
+* **local gradient clipping** (``clip_norm``): each rank scales its gradient to a norm of at most
+  ``clip_norm / sqrt(N)``, before it enters the velocity (the paper's rule for N workers);
+* **sparsity warm-up**: over the first ``warmup`` steps the kept fraction falls exponentially, 25%,
+  6.25%, 1.6%, 0.4%, then ``ratio`` (``Schedule`` stages; residuals are handed over).
+
+Every rank then applies the same averaged sparse update, ``p -= lr * mean``. Weight decay is added
+to the gradient, as ``torch.optim.SGD`` does.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from ..arrays import Array, array_module
+from ..comm import Communicator
+from ..compressors.feedback import ErrorFeedback
+from ..compressors.sparse import TopK
+from ..params import check_float, check_int
+from ..planning.recipes import sparsity_ramp
+from ..schedule import Schedule
+from .base import Hyper, Optimizer, global_norm
+
+class DGC(Optimizer):
+    """Momentum SGD with Deep Gradient Compression (see the module docstring).
+
+        opt = gradcomp.optim.DGC(params, lr=0.1, momentum=0.9, ratio=0.01)
+        for step in range(steps):
+            opt.step(local_gradients(params))   # this rank's own gradients, not averaged
+
+    ``ratio``: the kept fraction after the warm-up (0.01: 1%, 25x fewer bytes than fp32 allreduce
+    at 4 ranks; top-k is allgathered, so the saving shrinks as ranks are added). ``warmup``: steps
+    of the sparsity ramp. ``clip_norm``: local gradient clipping (None: off).
+    """
+
+    def __init__(self, params: Sequence[Array], lr: Hyper = 0.01, momentum: float = 0.9,
+                 weight_decay: Hyper = 0.0, ratio: float = 0.01, warmup: int = 100,
+                 clip_norm: float | None = None, comm: Communicator | None = None,
+                 bucket_cap_mb: float = 25.0):
+        super().__init__(params, lr, weight_decay, comm, bucket_cap_mb)
+        self.momentum = check_float("momentum", momentum, minimum=0, maximum=0.999999)
+        self.ratio = check_float("ratio", ratio, above=0, maximum=1)
+        self.warmup = check_int("warmup", warmup, 0)
+        self.clip_norm = None if clip_norm is None else check_float("clip_norm", clip_norm, above=0)
+        self.stages = sparsity_ramp(self.ratio, self.warmup)
+        reducer = self._exchange(Schedule([(s, ErrorFeedback(TopK(f))) for s, f in self.stages]))
+        self._sent = reducer.gradients
+        xp = array_module(self.params[0])
+        self.u = [xp.zeros(p.shape, p.dtype) for p in self.params]
+        self._arrays = {"u": self.u}
+        self._keys = [str(i) for i in range(len(self.params))]
+
+    def config(self) -> dict[str, Any]:
+        return {"momentum": self.momentum, "ratio": self.ratio, "warmup": self.warmup,
+                "clip_norm": self.clip_norm}
+
+    def phase(self) -> str:
+        k = max(i for i, (s, _) in enumerate(self.stages) if s <= self.steps)
+        return f"kept {self.stages[k][1]:g}"
+
+    def step(self, grads: Sequence[Array], lr: Hyper | None = None, weight_decay: Hyper | None = None) -> None:
+        """One update from this rank's local ``grads`` (one per parameter)."""
+        grads = self._check_grads(grads)
+        rates, decay = self._hyper(lr, weight_decay)
+        scale = 1.0
+        if self.clip_norm is not None:
+            norm = global_norm(grads)
+            limit = self.clip_norm / math.sqrt(self.comm.size)
+            scale = min(1.0, limit / norm) if norm > 0 else 1.0
+        for u, g, p, wd, s in zip(self.u, grads, self.params, decay, self._sent):
+            kind = u.dtype.type
+            u *= kind(self.momentum)
+            if scale != 1.0:
+                u += kind(scale) * g
+            else:
+                u += g
+            if wd:
+                u += kind(wd) * p
+            s[...] = u
+        self.reducer.step()
+        residuals = self.compressor.residuals(self._keys)
+        for i, (u, p, s, rate) in enumerate(zip(self.u, self.params, self._sent, rates)):
+            acc = residuals.get(self._keys[i])
+            if acc is not None:
+                u[acc.reshape(u.shape) == 0] = 0  # sent from here: its momentum goes with it
+            p -= p.dtype.type(rate) * s
+        self.steps += 1

@@ -1,0 +1,67 @@
+"""The built-in registry names, each a recipe that trains as shipped (``recipes``).
+
+Every default below was measured (BENCHMARKS.md, section 6); ``gradcomp.make("NAME:key=value")``
+changes any of them, and the codec-only definitions of earlier releases are one parameter away
+(``warmup=0``, ``feedback='both'``).
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from ..compressors import (BF16, FP16, Allgather, Allreduce, OneBit, QuantizedAllreduce,
+                           QuantizePerChannel, QuantizePerTensor, RandomK, TopK, register)
+from ..powersgd import BatchedPowerSGD, PowerSGD
+from .recipes import codec_recipe, sparse_recipe
+
+
+def _half(wrapper: Any, inner: Any) -> Any:
+    def factory(**kwargs: Any) -> Any:
+        return wrapper(inner(**kwargs))
+    return factory
+
+
+def int8(warmup: int = 0, feedback: str = "both") -> Any:
+    """8-bit two-stage codes; error feedback at both stages."""
+    return codec_recipe("int8", QuantizedAllreduce, warmup, feedback, bits=8)
+
+
+def int4(warmup: int = 0, feedback: str = "both") -> Any:
+    """4-bit two-stage codes; error feedback at both stages."""
+    return codec_recipe("int4", QuantizedAllreduce, warmup, feedback, bits=4)
+
+
+def onebit(warmup: int = 100, feedback: str = "worker") -> Any:
+    """Signs and a scale per 512 values, two stages, after an exact warm-up."""
+    return codec_recipe("onebit", OneBit, warmup, feedback)
+
+
+def topk(ratio: float = 0.01, warmup: int = 100, ramp: int = 0, feedback: str = "worker") -> Any:
+    """The largest ``ratio`` of each bucket, allgathered, after an exact warm-up."""
+    return sparse_recipe("topk", TopK, ratio, warmup, ramp, feedback)
+
+
+def randomk(ratio: float = 0.01, warmup: int = 100, ramp: int = 0, feedback: str = "none", seed: int = 0) -> Any:
+    """The same random ``ratio`` of coordinates on every rank, summed."""
+    return sparse_recipe("randomk", RandomK, ratio, warmup, ramp, feedback, seed=seed)
+
+
+def register_builtins() -> None:
+    register("allreduce", Allreduce)
+    register("allgather", Allgather)
+    register("fp16", _half(FP16, Allreduce))
+    register("bf16", _half(BF16, Allreduce))
+    register("quantize-tensor", QuantizePerTensor)
+    register("quantize-channel", QuantizePerChannel)
+    powersgd = partial(PowerSGD, rank=4, start_iter=100)
+    register("powersgd", powersgd)
+    register("fp16-powersgd", _half(FP16, powersgd))
+    # One round per step sends half the factors each step: rank 4 costs what two-round rank 2 costs.
+    register("powersgd-1round", partial(PowerSGD, rank=4, start_iter=100, rounds=1))
+    # The whole-bucket square mixes layers, so it needs more rank than per-layer PowerSGD.
+    register("batched-powersgd", partial(BatchedPowerSGD, rank=8, start_iter=100))
+    register("int8", int8)
+    register("int4", int4)
+    register("onebit", onebit)
+    register("topk", topk)
+    register("randomk", randomk)

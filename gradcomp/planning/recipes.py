@@ -1,0 +1,105 @@
+"""Recipes: what a registered name means. A codec alone is not a method that trains.
+
+A recipe is a ``Schedule`` with a name and a few declared parameters: an exact warm-up (the first
+steps are plain allreduce, while gradients are large and change fast), the error-feedback form
+that the measurements support, and, for top-k, a sparsity ramp (a quarter of the values, then a
+sixteenth, ... down to ``ratio``, as Deep Gradient Compression warms up). Because it is a
+``Schedule``, its stages and step counter are part of what ranks agree on before every bucket,
+residuals are handed over from stage to stage, and ``state_dict`` checkpoints all of it.
+
+``describe()`` is the recipe's name and parameters (``onebit(warmup=100, feedback='worker')``), so
+DDP's log, checkpoints and error messages say what the user typed. Every parameter can be set in
+the name (``gradcomp.make("topk:ratio=0.001,warmup=300")``); the codec-only behaviour of earlier
+releases is ``warmup=0`` with the old feedback (``onebit:warmup=0,feedback='both'``).
+
+Why each default: BENCHMARKS.md, section 6 (three seeds of a transformer LM under AdamW and the
+digits MLP and CNN under momentum SGD, every choice measured). Methods that need the optimizer's
+state (1-bit Adam, DGC) are in ``gradcomp.optim``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..compressors.allreduce import Allreduce
+from ..compressors.base import Compressor
+from ..compressors.codec import Codec
+from ..compressors.feedback import ErrorFeedback
+from ..params import check_choice, check_float, check_int
+from ..schedule import Schedule
+
+#: the error-feedback forms of a two-stage or sparse codec: the workers' residual and the slice
+#: owners', the workers' only, or none
+FEEDBACK = ("both", "worker", "none")
+
+#: the sparsity ramp's kept fractions before ``ratio`` (each a quarter of the one before)
+RAMP = (0.25, 0.0625, 0.015625, 0.00390625)
+
+
+class Recipe(Schedule):
+    """A named ``Schedule`` whose configuration is its name and parameters (see the module)."""
+
+    def __init__(self, name: str, params: dict[str, Any], stages: Sequence[tuple[int, Compressor]]):
+        super().__init__(stages)
+        self.name = name
+        self.params = dict(params)
+
+    def config(self) -> dict[str, Any]:
+        return {"recipe": self.name, **self.params, "stages": super().config()["stages"]}
+
+    def describe(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"{self.name}({fields})"
+
+    def stats(self) -> dict[str, Any]:
+        s = super().stats()
+        s["recipe"] = self.describe()
+        s["warmup_steps_left"] = max(self.starts[-1] - self.step, 0)
+        return s
+
+
+def with_feedback(codec: Codec, feedback: str) -> Compressor:
+    """``codec`` with the error-feedback form ``feedback`` (one of ``FEEDBACK``)."""
+    check_choice("feedback", feedback, FEEDBACK)
+    if feedback == "none":
+        return codec
+    return ErrorFeedback(codec, owner_feedback=feedback == "both")
+
+
+def warmed(name: str, params: dict[str, Any], warmup: int, stages: Sequence[tuple[int, Compressor]]) -> Recipe:
+    """A recipe: exact allreduce for ``warmup`` steps, then ``stages`` (their steps counted from
+    the end of the warm-up)."""
+    warmup = check_int(f"{name} warmup", warmup, 0)
+    shifted = [(warmup + s, c) for s, c in stages]
+    return Recipe(name, params, ([(0, Allreduce())] if warmup else []) + shifted)
+
+
+def sparsity_ramp(ratio: float, steps: int) -> list[tuple[int, float]]:
+    """``(first step, kept fraction)``: the ``RAMP`` fractions above ``ratio`` share ``steps``
+    equally, then ``ratio``; no ramp when ``steps`` is 0."""
+    fractions = [f for f in RAMP if f > ratio]
+    if not steps or not fractions:
+        return [(0, ratio)]
+    stages: list[tuple[int, float]] = []
+    for i, f in enumerate(fractions):
+        start = steps * i // len(fractions)
+        if not stages or start > stages[-1][0]:
+            stages.append((start, f))
+    return stages + ([(steps, ratio)] if steps > stages[-1][0] else [])
+
+
+def codec_recipe(name: str, codec_factory: Any, warmup: int, feedback: str, **codec_args: Any) -> Recipe:
+    """Warm-up, then one codec with ``feedback``."""
+    codec = codec_factory(**codec_args)
+    return warmed(name, {"warmup": warmup, "feedback": feedback, **codec_args}, warmup,
+                  [(0, with_feedback(codec, feedback))])
+
+
+def sparse_recipe(name: str, codec_factory: Any, ratio: float, warmup: int, ramp: int, feedback: str,
+                  **codec_args: Any) -> Recipe:
+    """Warm-up, then the sparsity ramp down to ``ratio`` over ``ramp`` steps, ``feedback`` throughout."""
+    ratio = check_float(f"{name} ratio", ratio, above=0, maximum=1)
+    ramp = check_int(f"{name} ramp", ramp, 0)
+    stages = [(s, with_feedback(codec_factory(ratio=f, **codec_args), feedback))
+              for s, f in sparsity_ramp(ratio, ramp)]
+    return warmed(name, {"ratio": ratio, "warmup": warmup, "ramp": ramp, "feedback": feedback,
+                         **codec_args}, warmup, stages)
