@@ -93,6 +93,11 @@ class TensorStore:
         sig, off, shape = home
         return self._regions[sig][off:off + math.prod(shape)].reshape(shape)
 
+    def unclaimed(self) -> list[str]:
+        """Keys loaded (``load``) that no region has placed since."""
+        with self._lock:
+            return sorted(self._loose)
+
     def view(self, key: str) -> Array | None:
         """``key``'s value, live (writes go through), shaped like its tensor; None if absent."""
         with self._lock:
@@ -134,6 +139,47 @@ class TensorStore:
 
     def clear(self) -> None:
         self.load({})
+
+
+class ClaimCheck:
+    """Loaded state that no tensor claims is an error, never silently dropped.
+
+    After ``load_state_dict``, every loaded tensor must be carried by a bucket of the first full
+    step (placed or not: a vector PowerSGD does not compress keeps no residual): state saved
+    under parameter names (``gradcomp.torch.register``) but reduced by a hook that keys tensors by
+    bucket index (``comm_hook`` without the model), or saved from another model, would otherwise be
+    ignored, and the resumed run would silently differ from the uninterrupted one. ``saw`` is
+    called from the compressor's local stage with each bucket after its state was placed; at the
+    step's last bucket it raises ``ValueError`` naming what no bucket claimed (the local stage's
+    failure is then a ``CollectiveError`` on every rank).
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self.seen: list[str] = []
+
+    def loaded(self) -> None:
+        self.pending, self.seen = True, []
+
+    def saw(self, keys: Sequence[str], is_last: bool, stores: Sequence[TensorStore], owner: str) -> None:
+        if not self.pending:
+            return
+        self.seen.extend(keys)
+        if not is_last:
+            return
+        self.pending = False
+        carried = set(self.seen)
+        left = sorted({k for store in stores for k in store.unclaimed()} - carried)
+        if left:
+            shown = ", ".join(map(repr, left[:3])) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+            named = ", ".join(map(repr, self.seen[:3]))
+            raise ValueError(
+                f"{owner}: the loaded state holds tensors that no bucket of this step carries ({shown}; "
+                f"this step's buckets name theirs {named}, ...). State saved through "
+                "gradcomp.torch.register(model, ...) is keyed by parameter name: attach the compressor "
+                "the same way (gradcomp.torch.register(model, compressor), then load), not through "
+                "comm_hook(), whose tensors are keyed by bucket index; NumPy: the same arrays, in the "
+                "same order, as when it was saved.")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from ..arrays import Array, DTypeLike, add_into, subtract_into, zero_non_finite
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
 from ..params import check_bool
-from ..state import TensorStore, pop_shapes, reject_leftovers, shape_entries, tensor_arrays
+from ..state import ClaimCheck, TensorStore, pop_shapes, reject_leftovers, shape_entries, tensor_arrays
 from .base import Compressor
 from .codec import Codec, _finish, _prepare, _Prepared
 
@@ -41,6 +41,7 @@ class ErrorFeedback(Compressor):
         self.owner_feedback = check_bool("owner_feedback", owner_feedback)
         self.store = TensorStore()
         self.owner_residuals = TensorStore()
+        self._claims = ClaimCheck()
 
     @property
     def nan_effect(self) -> str | None:  # type: ignore[override]
@@ -58,7 +59,9 @@ class ErrorFeedback(Compressor):
         return self.inner.agreement_state(bucket, prepared)
 
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Prepared:
-        return _prepare(self.inner, bucket, comm, workspace, self)
+        prepared = _prepare(self.inner, bucket, comm, workspace, self)
+        self._claims.saw(bucket.keys, bucket.is_last, [self.store], type(self).__name__)
+        return prepared
 
     def finish(self, bucket: Bucket, comm: Communicator, prepared: _Prepared) -> Array:
         return _finish(self.inner, bucket, comm, prepared, self)
@@ -129,3 +132,4 @@ class ErrorFeedback(Compressor):
             self.inner.load_state_dict(inner, known)  # checks its part before anything changes
         self.store.load(residuals)
         self.owner_residuals.load(owners)
+        self._claims.loaded()

@@ -92,6 +92,7 @@ def load_powersgd(comp: PowerSGD, state: Mapping[str, Any], shapes: Mapping[str,
     comp._errors.load(residuals)
     comp._q.load(factors["q"])
     comp._p.load(factors["p"])
+    comp._claims.loaded()
 
 
 def _missing(owner: str, key: str) -> NoReturn:

@@ -24,7 +24,7 @@ from ..comm import Communicator, Workspace
 from ..compressors.allreduce import mean_allreduce
 from ..compressors.base import Compressor
 from ..params import check_bool, check_choice, check_float, check_int
-from ..state import TensorStore
+from ..state import ClaimCheck, TensorStore
 from .checkpoint import load_powersgd, powersgd_state
 from .plan import Plan, orthogonalize
 from .products import Products
@@ -138,6 +138,7 @@ class PowerSGD(Compressor):
         self._rng = np.random.RandomState(self.seed)
         self._step = 0
         self._errors = TensorStore()
+        self._claims = ClaimCheck()
         self._q = TensorStore()
         self._p = TensorStore()
         self._plans: dict[tuple, Plan] = {}
@@ -170,6 +171,7 @@ class PowerSGD(Compressor):
         work = _Work(step, compress=True, plan=plan, phase=(step - self.start_iter) % 2)
         if plan.matrices:
             self._local(bucket, workspace, work)
+        self._claims.saw(bucket.keys, bucket.is_last, [self._errors, self._q, self._p], type(self).__name__)
         return work
 
     def _plan(self, bucket: Bucket) -> Plan:

@@ -1,0 +1,135 @@
+"""Registered names as recipes (gradcomp.planning), the divergence guard, and loaded state that no
+tensor claims, under real mpiexec."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gradcomp as gc
+from gradcomp.planning.recipes import sparsity_ramp
+from tests.mpi_launch import run_ranks
+
+
+def test_sparsity_ramp():
+    assert sparsity_ramp(0.01, 0) == [(0, 0.01)]
+    assert sparsity_ramp(0.01, 400) == [(0, 0.25), (133, 0.0625), (266, 0.015625), (400, 0.01)]
+    stages = sparsity_ramp(0.001, 400)
+    assert stages == [(0, 0.25), (100, 0.0625), (200, 0.015625), (300, 0.00390625), (400, 0.001)]
+    assert sparsity_ramp(0.01, 300) == [(0, 0.25), (100, 0.0625), (200, 0.015625), (300, 0.01)]
+    assert sparsity_ramp(0.5, 100) == [(0, 0.5)]  # nothing above the ratio: no ramp
+
+
+def test_recipes_declare_what_they_use():
+    topk = gc.make("topk:ratio=0.001,warmup=50,ramp=200")
+    assert isinstance(topk, gc.Recipe)
+    assert topk.describe().startswith("topk(ratio=0.001, warmup=50, ramp=200")
+    assert topk.starts == [0, 50, 100, 150, 200, 250]
+    assert topk.warmup_steps == 250
+    assert topk.error_feedback_on
+    config = topk.config()
+    assert config["recipe"] == "topk" and config["warmup"] == 50 and len(config["stages"]) == 6
+    assert gc.make("onebit:warmup=0").starts == [0]
+    with pytest.raises(ValueError, match="feedback"):
+        gc.make("onebit:feedback=always")
+    with pytest.raises(ValueError, match="warmup"):
+        gc.make("topk:warmup=-1")
+
+
+def rank_old_definitions_are_one_parameter_away():
+    """``topk:warmup=0`` is the codec-only top-k of earlier releases (ErrorFeedback(TopK())),
+    bit for bit; the default recipe averages exactly during its warm-up."""
+    comm = gc.MPICommunicator()
+    rng = np.random.default_rng(comm.rank)
+    pairs = [(gc.make("topk:warmup=0"), gc.ErrorFeedback(gc.TopK(0.01))),
+             (gc.make("onebit:warmup=0,feedback=both"), gc.ErrorFeedback(gc.OneBit())),
+             (gc.make("randomk:warmup=0"), gc.RandomK(0.01))]
+    for new, old in pairs:
+        for step in range(6):
+            g = rng.standard_normal(5000).astype(np.float32)
+            a = new.reduce(gc.Bucket(g, 0, [(50, 100)]), comm).result()
+            b = old.reduce(gc.Bucket(g, 0, [(50, 100)]), comm).result()
+            assert np.array_equal(a, b), f"{new.describe()} differs from {old.describe()}"
+    warm, exact = gc.make("onebit:warmup=3"), gc.Allreduce()
+    for step in range(5):
+        g = rng.standard_normal(2000).astype(np.float32)
+        a = warm.reduce(g, comm).result()
+        b = exact.reduce(g, comm).result()
+        assert np.array_equal(a, b) == (step < 3), f"step {step}: warm-up exact={step < 3} not kept"
+    print(f"rank {comm.rank}: ok", flush=True)
+
+
+def test_old_definitions_are_one_parameter_away():
+    run_ranks(2, "tests.test_recipes:rank_old_definitions_are_one_parameter_away")
+
+
+# ---------------------------------------------------------------------------------------------
+# the divergence guard
+# ---------------------------------------------------------------------------------------------
+def rank_guard_warns_once_everywhere(spec: str, runaway: bool):
+    """A residual that grows without bound (top-k of a constant gradient: nothing but the same
+    few coordinates is ever sent) is announced once on every rank; a healthy one never is; the
+    averages are the same with and without the guard looking."""
+    import warnings
+
+    comm = gc.MPICommunicator()
+    comp = gc.make(spec)
+    rng = np.random.default_rng(comm.rank)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(300):
+            g = np.ones(4000, np.float32) if runaway else rng.standard_normal(4000).astype(np.float32)
+            comp.reduce(gc.Bucket(g, 0, [(40, 100)]), comm).result()
+    ours = [w for w in seen if issubclass(w.category, gc.compressors.guard.RunawayResidual)]
+    guard = comp.stats()["guard"]
+    if runaway:
+        assert len(ours) == 1, f"{len(ours)} warnings"
+        text = str(ours[0].message)
+        assert comp.describe() in text and "gradcomp.optim" in text and "warmup" in text, text
+        assert guard["warned"] and guard["runaway"], guard
+    else:
+        assert not ours and not guard["warned"], guard
+    assert guard["checks"] == 30, guard
+    flags = comm.allgather(np.array([len(ours)]))
+    assert (flags == flags[0]).all(), "ranks disagree on the warning"
+    print(f"rank {comm.rank}: guard {guard}", flush=True)
+
+
+@pytest.mark.parametrize("spec,runaway", [("topk:warmup=0,ratio=0.001", True), ("int8", False),
+                                          ("topk:warmup=0", False)])
+def test_divergence_guard(spec, runaway):
+    run_ranks(2, "tests.test_recipes:rank_guard_warns_once_everywhere", spec, runaway)
+
+
+# ---------------------------------------------------------------------------------------------
+# loaded state that no tensor claims
+# ---------------------------------------------------------------------------------------------
+def rank_unclaimed_state_is_an_error(spec: str):
+    """State whose tensors no bucket carries (saved from other arrays) is a CollectiveError on
+    every rank at the first step, naming the tensor and how to attach it; the same state loaded
+    where its tensors are is accepted and continues."""
+    comm = gc.MPICommunicator()
+    rng = np.random.default_rng(comm.rank)
+    arrays = [rng.standard_normal((30, 40)).astype(np.float32), rng.standard_normal(40).astype(np.float32)]
+    first = gc.GradientReducer(arrays, gc.make(spec), comm)
+    for _ in range(4):
+        first.step([a.copy() for a in arrays])
+    saved = first.state_dict()
+    fine = gc.GradientReducer(arrays, gc.make(spec), comm)
+    fine.load_state_dict(saved)
+    fine.step([a.copy() for a in arrays])
+    # the same tensors reduced under other keys: bucket-index keys ("0.0"), as comm_hook() gives
+    comp = gc.make(spec)
+    comp.load_state_dict(saved)
+    try:
+        comp.reduce(gc.Bucket(arrays[0].reshape(-1).copy(), 0, [(30, 40)]), comm).result()
+    except gc.CollectiveError as exc:
+        assert "no bucket of this step carries" in str(exc) and "'0.0'" in str(exc), exc
+        assert "gradcomp.torch.register" in str(exc), exc
+    else:
+        raise AssertionError("unclaimed state was silently ignored")
+    print(f"rank {comm.rank}: ok", flush=True)
+
+
+@pytest.mark.parametrize("spec", ["topk:warmup=2", "powersgd:start_iter=2"])
+def test_unclaimed_state_is_an_error(spec):
+    run_ranks(2, "tests.test_recipes:rank_unclaimed_state_is_an_error", spec)
