@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
 # bench/capped.sh RATE NRANKS CMD...
 #
-# Run CMD on NRANKS MPI ranks, each in its own network namespace, talking over TCP through a
-# bridge, with every link capped at RATE (tc's units: 1gbit, 500mbit, ...) in both directions.
+# Run CMD on NRANKS MPI ranks, each in its own network namespace (or CAPPED_HOSTS=H hosts of
+# NRANKS/H ranks each), talking over TCP through a bridge, with every host's link capped at RATE
+# (tc's units: 1gbit, 500mbit, ...) in both directions.
 #
 #   sudo bench/capped.sh 1gbit 4 .venv/bin/python -m gradcomp.bench.worker --model resnet50 \
 #        --out bench-results/capped-1gbit.json
 #
 # Layout (all of it inside namespaces this script creates; the host's own network is untouched):
-#   namespace gcb<PID>-<r> for rank r: eth0 = 10.77.0.<r+1>/24, one end of a veth pair
+#   namespace gcb<PID>-<h> for emulated host h: eth0 = 10.77.0.<h+1>/24, one end of a veth pair;
+#     ranks h*L .. h*L+L-1 run in it (L = NRANKS/H, default H = NRANKS: a host per rank), so their
+#     traffic to each other stays inside it, on its loopback, uncapped: a host's fast local path
 #   namespace gcb<PID>-br: bridge br0 joining the other ends (v0, v1, ...)
-#   tc tbf RATE on eth0 (what rank r sends) and on v<r> (what rank r receives). burst 64 KB, so
-#   small messages cannot ride a large token bucket; no netem (this kernel has none).
+#   tc tbf RATE on eth0 (what host h sends) and on v<h> (what it receives); no netem (this kernel
+#   has none). The token bucket holds max(256 KB, 4 ms of RATE): a bucket smaller than what the
+#   kernel's timer lets through between two ticks cannot keep the link at its rate (at 1gbit the
+#   old 64 KB bucket moved fp32 at about half the cap). Each run checks it: the benchmark measures
+#   fp32's goodput against RATE and refuses to report ratios below 85% of it (bench/link.py).
+#   GRADCOMP_RANKS_PER_HOST=L is exported, so gradcomp's topology sees the emulated hosts.
 # MPICH is kept off shared memory and on TCP (MPIR_CVAR_NOLOCAL=1, ch4:ofi with the tcp provider
 # on eth0); mpiexec launches this script again as a wrapper that enters namespace number
 # $PMI_RANK (`ip netns exec`) and execs CMD there. torch.distributed (gloo) is pointed at the same
@@ -32,7 +39,8 @@ set -u
 
 if [ "${1:-}" = "--in-namespace" ]; then  # the per-rank wrapper, started by mpiexec
     shift
-    ns="${GRADCOMP_NETNS_PREFIX:?}-${PMI_RANK:?capped.sh wrapper: PMI_RANK is not set (not under mpiexec?)}"
+    rank=${PMI_RANK:?capped.sh wrapper: PMI_RANK is not set (not under mpiexec?)}
+    ns="${GRADCOMP_NETNS_PREFIX:?}-$(( rank / ${GRADCOMP_RANKS_PER_HOST:?} ))"
     exec ip netns exec "$ns" "$@"
 fi
 
@@ -46,6 +54,24 @@ shift 2
 case "$NRANKS" in ''|*[!0-9]*) echo "capped.sh: NRANKS must be a number, got '$NRANKS'" >&2; exit 2;; esac
 if [ "$NRANKS" -lt 1 ] || [ "$NRANKS" -gt 200 ]; then
     echo "capped.sh: NRANKS must be in 1..200, got $NRANKS" >&2
+    exit 2
+fi
+HOSTS=${CAPPED_HOSTS:-$NRANKS}
+case "$HOSTS" in ''|*[!0-9]*) echo "capped.sh: CAPPED_HOSTS must be a number, got '$HOSTS'" >&2; exit 2;; esac
+if [ "$HOSTS" -lt 1 ] || [ $(( NRANKS % HOSTS )) -ne 0 ]; then
+    echo "capped.sh: CAPPED_HOSTS=$HOSTS must divide NRANKS=$NRANKS" >&2
+    exit 2
+fi
+PER_HOST=$(( NRANKS / HOSTS ))
+# The token bucket: max(256 KB, 4 ms of RATE) (see above). tc's rate units, in bits per second.
+BURST=$(awk -v r="$RATE" 'BEGIN {
+    n = r + 0; u = tolower(substr(r, length(n "") + 1))
+    m["bit"] = 1; m["kbit"] = 1e3; m["mbit"] = 1e6; m["gbit"] = 1e9; m["tbit"] = 1e12
+    m["bps"] = 8; m["kbps"] = 8e3; m["mbps"] = 8e6; m["gbps"] = 8e9
+    if (!(u in m) || n <= 0) { print "bad"; exit }
+    b = n * m[u] / 8 * 0.004; if (b < 262144) b = 262144; printf "%d", b }')
+if [ "$BURST" = bad ]; then
+    echo "capped.sh: cannot read rate '$RATE' (use tc units: 1gbit, 500mbit, 100mbit)" >&2
     exit 2
 fi
 if [ "$(id -u)" -ne 0 ]; then
@@ -103,9 +129,9 @@ ip -n "$BRNS" link add br0 type bridge || fail "cannot create the bridge"
 ip -n "$BRNS" link set br0 up
 ip -n "$BRNS" link set lo up
 
-TBF="tbf rate $RATE burst 64kb latency 100ms"
+TBF="tbf rate $RATE burst $BURST latency 100ms"
 NCPU=$(nproc)
-for ((r = 0; r < NRANKS; r++)); do
+for ((r = 0; r < HOSTS; r++)); do
     ns="$PREFIX-$r"
     ip netns add "$ns" || fail "cannot create namespace $ns"
     created+=("$ns")
@@ -135,9 +161,10 @@ for ((r = 0; r < NRANKS; r++)); do
     fi
 done
 
-echo "capped.sh: $NRANKS ranks on 10.77.0.1-$NRANKS, $TBF both directions, namespaces $PREFIX-*" >&2
+echo "capped.sh: $NRANKS ranks on $HOSTS host(s) 10.77.0.1-$HOSTS ($PER_HOST per host), $TBF both directions, namespaces $PREFIX-*" >&2
 export GRADCOMP_NETNS_PREFIX="$PREFIX"
 export GRADCOMP_NETWORK="$RATE"
+export GRADCOMP_RANKS_PER_HOST="$PER_HOST"
 export MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0
 export GLOO_SOCKET_IFNAME=eth0 MASTER_ADDR=10.77.0.1
 # MPICH's algorithm and allocator variables are left as a user has them (plain mpiexec): set
@@ -152,10 +179,10 @@ MPI_PID=$!
 wait "$MPI_PID"
 rc=$?
 MPI_PID=""
-for ((r = 0; r < NRANKS; r++)); do
+for ((r = 0; r < HOSTS; r++)); do
     tx=$(ip netns exec "$PREFIX-$r" cat /sys/class/net/eth0/statistics/tx_bytes 2>/dev/null || echo "?")
     # TCP segments retransmitted in the rank's namespace: near 0 on a clean emulated link
     rtx=$(ip netns exec "$PREFIX-$r" awk '/^Tcp:/ { if (!h) { for (i = 1; i <= NF; i++) if ($i == "RetransSegs") c = i; h = 1 } else print $c }' /proc/net/snmp 2>/dev/null || echo "?")
-    echo "capped.sh: rank $r sent $tx bytes on eth0, $rtx TCP segments retransmitted" >&2
+    echo "capped.sh: host $r sent $tx bytes on eth0, $rtx TCP segments retransmitted" >&2
 done
 exit "$rc"

@@ -97,7 +97,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
     name, _, rest = spec.partition(":")
     kwargs: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
+    for item in filter(None, (part.strip() for part in _top_level_items(rest))):
         key, eq, text = item.partition("=")
         if not eq or not key.strip().isidentifier():
             raise ValueError(f"compressor spec {spec!r}: expected name:key=value,..., got {item!r}")
@@ -106,6 +106,25 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         except (ValueError, SyntaxError):
             kwargs[key.strip()] = text.strip()
     return name.strip(), kwargs
+
+
+def _top_level_items(text: str) -> list[str]:
+    """``text`` split at the commas outside quotes and brackets: a value may itself be a quoted
+    spec (``compressor='powersgd:rank=2,start_iter=2'``) or a tuple (``betas=(0.9, 0.95)``)."""
+    items, depth, quote, start = [], 0, "", 0
+    for i, c in enumerate(text):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return items + [text[start:]]
 
 
 def compressor_spec(text: str) -> str:

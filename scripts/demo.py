@@ -1,9 +1,10 @@
 """`make demo`: train examples/numpy_mlp.py once per compressor under mpiexec, print one table.
 
-    python scripts/demo.py                                  # every compressor in gradcomp.REGISTRY
-    python scripts/demo.py --compressors allreduce fp16 --repeats 3 -- --epochs 20
+    python scripts/demo.py                                  # every registered name, and DGC
+    python scripts/demo.py --compressors allreduce fp16 dgc --repeats 3 -- --epochs 20
 
-Each run is a separate ``mpiexec -n RANKS`` job (the mpiexec beside this Python, so the one the
+``dgc`` (or ``dgc:key=value,...``) is ``gradcomp.optim.DGC`` in place of the example's momentum
+SGD: the optimizer that compresses its own state. Each run is a separate ``mpiexec -n RANKS`` job (the mpiexec beside this Python, so the one the
 virtual environment installed) writing a JSON summary; the table gathers them. Arguments after
 ``--`` go to the example unchanged. With ``--repeats``, the compressors take turns (round-robin), so
 slow moments of a shared machine spread over all of them, and the time per step is the median over
@@ -41,14 +42,13 @@ EXAMPLE = ROOT / "examples" / "numpy_mlp.py"
 
 def parse_args(argv=None):
     import gradcomp
-    from gradcomp.registry import compressor_spec
 
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--compressors", nargs="+", default=list(gradcomp.REGISTRY), type=compressor_spec,
-                   help="registry names (default: all of gradcomp.REGISTRY)")
+    p.add_argument("--compressors", nargs="+", default=list(gradcomp.REGISTRY) + ["dgc"], type=method_spec,
+                   help="registry names, or dgc[:key=value,...] (default: all of gradcomp.REGISTRY, and dgc)")
     p.add_argument("--ranks", "--np", type=int, default=4, help="mpiexec -n (default 4)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--timeout", type=float, default=300, help="seconds per run")
@@ -58,11 +58,19 @@ def parse_args(argv=None):
     return args
 
 
+def method_spec(text: str) -> str:
+    """A registry spec, or ``dgc[:key=value,...]`` (the optimizer)."""
+    from gradcomp.registry import compressor_spec
+
+    return text if text.partition(":")[0] == "dgc" else compressor_spec(text)
+
+
 def run_once(name: str, ranks: int, example_args: list[str], timeout: float) -> dict:
     """One mpiexec job; its JSON summary, or {"error": ...} with the tail of its output."""
     with tempfile.TemporaryDirectory() as tmp:
         out_json = Path(tmp) / "summary.json"
-        cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(EXAMPLE), "--compressor", name,
+        which = "--optimizer" if name.partition(":")[0] == "dgc" else "--compressor"
+        cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(EXAMPLE), which, name,
                "--json", str(out_json), *example_args]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         try:
@@ -80,7 +88,7 @@ def table(results: dict[str, list[dict]]) -> str:
     base = results.get("allreduce", [{}])[0]
     base_time = statistics.median(r["time_per_step_s"] for r in results["allreduce"]) \
         if "test_accuracy" in base else None
-    header = ["compressor", "test acc %", "vs allreduce (points)", "bytes/rank/step",
+    header = ["method", "test acc %", "vs allreduce (points)", "bytes/rank/step",
               "compression ratio", "time/step ms", "time vs allreduce"]
     rows = []
     for name, runs in results.items():

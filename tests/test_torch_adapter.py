@@ -41,7 +41,7 @@ ITERS = 8
 # Sign and sparse codes are far from the exact run after three steps by nature (error feedback
 # pays the rest back later): for them this only bounds the damage; the replay check is exact.
 LOSSY_TOL = {"fp16": 5e-3, "bf16": 4e-2, "quantize-tensor": 0.25, "quantize-channel": 0.1,
-             "int8": 0.05, "int8-noef": 0.05, "int4": 0.3, "int4-noef": 0.3}
+             "int8": 0.05, "int4": 0.3}
 EXACT = {"allreduce", "allgather"}
 DEFAULT_TOL = 1.5
 
@@ -297,9 +297,11 @@ def rank_no_sync_every_compressor():
     init = e.flat(e.fresh_model().parameters())
     scale = np.abs(ref - init).max()
     assert scale > 0
+    from gradcomp.planning.names import steady
+
     for i, name in enumerate(sorted(gc.REGISTRY)):
         comm = (e.mpi, e.tcomm)[i % 2]
-        _, params, state = e.train(e.hook(gc.make(name), comm), iters=6, accumulate=True)
+        _, params, state = e.train(e.hook(gc.make(steady(name)), comm), iters=6, accumulate=True)
         e.same_on_all_ranks(params, f"params after no_sync accumulation, {name}")
         assert np.isfinite(params).all(), name
         assert state.buckets_reduced == 1 + 2 * 3, f"{name}: {state.buckets_reduced} buckets reduced"
@@ -309,7 +311,7 @@ def rank_no_sync_every_compressor():
         if e.rank == 0:
             print(f"no_sync {name}: relative error {err:.3g}", flush=True)
     for i, name in enumerate(sorted(gc.REGISTRY)):
-        check_hook_is_transparent(e, name, (e.tcomm, e.mpi)[i % 2])
+        check_hook_is_transparent(e, steady(name), (e.tcomm, e.mpi)[i % 2])
     # the same with gradients as bucket views (the accumulation then happens in DDP's buckets)
     _, params, _ = e.train(e.hook(gc.Allreduce(), e.mpi), iters=6, accumulate=True,
                            gradient_as_bucket_view=True)

@@ -160,6 +160,9 @@ def load(outdir: str) -> tuple[list[dict], list[dict], list[dict]]:
             data = json.load(f)
         if not isinstance(data, dict) or "results" not in data:
             continue
+        if data.get("link_problem"):  # a capped run whose link did not reach its rate
+            print(f"gradcomp report: {name} left out: {data['link_problem']}", file=sys.stderr)
+            continue
         (capped if name.startswith("capped-") else jobs).append(data)
     kernel_rows = []
     if os.path.exists(os.path.join(outdir, "kernels.json")):

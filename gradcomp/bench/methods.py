@@ -6,11 +6,12 @@ PyTorch's own DDP hooks.
 derived from the registry each time it is read, so registering a name (``gradcomp.register`` or
 an entry point) adds it to the benchmark with no edit here:
 
-* every registered name, in registration order. A name whose factory takes ``start_iter``
-  (the PowerSGD family registers ``start_iter=10``) is benchmarked as ``NAME:start_iter=2``, so
-  that the worker's 3 warm-up steps take it past its uncompressed start and every timed step
-  compresses (``start_iter=2`` is the smallest PyTorch's PowerSGD hook accepts with error
-  feedback; the timed steps then match what a long run gets);
+* every registered name, in registration order, in steady state (``steady``): a name whose
+  factory takes ``start_iter`` (the PowerSGD family) is benchmarked as ``NAME:start_iter=2``, a
+  recipe with a warm-up or ramp as ``NAME:warmup=0`` (and ``ramp=0``), so that the worker's 3
+  warm-up steps take it past its uncompressed start and every timed step runs the method
+  (``start_iter=2`` is the smallest PyTorch's PowerSGD hook accepts with error feedback; the
+  timed steps then match what a long run gets after its warm-up);
 * ``EXTRA_SPECS``: the specs the issue's targets name (PowerSGD rank 4 and rank 1 beside the
   registered rank 2);
 * ``GLOO_SPECS`` with a ``gloo-`` prefix: the same compressor over ``TorchCommunicator`` (gloo),
@@ -124,17 +125,12 @@ def canonical(spec: str) -> str:
     return name + (":" + ",".join(items) if items else "")
 
 
-def _accepts_start_iter(name: str) -> bool:
-    try:
-        make(name, start_iter=2)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
 def registered_specs() -> list[str]:
-    """The registry's names as benchmarked (``NAME:start_iter=2`` where the factory takes it)."""
-    return [f"{name}:start_iter=2" if _accepts_start_iter(name) else name for name in REGISTRY]
+    """The registry's names as benchmarked: in steady state (``gradcomp.planning.names.steady``:
+    ``NAME:start_iter=2`` for PowerSGD, ``NAME:warmup=0`` and ``ramp=0`` for the recipes)."""
+    from ..planning.names import steady
+
+    return [steady(name) for name in REGISTRY]
 
 
 def gradcomp_specs() -> list[str]:

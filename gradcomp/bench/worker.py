@@ -281,6 +281,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                buckets=len(group(grads, args.bucket_mb)), bucket_mb=args.bucket_mb,
                repeats=args.repeats, warmup=args.warmup, order=args.order, host=platform.node(),
                cpus=os.cpu_count(), network=os.environ.get("GRADCOMP_NETWORK", ""),
+               ranks_per_host=int(os.environ.get("GRADCOMP_RANKS_PER_HOST", "1") or 1),
                settings=_settings(), tag=args.tag or "", reducer_arrays=args.reducer_arrays,
                backward=args.backward if args.path == "ddp" else None,
                results=_with_ratios(results, n, size, len(os.sched_getaffinity(0))))
@@ -380,11 +381,22 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     from mpi4py import MPI
 
+    from .link import goodput, problem
+
+    result["link_goodput"] = goodput(result)
+    why = problem(result)
+    if why:
+        result["link_problem"] = why
     if MPI.COMM_WORLD.Get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    return 0
+        if why:
+            print(f"capped link: {why}", file=sys.stderr, flush=True)
+        elif result["link_goodput"] is not None:
+            print(f"capped link: fp32 allreduce at {result['link_goodput']:.0%} of the {result['network']} cap",
+                  file=sys.stderr, flush=True)
+    return 3 if why else 0
 
 
 if __name__ == "__main__":

@@ -87,11 +87,13 @@ def sparsity_ramp(ratio: float, steps: int) -> list[tuple[int, float]]:
     return stages + ([(steps, ratio)] if steps > stages[-1][0] else [])
 
 
-def codec_recipe(name: str, codec_factory: Any, warmup: int, feedback: str, **codec_args: Any) -> Recipe:
-    """Warm-up, then one codec with ``feedback``."""
+def codec_recipe(name: str, codec_factory: Any, warmup: int, feedback: str, shown: bool = True,
+                 **codec_args: Any) -> Recipe:
+    """Warm-up, then one codec with ``feedback``; ``shown``: the codec's arguments are parameters
+    of the recipe (False where the name fixes them: ``int8`` is 8 bits)."""
     codec = codec_factory(**codec_args)
-    return warmed(name, {"warmup": warmup, "feedback": feedback, **codec_args}, warmup,
-                  [(0, with_feedback(codec, feedback))])
+    params = {"warmup": warmup, "feedback": feedback, **(codec_args if shown else {})}
+    return warmed(name, params, warmup, [(0, with_feedback(codec, feedback))])
 
 
 def sparse_recipe(name: str, codec_factory: Any, ratio: float, warmup: int, ramp: int, feedback: str,

@@ -1,0 +1,49 @@
+"""Is the emulated link running at its rate? fp32 allreduce's goodput against the cap.
+
+``bench/capped.sh`` caps each emulated host's link with ``tc tbf`` and exports the rate as
+``GRADCOMP_NETWORK``. A token bucket too small for the rate (the old 64 KB at 1 Gbit/s) lets
+the link run at about half its rate, which flatters every ratio to fp32. So every capped run
+measures what fp32 allreduce actually moved: the bytes one rank puts on the wire per step (the
+bandwidth-optimal ``2(N-1)/N`` of the gradient, per host link ``2(H-1)/H``... of what crosses it),
+over the step time, against the cap. Below ``MINIMUM`` the run is not reported as a result.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+#: the least fraction of the cap fp32 allreduce must reach for a capped run's ratios to count
+MINIMUM = 0.85
+
+_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+          "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+
+
+def rate_bits(text: str) -> float:
+    """tc's rate ``text`` (``1gbit``, ``500mbit``, ``125mbps``: bytes) in bits per second."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]+)\s*", text or "")
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read the rate {text!r} (tc units: 1gbit, 500mbit, 125mbps)")
+    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def goodput(job: dict[str, Any]) -> float | None:
+    """fp32 allreduce's bits per second on one rank's link, as a fraction of the cap; None when
+    the job was not capped or timed no fp32 allreduce."""
+    network = job.get("network")
+    row = next((r for r in job.get("results", []) if r.get("method") == "allreduce" and "time_s" in r), None)
+    if not network or row is None or not row["time_s"] or not row.get("bytes_per_rank"):
+        return None
+    per_host = int(job.get("ranks_per_host") or 1)
+    # ranks of one host share its link: what they send to other hosts crosses it together
+    return per_host * row["bytes_per_rank"] * 8 / row["time_s"] / rate_bits(network)
+
+
+def problem(job: dict[str, Any]) -> str | None:
+    """Why this capped job's ratios must not be reported, or None."""
+    fraction = goodput(job)
+    if fraction is None or fraction >= MINIMUM:
+        return None
+    return (f"the emulated link ran below its rate: fp32 allreduce moved {fraction:.0%} of the "
+            f"{job['network']} cap (at least {MINIMUM:.0%} needed): no ratios from this run. Check the "
+            "tbf burst (bench/capped.sh) and what else the machine is running.")
