@@ -19,6 +19,7 @@ from .bucket import Bucket, digest, group
 from .comm import CollectiveError, Communicator, default_communicator
 from .compressors.agreement import gather_texts
 from .compressors.base import Compressor
+from .compressors.hierarchical import wrap
 
 
 class GradientReducer:
@@ -33,6 +34,12 @@ class GradientReducer:
     ``gradient_as_bucket_view``): ``grads = reducer.gradients`` gives arrays of the same shapes
     that are views into them; fill those in place and ``step()`` copies nothing in or out.
 
+    ``hierarchical``: on a job of several hosts with several ranks each (``MPICommunicator.topology``),
+    average exactly inside each host and run the compressor across hosts only
+    (``gradcomp.compressors.hierarchical``); None (default) does so wherever the topology has more
+    than one host and more than one rank per host, False never, True insists. ``compressor`` is
+    then ``self.compressor.inner``.
+
     The arrays are grouped into buckets of about ``bucket_cap_mb`` MiB (consecutive arrays of one
     dtype), every bucket is queued at once (the compression of one overlaps the transfer of the
     one before) and the means are written back into the arrays. The compressor keeps its state per
@@ -43,12 +50,13 @@ class GradientReducer:
     """
 
     def __init__(self, arrays: Sequence[Array], compressor: Compressor, comm: Communicator | None = None,
-                 bucket_cap_mb: float = 25.0, _groups: list[list[int]] | None = None):
+                 bucket_cap_mb: float = 25.0, hierarchical: bool | None = None,
+                 _groups: list[list[int]] | None = None):
         if not isinstance(compressor, Compressor):
             raise TypeError(f"expected a gradcomp Compressor, got {type(compressor).__name__} "
                             "(gradcomp.make(name) builds one by name)")
-        self.compressor = compressor
         self.comm = comm if comm is not None else default_communicator()
+        self.compressor = wrap(compressor, self.comm, hierarchical)
         self.arrays = list(arrays)
         self.bucket_cap_mb = bucket_cap_mb
         groups = check_arrays(self.comm, self.arrays, bucket_cap_mb) if _groups is None else _groups
@@ -142,7 +150,7 @@ _reducers: "weakref.WeakKeyDictionary[Compressor, GradientReducer]" = weakref.We
 
 
 def allreduce_gradients(arrays: Sequence[Array], compressor: Compressor, comm: Communicator | None = None,
-                        bucket_cap_mb: float = 25.0) -> list[Array]:
+                        bucket_cap_mb: float = 25.0, hierarchical: bool | None = None) -> list[Array]:
     """Average ``arrays`` over all ranks with ``compressor``, in place; returns ``arrays``.
 
     The one-call form of ``GradientReducer``: the reducer (its flat buffers and bucket plan) is
@@ -157,7 +165,7 @@ def allreduce_gradients(arrays: Sequence[Array], compressor: Compressor, comm: C
     same = (reducer is not None and reducer.comm is comm and reducer.bucket_cap_mb == bucket_cap_mb
             and [(a.shape, a.dtype) for a in reducer.arrays] == [(a.shape, a.dtype) for a in given])
     if reducer is None or not same:
-        reducer = GradientReducer(given, compressor, comm, bucket_cap_mb, _groups=groups)
+        reducer = GradientReducer(given, compressor, comm, bucket_cap_mb, hierarchical, _groups=groups)
         _reducers[compressor] = reducer
     reducer.step(given)
     return given

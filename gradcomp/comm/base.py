@@ -38,13 +38,14 @@ class Communicator(Protocol):
     @property
     def workspace(self) -> Workspace: ...
 
-    def partition(self, n: int) -> tuple[list[int], list[int]]: ...
+    def partition(self, n: int, counts: list[int] | None = None) -> tuple[list[int], list[int]]: ...
 
     def allreduce(self, array: Array, overwrite: bool = False) -> Array: ...
 
-    def reduce_scatter(self, array: Array, out: Array | None = None) -> Array: ...
+    def reduce_scatter(self, array: Array, out: Array | None = None,
+                       counts: list[int] | None = None) -> Array: ...
 
-    def allgather_blocks(self, block: Array, out: Array) -> Array: ...
+    def allgather_blocks(self, block: Array, out: Array, counts: list[int] | None = None) -> Array: ...
 
     def allgather(self, array: Array, out: Array | None = None) -> Array: ...
 
@@ -173,9 +174,18 @@ class OrderedCommunicator:
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return self._pipeline.call(fn, *args)
 
-    def partition(self, n: int) -> tuple[list[int], list[int]]:
-        """``(counts, offsets)``: the block of ``n`` values each rank owns in ``reduce_scatter``."""
-        return partition(n, self.size)
+    def partition(self, n: int, counts: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """``(counts, offsets)``: the block of ``n`` values each rank owns in ``reduce_scatter``
+        (``counts``: given blocks, one per rank, summing to ``n``; default equal ones)."""
+        if counts is None:
+            return partition(n, self.size)
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or sum(counts) != n or min(counts, default=0) < 0:
+            raise ValueError(f"block counts {counts} must be {self.size} non-negative numbers summing to {n}")
+        offsets = [0] * self.size
+        for r in range(1, self.size):
+            offsets[r] = offsets[r - 1] + counts[r - 1]
+        return counts, offsets
 
     # -- blocking collectives --------------------------------------------------------------------------
     def allreduce(self, array: Array, overwrite: bool = False) -> Array:
@@ -184,15 +194,19 @@ class OrderedCommunicator:
         returned) instead of a new array."""
         return self._call(self._allreduce, array, overwrite)
 
-    def reduce_scatter(self, array: Array, out: Array | None = None) -> Array:
-        """This rank's block (``partition``) of the element-wise sum over ranks, in ``out`` (the
-        block's length) or a new array. Each block is summed by its owner alone."""
-        return self._call(self._reduce_scatter, array, out)
+    def reduce_scatter(self, array: Array, out: Array | None = None, counts: list[int] | None = None) -> Array:
+        """This rank's block (``partition``, or ``counts`` values per rank) of the element-wise
+        sum over ranks, in ``out`` (the block's length) or a new array. Each block is summed by
+        its owner alone."""
+        self.partition(array.shape[0], counts)  # checked before queueing
+        return self._call(self._reduce_scatter, array, out, counts)
 
-    def allgather_blocks(self, block: Array, out: Array) -> Array:
-        """Every rank's block (``partition(len(out))``), each in its place in ``out``: the second
-        half of a reduce-scatter + allgather allreduce. Returns ``out``."""
-        return self._call(self._allgather_blocks, block, out)
+    def allgather_blocks(self, block: Array, out: Array, counts: list[int] | None = None) -> Array:
+        """Every rank's block (``partition(len(out))``, or ``counts`` values per rank), each in
+        its place in ``out``: the second half of a reduce-scatter + allgather allreduce. Returns
+        ``out``."""
+        self.partition(out.shape[0], counts)
+        return self._call(self._allgather_blocks, block, out, counts)
 
     def allgather(self, array: Array, out: Array | None = None) -> Array:
         """Every rank's ``array`` (same shape everywhere), stacked: shape ``(size,) + shape``."""
@@ -246,10 +260,10 @@ class OrderedCommunicator:
     def _allreduce(self, array: Array, overwrite: bool = False) -> Array:
         raise NotImplementedError
 
-    def _reduce_scatter(self, array: Array, out: Array | None = None) -> Array:
+    def _reduce_scatter(self, array: Array, out: Array | None = None, counts: list[int] | None = None) -> Array:
         raise NotImplementedError
 
-    def _allgather_blocks(self, block: Array, out: Array) -> Array:
+    def _allgather_blocks(self, block: Array, out: Array, counts: list[int] | None = None) -> Array:
         raise NotImplementedError
 
     def _allgather(self, array: Array, out: Array | None = None) -> Array:

@@ -102,12 +102,52 @@ class MPICommunicator(OrderedCommunicator):
         self.poll_max_s = 200e-6
         self._half_ops: dict[str, Any] = {}
         self._blocks: dict[tuple, Any] = {}
+        self._topology: Any = None
+        self._levels: tuple | None = None
         pin_blas_threads(blas_threads)
         self._start("gradcomp-mpi", abort_grace_s, default_depth(pipeline_depth))
         self._ident = self._guard.register(self, self.comm) if self.size > 1 else None
 
     def __repr__(self) -> str:
         return f"MPICommunicator(rank={self.rank}, size={self.size}, cuda_aware={self.cuda_aware})"
+
+    # -- hosts ------------------------------------------------------------------------------------
+    @property
+    def topology(self) -> Any:
+        """Which ranks share a host (``gradcomp.comm.topology.Topology``), agreed by every rank
+        on first use (collective)."""
+        if self._topology is None:
+            from .topology import detect
+
+            self._topology = self._call(detect, self.comm)
+        return self._topology
+
+    def split_by_host(self) -> tuple[MPICommunicator, MPICommunicator] | None:
+        """``(inside my host, across hosts with my local rank)`` as communicators of their own,
+        made once (collective on every rank); None for one host or one rank per host. A topology
+        whose hosts have different numbers of ranks is a ``CollectiveError`` on every rank."""
+        if self._levels is None:
+            self._levels = self._call(self._split_by_host)
+        return self._levels or None
+
+    def _split_by_host(self) -> tuple:
+        from .pipeline import CollectiveError
+
+        topo = self.topology
+        if topo.hosts == 1 or topo.local_size == 1:
+            return ()
+        if not topo.regular:
+            raise CollectiveError(f"gradcomp: a hierarchical schedule needs the same number of ranks on "
+                                  f"every host, got {topo.describe()}: {list(map(len, topo.members))}")
+        inside = self.comm.Split(topo.host, self.rank)
+        across = self.comm.Split(topo.local_rank, topo.host)
+        levels = tuple(MPICommunicator(c, cuda_aware=self.cuda_aware, blas_threads=None,
+                                       abort_grace_s=self._grace, pipeline_depth=0,
+                                       large_allreduce_bytes=self.large_allreduce_bytes)
+                       for c in (inside, across))
+        inside.Free()
+        across.Free()
+        return levels
 
     def abort(self, code: int = 1) -> None:
         exits.end_job(self.comm, code)
@@ -244,8 +284,8 @@ class MPICommunicator(OrderedCommunicator):
                                                               ([c * item for c in counts], [o * item for o in offsets]),
                                                               self._MPI.BYTE]))
 
-    def _reduce_scatter(self, array, out=None):
-        counts, offsets = self.partition(array.shape[0])
+    def _reduce_scatter(self, array, out=None, counts=None):
+        counts, offsets = self.partition(array.shape[0], counts)
         mine = slice(offsets[self.rank], offsets[self.rank] + counts[self.rank])
         buf, xp = self._prepare(array)
         work = buf if buf is not array else _copy(buf)  # the ring works in place
@@ -262,8 +302,8 @@ class MPICommunicator(OrderedCommunicator):
         out.set(block)
         return out
 
-    def _allgather_blocks(self, block, out):
-        counts, offsets = self.partition(out.shape[0])
+    def _allgather_blocks(self, block, out, counts=None):
+        counts, offsets = self.partition(out.shape[0], counts)
         mine = slice(offsets[self.rank], offsets[self.rank] + counts[self.rank])
         if self.size == 1:
             self._count("reduce_scatter", 0)

@@ -66,6 +66,9 @@ class Compressor:
     #: ``|out - mean| / |mean|`` allowed on the kit's structured signal (low-rank, heavy-tailed
     #: tensors plus per-rank noise). 1.0 is what returning zeros achieves.
     relative_error_limit: float = 0.9
+    #: whether the divergence guard watches this compressor's residuals (``guard``); a wrapper
+    #: that reduces through it (``Hierarchical``) watches instead
+    watched: bool = True
 
     def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray | None:
         """Largest allowed ``|result - mean|`` per element of one step, given every rank's input
@@ -140,7 +143,7 @@ class Compressor:
                     problem: str | None = None) -> Array:
         """``agree``, then ``run``, recording traffic and watching residuals (on the wire thread)."""
         guard = getattr(self, "_guard", None)
-        if guard is None and self.error_feedback_on:
+        if guard is None and self.error_feedback_on and getattr(self, "watched", True):
             guard = self._new_guard()
         bucket, flags = agree(comm, bucket, self, prepared, problem, guard.flag if guard is not None else 0)
         watch = guard is not None and guard.due(self._stats["steps"])

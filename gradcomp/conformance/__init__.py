@@ -66,10 +66,11 @@ class Outcome:
 
 
 def run(target: str, ranks: Sequence[int] = (1, 2, 3), checks: Sequence[str] | None = None,
-        timeout: float = 600) -> list[Outcome]:
+        timeout: float = 600, hosts: int | None = None) -> list[Outcome]:
     """Run the kit on ``target`` (``module:factory``, ``registry:SPEC`` or ``optimizer:SPEC``) at
-    each rank count."""
-    from .checks import CHECKS, REPORT_ENV
+    each rank count. ``hosts``: the hierarchical run, ``Hierarchical(compressor)`` on that many
+    simulated hosts (``GRADCOMP_RANKS_PER_HOST`` = ranks / hosts)."""
+    from .checks import CHECKS, HIERARCHICAL_ENV, REPORT_ENV
     from .optimizers import CHECKS as OPTIMIZER_CHECKS
 
     known = OPTIMIZER_CHECKS if target.startswith("optimizer:") else CHECKS
@@ -82,6 +83,10 @@ def run(target: str, ranks: Sequence[int] = (1, 2, 3), checks: Sequence[str] | N
     for n in ranks:
         with tempfile.TemporaryDirectory(prefix="gradcomp-kit-") as report:
             env = {"PYTHONPATH": cwd + os.pathsep + os.environ.get("PYTHONPATH", ""), REPORT_ENV: report}
+            if hosts:
+                if n % hosts:
+                    raise ValueError(f"{n} ranks cannot form {hosts} hosts of equal size")
+                env.update({HIERARCHICAL_ENV: "1", "GRADCOMP_RANKS_PER_HOST": str(n // hosts)})
             result = launch(n, ["-m", "gradcomp.conformance.checks", target, *names], timeout=timeout,
                             env=env, cwd=cwd)
             # The report files hold every result line even when MPI_Abort cut the output short.
@@ -114,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--optimizer", nargs="+", default=[], metavar="NAME",
                    help="gradcomp.optim methods (dgc, onebitadam, or name:key=value specs)")
     p.add_argument("--ranks", default="1,2,3", help="comma-separated rank counts (default 1,2,3)")
+    p.add_argument("--hosts", type=int, help="the hierarchical run: Hierarchical(compressor) on this "
+                   "many simulated hosts (e.g. --hosts 2 --ranks 4: 2 hosts x 2 ranks)")
     p.add_argument("--checks", default="", help="comma-separated (default: all)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per mpiexec job")
     p.add_argument("-v", "--verbose", action="store_true", help="print each job's output")
@@ -128,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     checks = [c for c in args.checks.split(",") if c.strip()]
     failures = 0
     for target in targets:
-        for outcome in run(target, ranks, checks, args.timeout):
+        for outcome in run(target, ranks, checks, args.timeout, args.hosts):
             status = "ok" if outcome.ok else "FAILED"
             print(f"{target} at {outcome.ranks} rank(s): {status} ({len(outcome.passed)} checks passed)")
             if args.verbose or not outcome.ok:

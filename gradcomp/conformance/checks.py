@@ -356,6 +356,8 @@ def load_factory(target: str):
 
 
 REPORT_ENV = "GRADCOMP_CONFORMANCE_REPORT"
+#: set by the kit's hierarchical run (``--hosts``): every compressor is wrapped in ``Hierarchical``
+HIERARCHICAL_ENV = "GRADCOMP_CONFORMANCE_HIERARCHICAL"
 
 
 def say(rank: int, line: str) -> None:
@@ -379,7 +381,13 @@ def main(argv) -> None:
         checks: dict = optimizers.CHECKS
         kit: Any = optimizers.OptimizerKit(optimizers.optimizer_factory(target[len("optimizer:"):]), comm)
     else:
-        checks, kit = CHECKS, Kit(load_factory(target), comm)
+        build = load_factory(target)
+        if os.environ.get(HIERARCHICAL_ENV):  # the hierarchical run: the same checks, through it
+            from ..compressors.hierarchical import Hierarchical
+
+            flat = build
+            build = lambda: Hierarchical(flat())  # noqa: E731
+        checks, kit = CHECKS, Kit(build, comm)
     names = argv[1:] or list(checks)
     for name in names:
         try:

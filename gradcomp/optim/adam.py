@@ -21,7 +21,7 @@ compressor with error feedback (``ErrorFeedback(TopK(0.01))``, ``PowerSGD(rank=4
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from ..compressors.allreduce import Allreduce
 from ..compressors.base import Compressor
 from ..compressors.feedback import ErrorFeedback
 from ..compressors.quantize import OneBit
-from ..params import check_float, check_int
+from ..params import check_bool, check_float, check_int
 from ..registry import make
 from ..schedule import Schedule
 from .base import Hyper, Optimizer
@@ -54,8 +54,8 @@ class OneBitAdam(Optimizer):
 
     def __init__(self, params: Sequence[Array], lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: Hyper = 0.0, warmup: int = 100,
-                 compressor: Compressor | str | None = None, comm: Communicator | None = None,
-                 bucket_cap_mb: float = 25.0):
+                 compressor: Compressor | str | None = None, preconditioned: bool = False,
+                 comm: Communicator | None = None, bucket_cap_mb: float = 25.0):
         super().__init__(params, lr, weight_decay, comm, bucket_cap_mb)
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
@@ -63,6 +63,7 @@ class OneBitAdam(Optimizer):
                       check_float("beta2", betas[1], minimum=0, maximum=0.999999))
         self.eps = check_float("eps", eps, above=0)
         self.warmup = check_int("warmup", warmup, 1)
+        self.preconditioned = check_bool("preconditioned", preconditioned)
         inner = (ErrorFeedback(OneBit()) if compressor is None
                  else make(compressor) if isinstance(compressor, str) else compressor)
         if not isinstance(inner, Compressor):
@@ -77,7 +78,7 @@ class OneBitAdam(Optimizer):
 
     def config(self) -> dict[str, Any]:
         return {"betas": self.betas, "eps": self.eps, "warmup": self.warmup,
-                "compressor": self.momentum_compressor.describe()}
+                "compressor": self.momentum_compressor.describe(), "preconditioned": self.preconditioned}
 
     def phase(self) -> str:
         return "warm-up" if self.steps < self.warmup else "frozen variance"
@@ -100,14 +101,19 @@ class OneBitAdam(Optimizer):
                 v += v.dtype.type(1 - b2) * g * g
             second = 1 - b2 ** t
         else:
-            for s, m, g in zip(self._sent, self.m, grads):
+            second = 1 - b2 ** min(t - 1, self.warmup)  # frozen with the variance
+            scale = self._denominators(second) if self.preconditioned else [None] * len(self.m)
+            for s, m, g, d in zip(self._sent, self.m, grads, scale):
                 s[...] = m
                 s *= s.dtype.type(b1)
                 s += s.dtype.type(1 - b1) * g
+                if d is not None:
+                    s /= d  # compressed in the update's own units
             self.reducer.step()
-            for s, m in zip(self._sent, self.m):
+            for s, m, d in zip(self._sent, self.m, scale):
                 m[...] = s
-            second = 1 - b2 ** min(t - 1, self.warmup)  # frozen with the variance
+                if d is not None:
+                    m *= d
         first = 1 - b1 ** t
         for p, m, v, rate, wd in zip(self.params, self.m, self.v, rates, decay):
             kind = p.dtype.type
@@ -117,3 +123,18 @@ class OneBitAdam(Optimizer):
             denom += kind(self.eps)
             p -= kind(rate / first) * m / denom
         self.steps += 1
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._frozen = None  # the denominators follow the loaded variance
+
+    def _denominators(self, second: float) -> list[Array]:
+        """``sqrt(v / (1 - beta2^T)) + eps`` of the frozen variance, kept once frozen."""
+        if getattr(self, "_frozen", None) is None:
+            xp = array_module(self.v[0])
+            self._frozen = []
+            for v in self.v:
+                d = xp.sqrt(v / v.dtype.type(second))
+                d += v.dtype.type(self.eps)
+                self._frozen.append(d)
+        return self._frozen

@@ -131,7 +131,7 @@ class Optimizer:
         self._step_lr = self.lr
         self._arrays: dict[str, list[Array]] = {}
         self.reducer: GradientReducer  # set by ``_exchange``, which every subclass calls
-        self.compressor: _Agreed
+        self.compressor: Compressor
 
     # -- what subclasses implement -----------------------------------------------------------------------
     def step(self, grads: Sequence[Array], lr: Hyper | None = None, weight_decay: Hyper | None = None) -> None:
@@ -158,11 +158,13 @@ class Optimizer:
         return {"optimizer step": self.steps, "phase": self.phase(), "lr": rates}
 
     # -- the exchange ---------------------------------------------------------------------------------------
-    def _exchange(self, compressor: Compressor) -> GradientReducer:
-        """A reducer over arrays shaped like the parameters, averaging with ``compressor``."""
-        self.compressor = _Agreed(compressor, self)
+    def _exchange(self, compressor: Compressor, hierarchical: bool | None = None) -> GradientReducer:
+        """A reducer over arrays shaped like the parameters, averaging with ``compressor``
+        (``hierarchical``: as ``GradientReducer``'s)."""
         like = [array_module(p).zeros(p.shape, p.dtype) for p in self.params]
-        self.reducer = GradientReducer(like, self.compressor, self.comm, self.bucket_cap_mb)
+        self.reducer = GradientReducer(like, _Agreed(compressor, self), self.comm, self.bucket_cap_mb,
+                                       hierarchical)
+        self.compressor = self.reducer.compressor
         return self.reducer
 
     def _hyper(self, lr: Hyper | None, weight_decay: Hyper | None) -> tuple[list[float], list[float]]:

@@ -137,10 +137,10 @@ class TorchCommunicator(OrderedCommunicator):
             return array
         return out
 
-    def _reduce_scatter(self, array, out=None):
+    def _reduce_scatter(self, array, out=None, counts=None):
         """The owner of each block adds the ``size`` contributions in rank order (alltoall of the
         padded blocks, then a local sum): identical on every rank, any backend."""
-        counts, offsets = self.partition(array.shape[0])
+        counts, offsets = self.partition(array.shape[0], counts)
         width = max(counts) if counts else 0
         xp = array_module(array)
         padded = xp.zeros(width * self.size, array.dtype)
@@ -156,8 +156,8 @@ class TorchCommunicator(OrderedCommunicator):
         out[...] = total
         return out
 
-    def _allgather_blocks(self, block, out):
-        counts, offsets = self.partition(out.shape[0])
+    def _allgather_blocks(self, block, out, counts=None):
+        counts, offsets = self.partition(out.shape[0], counts)
         width = max(counts) if counts else 0
         xp = array_module(block)
         padded = xp.zeros(width, out.dtype)

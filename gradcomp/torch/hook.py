@@ -36,6 +36,7 @@ from ..arrays import is_device_array, synchronize
 from ..bucket import Bucket
 from ..comm import Communicator, launched_by_mpi
 from ..compressors import Compressor, make
+from ..compressors.hierarchical import wrap
 from .checkpoint import from_torch_state, to_torch_state
 from .sparse import reduce_sparse
 from .tensors import as_array, wait_for_torch
@@ -193,7 +194,8 @@ def comm_hook(compressor: Compressor | str,
 
 
 def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | None,
-             comm: Communicator | None = None, state: HookState | None = None) -> HookState:
+             comm: Communicator | None = None, state: HookState | None = None,
+             hierarchical: bool | None = None) -> HookState:
     """Make ``ddp_model`` (a ``DistributedDataParallel``) average its gradients with ``compressor``.
 
     Call it on every rank, before the first ``backward()``, once per model (DDP's rule).
@@ -202,6 +204,9 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
     copy of the default process group otherwise (torchrun). A model on a process group other than
     the default one needs an explicit ``comm``. ``state``: a ``HookState`` to reuse (e.g. one
     loaded with ``torch.load``); its compressor is used and ``compressor`` may be None.
+    ``hierarchical``: exact inside each host, the compressor across hosts (as
+    ``GradientReducer``'s: None, the default, wherever the topology has several hosts of several
+    ranks; ``state.compressor`` is then the ``Hierarchical`` wrapper).
 
     Returns the hook state: ``state.compressor.stats()`` holds the traffic figures, and
     ``state.state_dict()`` / ``load_state_dict()`` checkpoint the compressor.
@@ -220,6 +225,9 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
     if state is None:
         # (compressor None without a state: comm_hook raises the TypeError that says so)
         state, hook = comm_hook(compressor, comm)  # type: ignore[arg-type]
+        assert state.comm is not None  # comm_hook picks one
+        state.compressor = wrap(state.compressor, state.comm, hierarchical)
+        hook = _named_hook(state.compressor)
     else:
         if comm is not None or state.comm is None:
             state.comm = comm if comm is not None else default_comm()
