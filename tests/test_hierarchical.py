@@ -163,3 +163,40 @@ def rank_ddp_hierarchical():
 def test_ddp_hook_is_hierarchical_on_several_hosts():
     run_ranks(4, "tests.test_hierarchical:rank_ddp_hierarchical", env={"GRADCOMP_RANKS_PER_HOST": "2"},
               timeout=300)
+
+
+def rank_cost_model_bytes():
+    """The cost model's byte formulas (gradcomp.planning.cost) equal what the communicators count:
+    per rank on a flat exchange, and per host link on a hierarchical one."""
+    import gradcomp as gc
+    from gradcomp.compressors.hierarchical import Hierarchical
+    from gradcomp.planning import cost
+
+    comm = gc.MPICommunicator()
+    topo = comm.topology
+    cluster = cost.Cluster(topo.hosts, topo.local_size, cost.Link(0, 1))
+    rng = np.random.default_rng(comm.rank)
+    shapes = [(640, 500), (500,), (300, 400), (7000,), (200, 200)]  # padding to chunks: under 1%
+    n = sum(int(np.prod(s)) for s in shapes)
+    for spec in ("allreduce", "fp16", "int8", "int4", "onebit:warmup=0", "topk:warmup=0",
+                 "randomk:warmup=0", "quantize-channel", "allgather", "powersgd:start_iter=2"):
+        traffic = cost.traffic(gc.make(spec), shapes, comm.size)
+        flat, hier = gc.make(spec), Hierarchical(gc.make(spec))
+        marks = []
+        for step in range(flat.warmup_steps + 3):
+            if step == flat.warmup_steps:  # count the steady state only
+                marks = [flat.stats()["bytes_sent"], hier.stats()["bytes_sent"]]
+            g = rng.standard_normal(n).astype(np.float32)
+            flat.reduce(gc.Bucket(g, 0, shapes), comm).result()
+            hier.reduce(gc.Bucket(g, 0, shapes), comm).result()
+        per_rank = (flat.stats()["bytes_sent"] - marks[0]) / 3
+        assert per_rank == pytest.approx(cost.rank_bytes(traffic, comm.size), rel=1e-9), (spec, per_rank)
+        host = sum(comm.comm.allgather(hier.stats()["bytes_sent"] - marks[1])[:topo.local_size]) / 3
+        # groups are whole tensors: the per-chunk overheads of each group's codes differ a little
+        across = cost.traffic(gc.make(spec), shapes, topo.hosts)
+        assert host == pytest.approx(cost.host_link_bytes(across, cluster, True), rel=0.02), (spec, host)
+    print(f"rank {comm.rank}: ok", flush=True)
+
+
+def test_cost_model_bytes_match_the_counters():
+    run_ranks(4, "tests.test_hierarchical:rank_cost_model_bytes", env={"GRADCOMP_RANKS_PER_HOST": "2"})

@@ -1,0 +1,236 @@
+"""The cost model: what a method costs per step on a cluster, flat or hierarchical, as code.
+
+An alpha-beta model (Hockney): a message of ``b`` bytes over a link costs ``alpha + b / beta``.
+Per bucket of ``n`` float32 values, a method is described by its traffic (``Traffic``: which
+collective and how many bytes of message, from the compressor's own declaration: a codec's
+``collective`` and ``message_size``, PowerSGD's factor sizes for the bucket's shapes) and by its
+compute per byte of gradient (measured on this machine: ``gradcomp.bench.kernels``). A cluster is
+``hosts`` hosts of ``per_host`` ranks, each host one link to the others (``network``) and a fast
+path inside (``local``).
+
+What crosses one host's link, per bucket, in one direction (``host_link_bytes``), with N ranks,
+H hosts, L ranks per host and M the message bytes (for allreduce: the summed vector):
+
+================  ==============================  ============================
+collective         flat (ranks in host order)      hierarchical (1/L per rank)
+================  ==============================  ============================
+allreduce (ring)   2 (N-1)/N M                     2 (H-1)/H M
+two-stage          2 L (N-L)/N M                   2 (H-1)/H M
+allgather          L (N-L) M                       (H-1) M
+================  ==============================  ============================
+
+A flat ring crosses each host boundary once, so a host link carries one rank's ring traffic; an
+alltoall or allgather sends from every rank of the host to every rank elsewhere. Hierarchical
+adds an exact reduce-scatter and allgather of the bucket inside the host (``2 (L-1)/L`` of it
+each way over ``local``). The step is the sum over buckets of latency, the link time, the local
+time and the compute (no overlap assumed: on a busy machine compute and the network's kernel work
+share the cores). ``fit`` finds the link constants and each method's compute from measured steps;
+``predict`` then gives any shape. ``gradcomp.planning.auto`` reads the same model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+KINDS = ("allreduce", "allgather", "two-stage")
+
+
+@dataclass(frozen=True)
+class Link:
+    """``alpha`` seconds per message, ``beta`` bytes per second (one direction)."""
+    alpha: float
+    beta: float
+
+    def time(self, nbytes: float, messages: float) -> float:
+        return messages * self.alpha + nbytes / self.beta
+
+
+@dataclass(frozen=True)
+class Cluster:
+    hosts: int
+    per_host: int
+    network: Link                   # each host's link to the others
+    local: Link = Link(5e-6, 5e9)   # inside a host
+    cores_per_host: float | None = None  # None: a core per rank
+
+    @property
+    def ranks(self) -> int:
+        return self.hosts * self.per_host
+
+    def contention(self) -> float:
+        """How many ranks share a core (compute slows by this much), at least 1."""
+        if not self.cores_per_host:
+            return 1.0
+        return max(1.0, self.per_host / self.cores_per_host)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One bucket's communication: ``kind`` (``KINDS``), message bytes, collectives in sequence."""
+    kind: str
+    message_bytes: float
+    rounds: int = 1
+    extra: tuple["Traffic", ...] = field(default=())  # further collectives (PowerSGD's second round)
+
+
+def traffic(compressor: Any, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
+    """``compressor``'s traffic on a bucket of tensors of ``shapes`` (float32) exchanged over
+    ``ranks`` (a two-stage code pads its slices to whole chunks), from what it declares; steady
+    state (a recipe's last stage, PowerSGD past its warm-up)."""
+    from ..compressors.allreduce import Allreduce
+    from ..compressors.cast import Cast
+    from ..compressors.codec import Codec
+    from ..compressors.allgather import Allgather
+    from ..compressors.feedback import ErrorFeedback
+    from ..compressors.hierarchical import Hierarchical
+    from ..powersgd import PowerSGD
+    from ..schedule import Schedule
+
+    n = sum(math.prod(s) for s in shapes)
+    comp = compressor
+    while True:
+        if isinstance(comp, (Hierarchical,)):
+            comp = comp.inner
+        elif isinstance(comp, Schedule):
+            comp = comp.compressors[-1]
+        elif isinstance(comp, ErrorFeedback):
+            comp = comp.inner
+        else:
+            break
+    if isinstance(comp, Cast):  # its inner method sees half-precision values
+        return traffic(comp.inner, shapes, ranks, 2)
+    if isinstance(comp, Allreduce):
+        return Traffic("allreduce", n * itemsize)
+    if isinstance(comp, Allgather):
+        return Traffic("allgather", n * itemsize)
+    if isinstance(comp, PowerSGD):
+        from ..powersgd.plan import Plan
+
+        keys = [str(i) for i in range(len(shapes))]
+        plan = Plan([tuple(s) for s in shapes], keys, n, comp.rank, comp.min_compression_rate,
+                    comp.batched, comp.batch_same_shape, "cost")
+        first = Traffic("allreduce", (plan.n_unc + plan.p_size) * itemsize)
+        if comp.rounds == 1:
+            return first
+        return Traffic("allreduce", first.message_bytes, 2, (Traffic("allreduce", plan.q_size * itemsize),))
+    if isinstance(comp, Codec):
+        import numpy as np
+
+        unit = itemsize if comp.message_dtype is None else np.dtype(comp.message_dtype).itemsize
+        if comp.collective == "two-stage":  # one message per rank's slice of whole chunks
+            per_slice = -(-(-(-n // comp.chunk)) // max(ranks, 1)) * comp.chunk
+            return Traffic("two-stage", max(ranks, 1) * comp.message_size(per_slice) * unit)
+        return Traffic(comp.collective, comp.message_size(n) * unit)
+    raise TypeError(f"the cost model does not know {type(comp).__name__}")
+
+
+def host_link_bytes(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
+    """Bytes through one host's link in one direction for one bucket (see the module table)."""
+    N, H, L = cluster.ranks, cluster.hosts, cluster.per_host
+    total = 0.0
+    for part in (t,) + t.extra:
+        M = part.message_bytes
+        if hierarchical and L > 1 and H > 1:
+            total += {"allreduce": 2 * (H - 1) / H, "two-stage": 2 * (H - 1) / H, "allgather": H - 1}[part.kind] * M
+        else:
+            total += {"allreduce": 2 * (N - 1) / N, "two-stage": 2 * L * (N - L) / N,
+                      "allgather": L * (N - L)}[part.kind] * M
+    return total
+
+
+def rank_bytes(t: Traffic, ranks: int) -> float:
+    """Bytes one rank sends for one bucket on a flat exchange over ``ranks`` (bandwidth-optimal
+    algorithms, as the communicators count them)."""
+    total = 0.0
+    for part in (t,) + t.extra:
+        M = part.message_bytes
+        total += {"allreduce": 2 * (ranks - 1) / ranks, "two-stage": 2 * (ranks - 1) / ranks,
+                  "allgather": ranks - 1}[part.kind] * M
+    return total
+
+
+def messages(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
+    """Latency terms per bucket (sequential message steps over the network)."""
+    N, H, L = cluster.ranks, cluster.hosts, cluster.per_host
+    peers = H if hierarchical and L > 1 and H > 1 else N
+    steps = {"allreduce": 2 * (peers - 1), "two-stage": 2, "allgather": 1}
+    return float(sum(steps[p.kind] for p in (t,) + t.extra)) + 1.0  # + the agreement
+
+
+@dataclass
+class Model:
+    """Link constants and each method's compute (seconds per byte of float32 gradient, one rank
+    on its own core: worker and owner stages together)."""
+    compute: dict[str, float]
+    local_pass: float = 0.0  # seconds per byte of one memory pass (hierarchical's local stages)
+
+    def step(self, method: str, t: Traffic, numel: int, buckets: int, cluster: Cluster,
+             hierarchical: bool) -> float:
+        """Predicted seconds per training step of ``numel`` float32 values in ``buckets`` buckets."""
+        per = numel / buckets
+        hier = hierarchical and cluster.per_host > 1 and cluster.hosts > 1
+        wire = cluster.network.time(host_link_bytes(t, cluster, hier), messages(t, cluster, hier))
+        local = 0.0
+        share = 1.0
+        if hier:
+            L = cluster.per_host
+            local = cluster.local.time(2 * 2 * (L - 1) / L * per * 4, 2 * (L - 1))
+            local += 2 * self.local_pass * per * 4
+            share = 1.0 / L
+        compute = self.compute.get(method, 0.0) * per * 4 * share * cluster.contention()
+        return buckets * (wire + local + compute)
+
+
+def fit(runs: Sequence[Mapping[str, Any]]) -> tuple[Link, Model]:
+    """Constants from measured steps. Each run: ``method``, ``traffic`` (``Traffic``), ``numel``,
+    ``buckets``, ``cluster`` (its ``network`` link ignored), ``hierarchical``, ``seconds``.
+
+    The link: least squares over the fp32 ``allreduce`` runs of ``seconds = buckets * (m * alpha
+    + bytes / beta)``; then each method's compute: the mean over its runs of what is left per byte,
+    divided by the core contention of its shape."""
+    exact = [r for r in runs if r["method"] == "allreduce"]
+    if not exact:
+        raise ValueError("fit needs fp32 allreduce runs (the link's constants come from them)")
+    rows, ys = [], []
+    for r in exact:
+        c, hier = r["cluster"], r["hierarchical"]
+        rows.append((r["buckets"] * messages(r["traffic"], c, hier),
+                     r["buckets"] * host_link_bytes(r["traffic"], c, hier)))
+        ys.append(r["seconds"])
+    alpha, inv_beta = _least_squares(rows, ys)
+    link = Link(max(alpha, 0.0), 1.0 / inv_beta if inv_beta > 0 else math.inf)
+    compute: dict[str, float] = {}
+    for method in sorted({r["method"] for r in runs}):
+        if method == "allreduce":
+            continue
+        per_byte = []
+        for r in (r for r in runs if r["method"] == method):
+            c = r["cluster"]
+            shaped = Cluster(c.hosts, c.per_host, link, c.local, c.cores_per_host)
+            wire_only = Model({}).step(method, r["traffic"], r["numel"], r["buckets"], shaped, r["hierarchical"])
+            share = 1.0 / c.per_host if r["hierarchical"] and c.per_host > 1 and c.hosts > 1 else 1.0
+            left = max(r["seconds"] - wire_only, 0.0)
+            per_byte.append(left / (r["numel"] * 4 * share * shaped.contention()))
+        compute[method] = sum(per_byte) / len(per_byte)
+    return link, Model(compute)
+
+
+def _least_squares(rows: list[tuple[float, float]], ys: list[float]) -> tuple[float, float]:
+    """(a, b) minimizing sum (a x + b y - z)^2 over rows (x, y) and targets z; with one row, a = 0."""
+    if len(rows) == 1:
+        x, y = rows[0]
+        return 0.0, ys[0] / y
+    sxx = sum(x * x for x, _ in rows)
+    syy = sum(y * y for _, y in rows)
+    sxy = sum(x * y for x, y in rows)
+    sxz = sum(x * z for (x, _), z in zip(rows, ys))
+    syz = sum(y * z for (_, y), z in zip(rows, ys))
+    det = sxx * syy - sxy * sxy
+    if abs(det) < 1e-30 * max(sxx * syy, 1e-300):
+        return 0.0, syz / syy
+    a = (sxz * syy - syz * sxy) / det
+    b = (syz * sxx - sxz * sxy) / det
+    if a < 0:  # latency cannot be negative: the bandwidth alone
+        return 0.0, syz / syy
+    return a, b
