@@ -74,6 +74,11 @@ def make_comm(kind: str):
     return None  # gradcomp.torch.register picks (MPI under mpiexec)
 
 
+def _no_stats() -> dict:
+    """DDP's own allreduce (``--compressor none``): no gradcomp counters."""
+    return dict(bytes_sent=0.0, reference_bytes=0.0, steps=0, bytes_sent_per_step=0.0)
+
+
 def test_loss(model, x, y) -> float:
     with torch.no_grad():
         return F.cross_entropy(model(x), y).item()
@@ -92,9 +97,9 @@ def train(compressor: str, epochs: int = 30, per_rank_batch: int = 32, lr: float
     model = DistributedDataParallel(DigitsCNN().to(launch.device), bucket_cap_mb=bucket_cap_mb)
     name, options = parse_spec(optimizer)
     if name == "sgd":
-        state = gt.register(model, gradcomp.make(compressor), make_comm(comm))
+        state = None if compressor == "none" else gt.register(model, gradcomp.make(compressor), make_comm(comm))
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, **options)
-        stats = state.compressor.stats
+        stats = state.compressor.stats if state is not None else _no_stats
     elif name == "dgc":
         state = None
         opt = gt.DGC(model.parameters(), lr=lr, momentum=0.9, model=model, comm=make_comm(comm),
@@ -126,13 +131,14 @@ def train(compressor: str, epochs: int = 30, per_rank_batch: int = 32, lr: float
                 bytes_per_step=end["bytes_sent_per_step"],
                 steady_bytes_per_step=sent / max(end["steps"] - late.get("steps", 0), 1),
                 compression_ratio=reference / sent if sent else 1.0,
-                seconds=seconds, comm=repr(state.comm if state is not None else opt.method_state.comm))
+                seconds=seconds, comm=repr(state.comm if state is not None else getattr(
+                    getattr(opt, "method_state", None), "comm", "torch.distributed (DDP's own allreduce)")))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compressor", default="allreduce", type=compressor_spec,
-                        help="a registry name or name:key=value,... (e.g. powersgd:rank=4)")
+                        help="a registry name or name:key=value,... (e.g. powersgd:rank=4); none: DDP's own allreduce")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)

@@ -52,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "convergence")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    p.add_argument("--capped", metavar="RATE", help="run every job on bench/capped.sh's emulated link at "
+                   "RATE (root), one host per rank: time to quality; results go to OUT/WORKLOAD-RATE")
     p.add_argument("--report", action="store_true", help="run nothing: tables and figures from OUT")
     p.add_argument("--rerun", action="store_true", help="run again even where a result exists")
     p.add_argument("extra", nargs="*", help="after --: passed to the example unchanged")
@@ -76,15 +78,29 @@ def command(workload: str, method: str, seed: int, out_json: Path, extra: list[s
     return cmd + list(extra)
 
 
+def folder_of(workload: str, args) -> Path:
+    return args.out / (f"{workload}-{args.capped}" if args.capped else workload)
+
+
 def run_one(workload: str, method: str, seed: int, args) -> dict:
-    folder = args.out / workload
+    folder = folder_of(workload, args)
     folder.mkdir(parents=True, exist_ok=True)
     out_json = folder / f"{method}@{seed}.json"
     if out_json.exists() and not args.rerun:
         return json.loads(out_json.read_text())
     start = time.perf_counter()
-    done = launcher.run(args.ranks, command(workload, method, seed, out_json, args.extra),
-                        timeout=args.timeout, cwd=ROOT)
+    cmd = command(workload, method, seed, out_json, args.extra)
+    if args.capped:  # bench/capped.sh starts mpiexec itself, inside the emulated hosts
+        import subprocess
+
+        try:
+            proc = subprocess.run([str(ROOT / "bench" / "capped.sh"), args.capped, str(args.ranks), sys.executable,
+                                   *cmd], cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+            done = launcher.Result(proc.returncode, proc.stdout + proc.stderr)
+        except subprocess.TimeoutExpired as exc:
+            done = launcher.Result(None, str(exc.stdout or ""))
+    else:
+        done = launcher.run(args.ranks, cmd, timeout=args.timeout, cwd=ROOT)
     (folder / f"{method}@{seed}.log").write_text(done.output)
     if done.returncode != 0 or not out_json.exists():
         error = {"method": method, "seed": seed, "error": "hung" if done.hung else f"exit {done.returncode}",
@@ -182,6 +198,40 @@ def table(workload: str, runs: dict[str, dict[int, dict]]) -> str:
     return aligned_table(header, rows)
 
 
+def seconds_to(r: dict, target: float) -> float | None:
+    """Training seconds (evaluations excluded) until the loss first reaches ``target``."""
+    timed = r.get("val_curve") or [p[:2] + [p[3]] for p in r.get("test_curve", []) if len(p) > 3]
+    return next((float(p[2]) for p in timed if len(p) > 2 and p[1] <= target), None)
+
+
+def time_table(workload: str, runs: dict[str, dict[int, dict]]) -> str:
+    """Time to quality: per method, the training seconds to reach the exact reference's final loss
+    (each seed against its own reference), against the reference's own time and fp16's."""
+    refs = runs.get(REFERENCE[workload], {})
+    header = ["method", "seconds to exact's final loss", "vs exact", "vs fp16", "total training s"]
+    fp16 = {s: seconds_to(r, curve(refs[s])[-1][1]) for s, r in runs.get("fp16", {}).items()
+            if s in refs and "error" not in r}
+    rows = []
+    for method, by_seed in runs.items():
+        times, totals, vs_exact, vs_fp16 = [], [], [], []
+        for s, r in by_seed.items():
+            if "error" in r or s not in refs or "error" in refs[s]:
+                continue
+            target = curve(refs[s])[-1][1]
+            t, ref_t = seconds_to(r, target), seconds_to(refs[s], target)
+            times.append(t)
+            totals.append(r.get("seconds"))
+            if t is not None and ref_t:
+                vs_exact.append(t / ref_t)
+            if t is not None and fp16.get(s):
+                vs_fp16.append(t / fp16[s])
+        shown = " ".join("never" if t is None else f"{t:.0f}" for t in times)
+        rows.append([method, shown, f"{statistics.mean(vs_exact):.2f}" if vs_exact else "-",
+                     f"{statistics.mean(vs_fp16):.2f}" if vs_fp16 else "-",
+                     " ".join(f"{t:.0f}" for t in totals if t is not None)])
+    return aligned_table(header, rows)
+
+
 def _mean(values) -> float | None:
     known = [v for v in values if v is not None]
     return statistics.mean(known) if known else None
@@ -249,7 +299,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     status = 0
     for workload in args.workload:
-        folder = args.out / workload
+        folder = folder_of(workload, args)
         if not args.report:
             methods = args.methods or default_methods(workload)
             jobs = [(m, s) for s in args.seeds for m in methods]
@@ -262,9 +312,12 @@ def main(argv=None) -> int:
         runs = load(folder)
         if not runs:
             continue
-        print(f"\n{workload}: {EXAMPLES[workload]}, {LOSS_NAME[workload]}, {args.ranks} ranks\n")
+        print(f"\n{workload}: {EXAMPLES[workload]}, {LOSS_NAME[workload]}, {args.ranks} ranks"
+              + (f", capped at {args.capped}" if args.capped else "") + "\n")
         print(table(workload, runs))
-        plot(workload, runs, args.out / f"convergence-{workload}.png")
+        if args.capped:
+            print("\n" + time_table(workload, runs))
+        plot(workload, runs, args.out / f"convergence-{folder.name}.png")
         bad = [f"{m}@{s}" for m, by in runs.items() for s, r in by.items() if "error" in r or diverged(r)]
         if bad:
             print(f"\nfailed or diverged: {', '.join(bad)}")
