@@ -97,7 +97,13 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
     name, _, rest = spec.partition(":")
     kwargs: dict[str, Any] = {}
+    items: list[str] = []
     for item in filter(None, (part.strip() for part in _top_level_items(rest))):
+        if "=" not in item and items:  # a list value: auto:allowed=fp16,int8,int4
+            items[-1] += "," + item
+        else:
+            items.append(item)
+    for item in items:
         key, eq, text = item.partition("=")
         if not eq or not key.strip().isidentifier():
             raise ValueError(f"compressor spec {spec!r}: expected name:key=value,..., got {item!r}")

@@ -22,6 +22,22 @@ from .compressors.base import Compressor, run_stage
 from .state import reject_leftovers, take_int
 
 
+def with_residuals(owner: Compressor, bucket: Bucket, residuals: dict[str, Array], workspace: Workspace) -> Bucket:
+    """The bucket's gradient plus handed-over residuals (in place if the bucket is scratch, else
+    in a copy of ``owner``'s, which the next method may not return)."""
+    g = bucket.buffer
+    if not bucket.scratch:
+        copy = workspace.array(owner, "handover", bucket.numel, g.dtype, like=g)
+        copy[...] = g
+        bucket = bucket.with_buffer(copy, scratch=False)
+        g = copy
+    for key, off, shape in bucket.placements():
+        if key in residuals:
+            part = g[off:off + residuals[key].size]
+            part += cast(residuals[key].reshape(-1), g.dtype)
+    return bucket
+
+
 @dataclass
 class _Stage:
     step: int
@@ -110,23 +126,8 @@ class Schedule(Compressor):
                 handed.update(self.compressors[before].take_residual([key]))
             self._last_stage[key] = k
         if handed:
-            bucket = self._with_residuals(bucket, handed, workspace)
+            bucket = with_residuals(self, bucket, handed, workspace)
         return _Stage(step, k, bucket, stage.prepare(bucket, comm, workspace))
-
-    def _with_residuals(self, bucket: Bucket, residuals: dict[str, Array], workspace: Workspace) -> Bucket:
-        """The bucket's gradient plus the handed-over residuals (in place if the bucket is scratch,
-        else in a copy, which the stage may not return)."""
-        g = bucket.buffer
-        if not bucket.scratch:
-            copy = workspace.array(self, "handover", bucket.numel, g.dtype, like=g)
-            copy[...] = g
-            bucket = bucket.with_buffer(copy, scratch=False)
-            g = copy
-        for key, off, shape in bucket.placements():
-            if key in residuals:
-                part = g[off:off + residuals[key].size]
-                part += cast(residuals[key].reshape(-1), g.dtype)
-        return bucket
 
     def finish(self, bucket: Bucket, comm: Communicator, prepared: _Stage) -> Array:
         return run_stage(self.compressors[prepared.stage], prepared.bucket, comm, prepared.inner)

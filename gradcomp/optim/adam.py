@@ -75,6 +75,7 @@ class OneBitAdam(Optimizer):
         self.m = [xp.zeros(p.shape, p.dtype) for p in self.params]
         self.v = [xp.zeros(p.shape, p.dtype) for p in self.params]
         self._arrays = {"m": self.m, "v": self.v}
+        self._frozen: list[Array] | None = None  # the frozen variance's denominators
 
     def config(self) -> dict[str, Any]:
         return {"betas": self.betas, "eps": self.eps, "warmup": self.warmup,
@@ -130,11 +131,12 @@ class OneBitAdam(Optimizer):
 
     def _denominators(self, second: float) -> list[Array]:
         """``sqrt(v / (1 - beta2^T)) + eps`` of the frozen variance, kept once frozen."""
-        if getattr(self, "_frozen", None) is None:
+        if self._frozen is None:
             xp = array_module(self.v[0])
-            self._frozen = []
+            frozen = []
             for v in self.v:
                 d = xp.sqrt(v / v.dtype.type(second))
                 d += v.dtype.type(self.eps)
-                self._frozen.append(d)
+                frozen.append(d)
+            self._frozen = frozen
         return self._frozen

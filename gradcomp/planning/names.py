@@ -65,6 +65,13 @@ def register_builtins() -> None:
     register("onebit", onebit)
     register("topk", topk)
     register("randomk", randomk)
+    register("auto", _auto)
+
+
+def _auto(**kwargs: Any) -> Any:
+    from .auto import Auto
+
+    return Auto(**kwargs)
 
 
 #: The parameters that shorten a registered name's warm-up to nothing (a recipe's exact warm-up

@@ -1,0 +1,307 @@
+"""``auto``: each bucket's method picked from measurements of this job's link and this machine.
+
+The best method depends on the link (compression that wins at 1 Gbit/s loses at 100 Gbit/s), on
+the bucket (int8's per-chunk scales weigh on a tiny bucket, latency dominates small ones) and on
+what the method's compute costs here. ``Auto`` measures all three once, at its first bucket:
+
+* **the link**: timed allreduces of a few sizes on the real communicator; every rank's times are
+  gathered and the slowest taken, so every rank fits the same latency and bandwidth
+  (``cost.fit``'s alpha-beta model);
+* **the compute**: each candidate's whole reduction of a 4 MiB bucket on a one-rank communicator
+  (the kernel cost without a peer), the slowest rank's again; or a table loaded from a JSON file
+  (``table=``: ``{"int8": seconds per float32 byte, ...}``, e.g. from ``gradcomp.bench.kernels``);
+* **the topology**: ``MPICommunicator.topology`` (how many ranks share each host's link and cores).
+
+For each bucket layout it then predicts every candidate's time with ``cost.Model`` and takes the
+fastest; ties within 2% go to the earlier candidate (less compressed: ``allowed`` is in order of
+increasing compression). The choice depends only on agreed inputs, so every rank makes the same
+one; it is part of what ranks agree on before each bucket (its state), it is checkpointed, and it
+is kept: ``replan()`` (on every rank) or a change of layout (DDP's bucket rebuild) chooses again.
+Residuals move with their tensors when a tensor's method changes (``Schedule``'s hand-over).
+
+Candidates are the registered names that met the convergence targets as hook-level methods
+(BENCHMARKS.md, section 6): ``allreduce``, ``fp16``, ``bf16``, ``int8``, ``int4``. ``allowed``
+restricts or widens the set (``auto:allowed=fp16,int8,powersgd``: any registry spec). ``stats()``
+says, per bucket, what was chosen, the predicted seconds of every candidate, and why.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ..arrays import Array
+from ..bucket import Bucket, digest
+from ..comm import Communicator, Workspace
+from ..compressors.base import Compressor, run_stage
+from ..state import reject_leftovers
+from . import cost
+
+#: the candidates by default: the hook-level methods within the convergence targets
+DEFAULT_ALLOWED = ("allreduce", "fp16", "bf16", "int8", "int4")
+#: message sizes of the link probe (float32 values) and its repeats
+PROBE_SIZES = (1024, 65536, 1048576)
+PROBE_REPEATS = 3
+#: a candidate wins only by more than this fraction (else the earlier, less compressed one)
+TIE = 0.02
+
+
+@dataclass
+class _Routed:
+    choice: int
+    bucket: Bucket
+    inner: Any
+
+
+class Auto(Compressor):
+    """Per-bucket choice among ``allowed`` from measured costs (see the module docstring)."""
+
+    def __init__(self, allowed: Sequence[str] | str = DEFAULT_ALLOWED, table: str | None = None):
+        super().__init__()
+        from ..registry import make
+
+        names = [a.strip() for a in allowed.split(",")] if isinstance(allowed, str) else [str(a) for a in allowed]
+        if not names or "auto" in [n.partition(":")[0] for n in names]:
+            raise ValueError(f"auto: allowed must name one or more methods other than auto, got {allowed!r}")
+        self.allowed = tuple(names)
+        self.table = table
+        self.candidates = [make(n) for n in names]
+        self._choices: dict[str, int] = {}      # layout digest -> candidate
+        self._why: dict[str, dict[str, Any]] = {}
+        self._last: dict[str, int] = {}          # tensor key -> candidate that reduced it last
+        self._measured: dict[str, Any] | None = None
+
+    def config(self) -> dict[str, Any]:
+        return {"allowed": self.allowed, "table": self.table}
+
+    @property
+    def error_feedback_on(self) -> bool:
+        return any(c.error_feedback_on for c in self.candidates)
+
+    @property
+    def warmup_steps(self) -> int:
+        return max(c.warmup_steps for c in self.candidates)
+
+    # -- measurement ---------------------------------------------------------------------------
+    def reduce(self, bucket: Bucket | Array, comm: Communicator | None = None) -> Any:
+        from ..comm import default_communicator
+
+        comm = comm if comm is not None else default_communicator()
+        if self._measured is None:
+            self._measured = self.measure(comm)  # collectives: here, in submission order
+        return super().reduce(bucket, comm)
+
+    def measure(self, comm: Communicator) -> dict[str, Any]:
+        """The link, the compute table and the topology, agreed by every rank (collective)."""
+        link = _probe(comm)
+        compute = _load_table(self.table) if self.table else _time_candidates(self.allowed)
+        names = list(self.allowed)
+        worst = comm.allgather(np.array([compute.get(n, 0.0) for n in names]))
+        compute = {n: float(v) for n, v in zip(names, np.max(worst, axis=0))}
+        topo = getattr(comm, "topology", None)
+        hosts, per_host = (topo.hosts, topo.local_size) if topo is not None else (comm.size, 1)
+        return {"link": link, "compute": compute, "hosts": hosts, "per_host": per_host,
+                "contention": _contention(comm)}
+
+    def replan(self) -> None:
+        """Choose again at every layout's next bucket (call on every rank, between steps); the
+        link and compute are measured again too."""
+        self._choices.clear()
+        self._why.clear()
+        self._measured = None
+
+    def _choose(self, bucket: Bucket, comm: Communicator) -> int:
+        key = f"{bucket.layout_key():x}"
+        if key in self._choices:
+            return self._choices[key]
+        m = self._measured if self._measured is not None else self.measure(comm)
+        self._measured = m
+        hosts, per_host = m["hosts"], m["per_host"]
+        # cores_per_host such that per_host / cores_per_host is how many ranks share a core here
+        cluster = cost.Cluster(hosts, per_host, m["link"], cores_per_host=per_host / m["contention"])
+        model = cost.Model(m["compute"])
+        times = {}
+        for name, comp in zip(self.allowed, self.candidates):
+            t = cost.traffic(comp, bucket.shapes, comm.size)
+            times[name] = model.step(name, t, bucket.numel, 1, cluster, hierarchical=False)
+        best = 0
+        for i, name in enumerate(self.allowed):
+            if times[name] < times[self.allowed[best]] * (1 - TIE):
+                best = i
+        self._choices[key] = best
+        self._why[key] = {"bucket": bucket.index, "numel": bucket.numel, "chosen": self.allowed[best],
+                          "predicted_s": times,
+                          "why": f"fastest predicted on a link of {m['link'].beta * 8 / 1e9:.3g} Gbit/s, "
+                                 f"{m['link'].alpha * 1e6:.0f} us latency, {comm.size} ranks"}
+        return best
+
+    # -- the two stages, routed --------------------------------------------------------------------
+    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Routed:
+        k = self._choose(bucket, comm)
+        chosen = self.candidates[k]
+        handed: dict[str, Array] = {}
+        for key in bucket.keys:
+            before = self._last.get(key)
+            if before is not None and before != k:
+                handed.update(self.candidates[before].take_residual([key]))
+            self._last[key] = k
+        if handed:
+            from ..schedule import with_residuals
+
+            bucket = with_residuals(self, bucket, handed, workspace)
+        return _Routed(k, bucket, chosen.prepare(bucket, comm, workspace))
+
+    def finish(self, bucket: Bucket, comm: Communicator, prepared: _Routed) -> Array:
+        return run_stage(self.candidates[prepared.choice], prepared.bucket, comm, prepared.inner)
+
+    def agreement_state(self, bucket: Bucket, prepared: _Routed | None) -> dict[str, Any]:
+        if prepared is None:
+            return {"choices": digest(repr(sorted(self._choices.items())))}
+        inner = self.candidates[prepared.choice].agreement_state(prepared.bucket, prepared.inner)
+        return {"method": self.allowed[prepared.choice], **{f"{self.allowed[prepared.choice]}.{k}": v
+                                                           for k, v in inner.items()}}
+
+    def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
+        out: dict[str, Array] = {}
+        for key in keys:
+            k = self._last.get(key)
+            if k is not None:
+                out.update(self.candidates[k].take_residual([key]))
+        return out
+
+    def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
+        out: dict[str, Array] = {}
+        for key in keys:
+            k = self._last.get(key)
+            if k is not None:
+                out.update(self.candidates[k].residuals([key]))
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        s = super().stats()
+        s["choices"] = list(self._why.values())
+        if self._measured is not None:
+            link = self._measured["link"]
+            s["link"] = {"alpha_s": link.alpha, "beta_bytes_per_s": link.beta}
+            s["compute_s_per_byte"] = dict(self._measured["compute"])
+        return s
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, k in sorted(self._choices.items()):
+            out[f"choice/{key}"] = k
+        for key, k in sorted(self._last.items()):
+            out[f"last/{key}"] = k
+        for k, comp in enumerate(self.candidates):
+            for name, value in comp.state_dict().items():
+                out[f"cand{k}/{name}"] = value
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
+        from ..state import take_int
+
+        state = dict(state)
+        owner = "Auto"
+        choices: dict[str, int] = {}
+        last: dict[str, int] = {}
+        for name in [k for k in state if k.startswith(("choice/", "last/"))]:
+            k = take_int(state, name, owner)
+            if k >= len(self.candidates):
+                raise ValueError(f"{owner} state: {name!r} names candidate {k}, but there are {len(self.candidates)}")
+            (choices if name.startswith("choice/") else last)[name.partition("/")[2]] = k
+        parts: list[dict[str, Any]] = [{} for _ in self.candidates]
+        for key in list(state):
+            head, sep, rest = key.partition("/")
+            number = head[len("cand"):]
+            if head.startswith("cand") and number.isdigit() and int(number) < len(self.candidates) and sep:
+                parts[int(number)][rest] = state.pop(key)
+        reject_leftovers(state, owner)
+        saved = [c.state_dict() for c in self.candidates]
+        try:
+            for comp, part in zip(self.candidates, parts):
+                comp.load_state_dict(part, shapes)
+        except ValueError:
+            for comp, old in zip(self.candidates, saved):
+                comp.load_state_dict(old, shapes)
+            raise
+        self._choices, self._last = choices, last
+        self._why = {}
+
+
+def _contention(comm: Communicator) -> float:
+    """How many ranks share each of this machine's cores (its ranks by MPI's shared memory, not
+    the emulated hosts of ``GRADCOMP_RANKS_PER_HOST``), at least 1; the largest over ranks."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    here = 1
+    mpi_comm = getattr(comm, "comm", None)
+    if mpi_comm is not None and hasattr(mpi_comm, "Split_type"):
+        from mpi4py import MPI
+
+        shared = comm._call(mpi_comm.Split_type, MPI.COMM_TYPE_SHARED)  # type: ignore[attr-defined]
+        here = shared.Get_size()
+        shared.Free()
+    mine = max(1.0, here / cores)
+    return float(np.max(comm.allgather(np.array([mine]))))
+
+
+def _probe(comm: Communicator) -> cost.Link:
+    """Latency and bandwidth of ``comm``'s allreduce, the slowest rank's, the same on every rank."""
+    if comm.size == 1:
+        return cost.Link(0.0, float("inf"))
+    rows, times = [], []
+    for n in PROBE_SIZES:
+        x = np.ones(n, np.float32)
+        comm.allreduce(x)  # warm
+        for _ in range(PROBE_REPEATS):
+            start = time.perf_counter()
+            comm.allreduce(x)
+            times.append(time.perf_counter() - start)
+            rows.append(n)
+    worst = np.max(comm.allgather(np.array(times)), axis=0)
+    N = comm.size
+    t = cost.Traffic("allreduce", 0.0)
+    cluster = cost.Cluster(N, 1, cost.Link(0, 1))
+    pairs = [(cost.messages(t, cluster, False) - 1, cost.rank_bytes(cost.Traffic("allreduce", 4.0 * n), N))
+             for n in rows]
+    alpha, inv_beta = cost._least_squares(pairs, [float(w) for w in worst])
+    return cost.Link(max(alpha, 0.0), 1.0 / inv_beta if inv_beta > 0 else float("inf"))
+
+
+def _time_candidates(names: Sequence[str], numel: int = 1 << 20, repeats: int = 3) -> dict[str, float]:
+    """Seconds per float32 byte of each method's whole reduction of one bucket on one rank."""
+    from mpi4py import MPI
+
+    from ..comm.mpi import MPICommunicator
+    from ..registry import make
+    from .names import steady
+
+    alone = MPICommunicator(MPI.COMM_SELF, blas_threads=None)
+    g = np.random.default_rng(0).standard_t(3, numel).astype(np.float32)
+    out = {}
+    try:
+        for name in names:
+            comp = make(steady(name))
+            best = float("inf")
+            for _ in range(repeats + 3):
+                bucket = Bucket(g.copy(), 0, scratch=True)
+                start = time.perf_counter()
+                comp.reduce(bucket, alone).result()
+                best = min(best, time.perf_counter() - start)
+            out[name] = best / (4 * numel)
+    finally:
+        alone.close()
+    return out
+
+
+def _load_table(path: str) -> dict[str, float]:
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not all(isinstance(v, (int, float)) for v in data.values()):
+        raise ValueError(f"auto: {path} must hold a JSON object of method -> seconds per float32 byte")
+    return {str(k): float(v) for k, v in data.items()}
