@@ -10,7 +10,7 @@ NP     ?= 4
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[mpi,torch,test,bench]'
+	$(PY) -m pip install --quiet -e '.[mpi,torch,test,bench,jax]'
 	touch $(STAMP)
 
 install: $(STAMP)
