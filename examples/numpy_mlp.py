@@ -37,8 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--compressor", default="allreduce", type=compressor_spec,
                    help="a registry name or name:key=value,... (e.g. powersgd:rank=4)")
     p.add_argument("--optimizer", default="sgd",
-                   help="sgd (momentum SGD here, gradients averaged by --compressor), or gradcomp's dgc as "
-                        "dgc[:key=value,...] (it communicates itself; --compressor is then not used)")
+                   help="sgd (momentum SGD here, gradients averaged by --compressor), or gradcomp's dgc or "
+                        "onebitadam as name[:key=value,...] (they communicate themselves; --compressor is "
+                        "then not used; onebitadam:warmup=100000 is exact Adam, its reference)")
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.1, help="peak learning rate (cosine decay to 0)")
@@ -139,10 +140,14 @@ def main(argv=None) -> dict:
         from gradcomp.registry import parse_spec
 
         name, options = parse_spec(args.optimizer)
-        if name != "dgc":
-            raise SystemExit(f"unknown optimizer {name!r} (sgd, dgc)")
-        optimizer = gradcomp.optim.DGC(params, lr=args.lr, momentum=args.momentum, comm=comm,
-                                       bucket_cap_mb=args.bucket_cap_mb, **options)
+        if name == "dgc":
+            optimizer = gradcomp.optim.DGC(params, lr=args.lr, momentum=args.momentum, comm=comm,
+                                           bucket_cap_mb=args.bucket_cap_mb, **options)
+        elif name == "onebitadam":
+            optimizer = gradcomp.optim.OneBitAdam(params, lr=args.lr, comm=comm,
+                                                  bucket_cap_mb=args.bucket_cap_mb, **options)
+        else:
+            raise SystemExit(f"unknown optimizer {name!r} (sgd, dgc, onebitadam)")
     compressor = gradcomp.make(args.compressor) if optimizer is None else optimizer.compressor
     steps_per_epoch = len(x) // args.batch_size
     total_steps = args.epochs * steps_per_epoch

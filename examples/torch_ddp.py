@@ -100,13 +100,17 @@ def train(compressor: str, epochs: int = 30, per_rank_batch: int = 32, lr: float
         state = None if compressor == "none" else gt.register(model, gradcomp.make(compressor), make_comm(comm))
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, **options)
         stats = state.compressor.stats if state is not None else _no_stats
-    elif name == "dgc":
+    elif name in ("dgc", "onebitadam"):
         state = None
-        opt = gt.DGC(model.parameters(), lr=lr, momentum=0.9, model=model, comm=make_comm(comm),
-                     bucket_cap_mb=bucket_cap_mb, **options)
+        if name == "dgc":
+            opt = gt.DGC(model.parameters(), lr=lr, momentum=0.9, model=model, comm=make_comm(comm),
+                         bucket_cap_mb=bucket_cap_mb, **options)
+        else:
+            opt = gt.OneBitAdam(model.parameters(), lr=lr, model=model, comm=make_comm(comm),
+                                bucket_cap_mb=bucket_cap_mb, **options)
         stats = opt.stats
     else:
-        raise SystemExit(f"unknown optimizer {name!r} (sgd, dgc)")
+        raise SystemExit(f"unknown optimizer {name!r} (sgd, dgc, onebitadam)")
     curve, late, start, step = [], {}, time.perf_counter(), 0
     for epoch in range(epochs):
         for idx in global_batches(len(y_train), per_rank_batch, launch.rank, launch.size, epoch, seed):

@@ -49,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", help="default: the reference, every registered name, and "
                    "gradcomp's optimizers for the workload")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--reference", help="the exact method the others are compared with (default: none "
+                   "for lm and cnn, allreduce for mlp; e.g. onebitadam:warmup=100000, exact Adam)")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "convergence")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
@@ -250,6 +252,48 @@ def _reference_bytes(good: dict[int, dict], refs: dict[int, dict]) -> float | No
     return None
 
 
+def timed_curve(r: dict) -> list[tuple[float, float]]:
+    """(training seconds, loss) points of a run (the LM's and the CNN's record both)."""
+    if "val_curve" in r:
+        return [(float(p[2]), float(p[1])) for p in r["val_curve"] if len(p) > 2]
+    return [(float(p[3]), float(p[1])) for p in r.get("test_curve", []) if len(p) > 3]
+
+
+def plot_time(workload: str, runs: dict[str, dict[int, dict]], path: Path, rate: str) -> None:
+    """Loss against training seconds (seed 0, or the first seed each method has), the reference's
+    final loss as a line: time to quality at a glance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    palette = plt.get_cmap("tab20").colors
+    target = None
+    ref = runs.get(REFERENCE[workload], {})
+    for k, (method, by_seed) in enumerate(runs.items()):
+        r = next((by_seed[s] for s in sorted(by_seed) if "error" not in by_seed[s]), None)
+        if r is None or not timed_curve(r):
+            continue
+        xs, ys = zip(*timed_curve(r))
+        exact = method == REFERENCE[workload]
+        ax.plot(xs, ys, label=method, **(dict(color="black", lw=2.2) if exact else dict(color=palette[k % 20], lw=1.3)))
+        if exact:
+            target = ys[-1]
+    if target is not None:
+        ax.axhline(target, color="0.5", ls=":", lw=1)
+        ax.set_ylim(target * 0.9, target * 1.8)
+    ax.set_xlabel("training seconds (evaluations excluded)")
+    ax.set_ylabel(LOSS_NAME[workload])
+    ax.set_title(f"{EXAMPLES[workload]} on a {rate} link, {next(iter(ref.values()), {}).get('ranks', 4)} ranks: "
+                 "time to exact's final loss (dotted)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(workload: str, runs: dict[str, dict[int, dict]], path: Path) -> None:
     import matplotlib
 
@@ -297,6 +341,9 @@ def plot(workload: str, runs: dict[str, dict[int, dict]], path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.reference:
+        for workload in args.workload:
+            REFERENCE[workload] = args.reference
     status = 0
     for workload in args.workload:
         folder = folder_of(workload, args)
@@ -317,6 +364,7 @@ def main(argv=None) -> int:
         print(table(workload, runs))
         if args.capped:
             print("\n" + time_table(workload, runs))
+            plot_time(workload, runs, args.out / f"time-to-quality-{folder.name}.png", args.capped)
         plot(workload, runs, args.out / f"convergence-{folder.name}.png")
         bad = [f"{m}@{s}" for m, by in runs.items() for s, r in by.items() if "error" in r or diverged(r)]
         if bad:

@@ -15,6 +15,20 @@ followed here:
    the workers' and the slice owners' residuals (DeepSpeed's ``compressed_allreduce``): about 30x
    fewer bytes than fp32 allreduce in steady state.
 
+With ``preconditioned`` (the default) the momentum is compressed in the update's own units,
+``m / (sqrt(v) + eps)``: a code's error then weighs the same on every coordinate, where on the raw
+momentum a coordinate with a tiny variance would have it multiplied by ``1 / eps`` (measured: the
+digits MLP diverged without it). Coordinates whose gradient was zero through the whole warm-up
+(frozen ``v = 0``) take no step: a sign code cannot send their zero. And the frozen denominator of
+each coordinate is at least ``floor`` times its tensor's mean: a coordinate whose gradient was
+nearly zero at the freeze and grows later would otherwise take steps ``1 / eps`` large, which live
+Adam avoids by updating its variance (the digits MLP diverged 150 steps after the freeze).
+
+``local_momentum=True`` is DGC's momentum correction in the update's units instead, for sparse
+codes (``compressor=ErrorFeedback(TopK(...))``): each rank keeps its own momentum, the code's
+residual accumulates ``m / (sqrt(v) + eps)`` and sends its largest values, and the momentum of
+what was sent is cleared; the averaged sends are the step.
+
 Decoupled weight decay as AdamW (``p -= lr * weight_decay * p``). ``compressor`` may be any gradcomp
 compressor with error feedback (``ErrorFeedback(TopK(0.01))``, ``PowerSGD(rank=4, start_iter=2)``,
 ``"int8"``...): the frozen variance is what makes the feedback sound, whatever the code.
@@ -54,7 +68,8 @@ class OneBitAdam(Optimizer):
 
     def __init__(self, params: Sequence[Array], lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: Hyper = 0.0, warmup: int = 100,
-                 compressor: Compressor | str | None = None, preconditioned: bool = False,
+                 compressor: Compressor | str | None = None, preconditioned: bool = True,
+                 floor: float = 0.01, local_momentum: bool = False,
                  comm: Communicator | None = None, bucket_cap_mb: float = 25.0):
         super().__init__(params, lr, weight_decay, comm, bucket_cap_mb)
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -64,22 +79,29 @@ class OneBitAdam(Optimizer):
         self.eps = check_float("eps", eps, above=0)
         self.warmup = check_int("warmup", warmup, 1)
         self.preconditioned = check_bool("preconditioned", preconditioned)
+        self.floor = check_float("floor", floor, minimum=0, maximum=1)
+        self.local_momentum = check_bool("local_momentum", local_momentum)
         inner = (ErrorFeedback(OneBit()) if compressor is None
                  else make(compressor) if isinstance(compressor, str) else compressor)
         if not isinstance(inner, Compressor):
             raise TypeError(f"compressor must be a gradcomp Compressor or a registry name, got {inner!r}")
         self.momentum_compressor = inner
-        reducer = self._exchange(Schedule([(0, Allreduce()), (self.warmup, inner)]))
+        # DGC's masking reads each rank's own residual: flat only (as DGC)
+        reducer = self._exchange(Schedule([(0, Allreduce()), (self.warmup, inner)]),
+                                 hierarchical=False if self.local_momentum else None)
         self._sent = reducer.gradients  # what travels: gradients in the warm-up, momentum after
         xp = array_module(self.params[0])
         self.m = [xp.zeros(p.shape, p.dtype) for p in self.params]
         self.v = [xp.zeros(p.shape, p.dtype) for p in self.params]
         self._arrays = {"m": self.m, "v": self.v}
+        self._keys = [str(i) for i in range(len(self.params))]
         self._frozen: list[Array] | None = None  # the frozen variance's denominators
+        self._alive: list[Array] | None = None   # where the frozen variance is positive
 
     def config(self) -> dict[str, Any]:
         return {"betas": self.betas, "eps": self.eps, "warmup": self.warmup,
-                "compressor": self.momentum_compressor.describe(), "preconditioned": self.preconditioned}
+                "compressor": self.momentum_compressor.describe(), "preconditioned": self.preconditioned,
+                "floor": self.floor, "local_momentum": self.local_momentum}
 
     def phase(self) -> str:
         return "warm-up" if self.steps < self.warmup else "frozen variance"
@@ -101,6 +123,20 @@ class OneBitAdam(Optimizer):
                 v *= v.dtype.type(b2)
                 v += v.dtype.type(1 - b2) * g * g
             second = 1 - b2 ** t
+        elif self.local_momentum:
+            second = 1 - b2 ** min(t - 1, self.warmup)
+            for s, m, g, d in zip(self._sent, self.m, grads, self._denominators(second)):
+                m *= m.dtype.type(b1)  # this rank's own momentum (DGC's momentum correction)
+                m += m.dtype.type(1 - b1) * g
+                s[...] = m
+                s /= d
+            self.reducer.step()  # each rank's accumulated m / d, sparsified, averaged: the step
+            residuals = self.compressor.residuals(self._keys)
+            for i, (m, s, live) in enumerate(zip(self.m, self._sent, self._live(second))):
+                acc = residuals.get(self._keys[i])
+                if acc is not None:
+                    m[acc.reshape(m.shape) == 0] = 0  # sent: its momentum goes with it
+                s *= live
         else:
             second = 1 - b2 ** min(t - 1, self.warmup)  # frozen with the variance
             scale = self._denominators(second) if self.preconditioned else [None] * len(self.m)
@@ -111,23 +147,41 @@ class OneBitAdam(Optimizer):
                 if d is not None:
                     s /= d  # compressed in the update's own units
             self.reducer.step()
-            for s, m, d in zip(self._sent, self.m, scale):
+            for s, m, d, live in zip(self._sent, self.m, scale, self._live(second)):
                 m[...] = s
                 if d is not None:
                     m *= d
+                m *= live  # a sign code has no zero: what never had a gradient takes no step
         first = 1 - b1 ** t
-        for p, m, v, rate, wd in zip(self.params, self.m, self.v, rates, decay):
+        denominators = self._denominators(second) if not warm else [None] * len(self.v)
+        for i, (p, m, v, rate, wd, frozen) in enumerate(zip(self.params, self.m, self.v, rates, decay,
+                                                             denominators)):
             kind = p.dtype.type
             if wd:
                 p *= kind(1 - rate * wd)
-            denom = array_module(v).sqrt(v / kind(second))
-            denom += kind(self.eps)
+            if self.local_momentum and not warm:
+                p -= kind(rate / first) * self._sent[i]  # already in the update's units
+                continue
+            if frozen is None:
+                denom = array_module(v).sqrt(v / kind(second))
+                denom += kind(self.eps)
+            else:
+                denom = frozen
             p -= kind(rate / first) * m / denom
         self.steps += 1
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self._frozen = None  # the denominators follow the loaded variance
+        self._alive = None
+
+    def _live(self, second: float) -> list[Array]:
+        """1 where the frozen variance is positive, 0 where the gradient was zero all through the
+        warm-up (Adam would divide by ``eps`` there; a compressed momentum, e.g. a sign code, is
+        never exactly zero, so those coordinates would drift)."""
+        if self._alive is None:
+            self._alive = [(v > 0).astype(v.dtype) for v in self.v]
+        return self._alive
 
     def _denominators(self, second: float) -> list[Array]:
         """``sqrt(v / (1 - beta2^T)) + eps`` of the frozen variance, kept once frozen."""
@@ -136,6 +190,8 @@ class OneBitAdam(Optimizer):
             frozen = []
             for v in self.v:
                 d = xp.sqrt(v / v.dtype.type(second))
+                if self.floor and d.size:
+                    xp.maximum(d, d.dtype.type(self.floor * float(d.mean())), out=d)
                 d += v.dtype.type(self.eps)
                 frozen.append(d)
             self._frozen = frozen
