@@ -301,15 +301,18 @@ def rank_optimizers_match_numpy():
         eager, inside = make_tx(), make_tx()
         eager_state, inside_state = eager.init(params), inside.init(params)
         jitted = jax.jit(inside.update)
-        ref = make_ref([np.array(v) for v in jax.tree_util.tree_leaves(params)])
+        # the NumPy optimizer on the same arrays (a 0-d leaf as a 1-element array, as the transform does)
+        ref = make_ref([np.array(v).reshape(np.shape(v) or (1,)) for v in jax.tree_util.tree_leaves(params)])
+        shapes = [np.shape(v) for v in jax.tree_util.tree_leaves(params)]
         inside_params = params
         for step in range(12):
             grads = cast(_tree(comm.rank, step))
             for p, v in zip(ref.params, jax.tree_util.tree_leaves(params)):
                 p[...] = np.asarray(v)
             before = [p.copy() for p in ref.params]
-            ref.step([np.array(g) for g in jax.tree_util.tree_leaves(grads)], lr=lr(step))
-            want = [p - b for p, b in zip(ref.params, before)]
+            ref.step([np.array(g).reshape(p.shape) for g, p in zip(jax.tree_util.tree_leaves(grads), ref.params)],
+                     lr=lr(step))
+            want = [(p - b).reshape(s) for p, b, s in zip(ref.params, before, shapes)]
             updates, eager_state = eager.update(grads, eager_state, params)
             _same_tree(updates, want, f"{name} outside jit, step {step}")
             params = optax.apply_updates(params, updates)

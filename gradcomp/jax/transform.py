@@ -174,6 +174,7 @@ class OptimizerTransform:
         self.bucket_cap_mb = bucket_cap_mb
         self.optimizer: Any = None
         self.treedef: Any = None
+        self.avals: list[tuple[tuple, np.dtype]] = []
 
     def _rate(self, count: Any) -> Any:
         lr = self.learning_rate
@@ -192,12 +193,15 @@ class OptimizerTransform:
                             "to the host optimizer)")
         comm = self.comm if self.comm is not None else default_communicator()
         agree_structure(comm, describe_leaves(self.treedef, leaves))
-        host = [np.array(host_view(x), copy=True, order="C") for x in leaves]
+        # 0-d leaves (a scale, a temperature) travel as 1-element arrays: NumPy arithmetic on 0-d
+        # arrays returns scalars, which in-place code (``out=``) cannot take
+        host = [np.array(host_view(x), copy=True, order="C").reshape(np.shape(x) or (1,)) for x in leaves]
+        self.avals = [(tuple(np.shape(x)), p.dtype) for x, p in zip(leaves, host)]
         _agree_values(comm, host, self.name)
         rate = self._rate(0)
         self.optimizer = self.method(host, lr=float(rate), comm=comm, bucket_cap_mb=self.bucket_cap_mb,
                                      **self.options)
-        self.outputs = OutputPool([(p.shape, p.dtype) for p in host])
+        self.outputs = OutputPool(self.avals)
         return CountState(jnp.zeros([], jnp.int32))
 
     def update(self, updates: Any, state: CountState, params: Any = None, **extra: Any) -> tuple[Any, CountState]:
@@ -222,13 +226,13 @@ class OptimizerTransform:
             self._step(grads, values, problem, int(state.count), lr_of(rate), delta)
             out = jax.device_put(delta)
         else:
-            scratch = [np.empty(p.shape, p.dtype) for p in self.optimizer.params]
+            scratch = [np.empty(shape, dtype) for shape, dtype in self.avals]
 
             def callback(count: np.ndarray, lr: np.ndarray, *arrays: np.ndarray) -> list[np.ndarray]:
                 # XLA copies the returned arrays into its own buffers before the callback ends
                 return self._step(list(arrays[:n]), list(arrays[n:]), problem, int(count), lr_of(lr), scratch)
 
-            shapes = [jax.ShapeDtypeStruct(np.shape(p), np.dtype(p.dtype)) for p in self.optimizer.params]
+            shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.avals]
             out = io_callback(callback, shapes, state.count, rate, *grads, *values, ordered=True)
         return jax.tree_util.tree_unflatten(self.treedef, out), CountState(state.count + 1)
 
@@ -236,11 +240,11 @@ class OptimizerTransform:
         if treedef != self.treedef or params_def != self.treedef:
             return (f"the gradients' structure {treedef} / the parameters' {params_def} differ from the "
                     f"one init saw, {self.treedef}")
-        for i, (g, x, p) in enumerate(zip(grads, values, self.optimizer.params)):
+        for i, (g, x, (shape, dtype)) in enumerate(zip(grads, values, self.avals)):
             for what, a in (("gradient", g), ("parameter", x)):
-                if tuple(np.shape(a)) != p.shape or np.dtype(a.dtype) != p.dtype:
+                if tuple(np.shape(a)) != shape or np.dtype(a.dtype) != dtype:
                     return (f"{what} {i} is {np.dtype(a.dtype).name} {tuple(np.shape(a))}, init saw "
-                            f"{p.dtype.name} {p.shape}")
+                            f"{dtype.name} {shape}")
         return ""
 
     def _step(self, grads: list, values: list, problem: str, count: int, rate: float,
@@ -252,10 +256,10 @@ class OptimizerTransform:
         agree_step(opt.comm, problem, count, opt.steps)
         given = [host_view(x) for x in values]
         for p, x in zip(opt.params, given):
-            np.copyto(p, x, casting="no")
-        opt.step([host_view(g) for g in grads], lr=rate)
+            np.copyto(p, x.reshape(p.shape), casting="no")
+        opt.step([host_view(g).reshape(p.shape) for g, p in zip(grads, opt.params)], lr=rate)
         for d, p, x in zip(delta, opt.params, given):
-            np.subtract(p, x, out=d)
+            np.subtract(p.reshape(d.shape), x, out=d)
         return delta
 
     def state_dict(self) -> dict[str, Any]:
@@ -294,7 +298,7 @@ def _agree_values(comm: Communicator, arrays: list[np.ndarray], name: str) -> No
 
 def onebit_adam(learning_rate: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                 weight_decay: float = 0.0, warmup: int = 100, compressor: Compressor | str | None = None,
-                comm: Communicator | None = None, bucket_cap_mb: float = 25.0) -> Transformation:
+                comm: Communicator | None = None, bucket_cap_mb: float = 25.0, **options: Any) -> Transformation:
     """``gradcomp.optim.OneBitAdam`` as an optax transformation: this rank's local gradients in,
     AdamW updates out (exact for ``warmup`` steps, then frozen variance and compressed momentum).
 
@@ -302,22 +306,23 @@ def onebit_adam(learning_rate: float | Schedule = 1e-3, b1: float = 0.9, b2: flo
         updates, state = tx.update(local_grads, state, params)    # params are required
 
     Not chained after ``mean``: it averages what it sends itself. ``learning_rate``: a float or an
-    optax schedule (a function of the step count)."""
+    optax schedule (a function of the step count). Other keyword arguments go to
+    ``gradcomp.optim.OneBitAdam`` as they are."""
     host = OptimizerTransform(_core().OneBitAdam, "onebit_adam", learning_rate,
                               dict(betas=(b1, b2), eps=eps, weight_decay=weight_decay, warmup=warmup,
-                                   compressor=compressor), comm, bucket_cap_mb)
+                                   compressor=compressor, **options), comm, bucket_cap_mb)
     return Transformation(host.init, host.update)
 
 
 def dgc(learning_rate: float | Schedule = 0.01, momentum: float = 0.9, weight_decay: float = 0.0,
         ratio: float = 0.01, warmup: int = 100, clip_norm: float | None = None,
-        comm: Communicator | None = None, bucket_cap_mb: float = 25.0) -> Transformation:
+        comm: Communicator | None = None, bucket_cap_mb: float = 25.0, **options: Any) -> Transformation:
     """``gradcomp.optim.DGC`` (Deep Gradient Compression) as an optax transformation: momentum SGD
     that sends the top ``ratio`` of each rank's accumulated velocity. Local gradients in, updates
-    out; ``update(grads, state, params)``."""
+    out; ``update(grads, state, params)``. Other keyword arguments go to ``gradcomp.optim.DGC``."""
     host = OptimizerTransform(_core().DGC, "dgc", learning_rate,
                               dict(momentum=momentum, weight_decay=weight_decay, ratio=ratio, warmup=warmup,
-                                   clip_norm=clip_norm), comm, bucket_cap_mb)
+                                   clip_norm=clip_norm, **options), comm, bucket_cap_mb)
     return Transformation(host.init, host.update)
 
 
