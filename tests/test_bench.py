@@ -505,7 +505,7 @@ def test_capped_runs_ranks_in_their_own_namespaces_and_cleans_up(fail_with):
     else:
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         assert "rank 0 ok" in done.stdout and "rank 1 ok" in done.stdout
-        assert "rank 1 sent" in done.stderr
+        assert "host 1 sent" in done.stderr
     assert _our_namespaces() == before
 
 
@@ -583,3 +583,23 @@ def test_capped_skips_clearly_without_root():
         shutil.rmtree(folder, ignore_errors=True)
     assert done.returncode == 77
     assert "skipped: needs root" in done.stderr
+
+
+def test_the_link_check_refuses_a_slow_link():
+    """bench/link.py: tc's rate units, and a capped fp32 run below 85% of its cap is refused
+    (a bandwidth-bound one: a latency-bound tiny model is not checked)."""
+    from gradcomp.bench import link
+
+    assert link.rate_bits("1gbit") == 1e9 and link.rate_bits("500mbit") == 5e8 and link.rate_bits("125mbps") == 1e9
+    with pytest.raises(ValueError, match="rate"):
+        link.rate_bits("fast")
+    big = 146 * 2**20  # ResNet-50's fp32 bytes per rank at 4 ranks
+
+    def job(seconds, nbytes=big):
+        return {"network": "1gbit", "results": [{"method": "allreduce", "time_s": seconds, "bytes_per_rank": nbytes}]}
+
+    assert link.goodput(job(1.30)) == pytest.approx(big * 8 / 1.30 / 1e9)
+    assert link.problem(job(1.30)) is None            # 94% of the cap
+    assert "below its rate" in link.problem(job(2.4))  # the old 64 KB bucket's half rate
+    assert link.problem(job(2.4, nbytes=1e5)) is None  # latency-bound: not checked
+    assert link.problem({"network": "", "results": []}) is None

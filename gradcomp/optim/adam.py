@@ -67,7 +67,7 @@ class OneBitAdam(Optimizer):
     """
 
     def __init__(self, params: Sequence[Array], lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: Hyper = 0.0, warmup: int = 100,
+                 eps: float = 1e-8, weight_decay: Hyper = 0.0, warmup: int = 200,
                  compressor: Compressor | str | None = None, preconditioned: bool = True,
                  floor: float = 0.01, local_momentum: bool = False,
                  comm: Communicator | None = None, bucket_cap_mb: float = 25.0):
