@@ -93,6 +93,11 @@ class Schedule(Compressor):
     def config(self) -> dict[str, Any]:
         return {"stages": [(s, c) for s, c in zip(self.starts, self.compressors)]}
 
+    @property
+    def relative_error_limit(self) -> float:  # type: ignore[override]
+        """The loosest of the stages' (the kit may check any of them)."""
+        return max(c.relative_error_limit for c in self.compressors)
+
     def describe(self) -> str:
         inner = ", ".join(f"({s}, {c.describe()})" for s, c in zip(self.starts, self.compressors))
         return f"Schedule([{inner}])"

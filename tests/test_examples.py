@@ -51,7 +51,7 @@ def test_demo_prints_one_table(tmp_path):
     proc = run([sys.executable, "scripts/demo.py", "--compressors", "allreduce", "fp16",
                 "--ranks", str(RANKS), "--json", str(out), "--", "--epochs", "1"])
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert [r.split("|")[1].strip() for r in rows] == ["compressor", "allreduce", "fp16"], proc.stdout
+    assert [r.split("|")[1].strip() for r in rows] == ["method", "allreduce", "fp16"], proc.stdout
     results = json.loads(out.read_text())
     fp16 = results["fp16"][0]
     assert fp16["last_epoch"]["compression_ratio"] == pytest.approx(2.0, rel=0.01)

@@ -34,7 +34,7 @@ def test_lm_example_learns_and_ranks_agree(tmp_path, name):
     assert proc.returncode == 0, f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     s = json.loads(out.read_text())
     assert s["compressor"] == name and s["ranks"] == RANKS and s["steps"] == 12
-    assert [step for step, _ in s["val_curve"]] == [0, 6, 12]
+    assert [point[0] for point in s["val_curve"]] == [0, 6, 12]
     first, final = s["val_curve"][0][1], s["final_val_loss"]
     assert abs(first - math.log(256)) < 0.3, first  # small initial weights: close to uniform
     assert math.isfinite(final) and final < first - 0.5, s["val_curve"]

@@ -14,6 +14,7 @@ from gradcomp import jit
 from gradcomp.compressors.quantize import kernels as quantize_module
 from gradcomp.compressors.quantize.kernels import chunk_count, dequantize, quantize
 
+from tests.mpi_launch import run_ranks
 from .test_bench import _quantize_cases, _reference_dequantize_add, _reference_quantize
 
 COMPILED = jit.available()
@@ -130,13 +131,13 @@ def test_numpy_arrays_use_the_compiled_kernels(monkeypatch):
     from gradcomp.compressors.quantize import compiled
 
     calls = []
-    for name in ("quantize_chunks", "dequantize_add_chunks"):
+    for name in ("quantize_chunks", "dequantize_chunks"):
         kernel = getattr(compiled, name)
         monkeypatch.setattr(compiled, name, lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
     q = _make(8, 512)
     x = np.arange(2000, dtype=np.float32)
     q.dequantize_add(np.zeros(2000, np.float32), *q.quantize(x))
-    assert calls == ["quantize_chunks", "dequantize_add_chunks"]
+    assert calls == ["quantize_chunks", "dequantize_chunks"]
 
 
 def test_dequantize_add_takes_parameters_from_an_unaligned_message(path):
@@ -154,3 +155,160 @@ def test_dequantize_add_takes_parameters_from_an_unaligned_message(path):
     expected = np.ones(x.size, np.float32)
     _reference_dequantize_add(expected, params, codes, 512)
     assert np.array_equal(acc.view(np.uint32), expected.view(np.uint32))
+
+
+# -- float64, packed codes, the codecs' fused stages on every dtype -----------------------------------
+def _float64_cases():
+    """float64 inputs where NumPy's sequence has its own corners: offsets that round up to
+    float32 (codes below zero, whose rounding depends on the chunk's NumPy block), a block holding
+    such a chunk and a NaN chunk, ranges beyond float32, and the float32 cases widened."""
+    rng = np.random.default_rng(8)
+    cases = {name: x.astype(np.float64) for name, x in _quantize_cases().items()}
+    cases.update({name: x.astype(np.float64) for name, x in _non_finite_runs().items()})
+    x = rng.standard_t(3, 600 * 512 + 77) * 1e-3
+    for c in (3, 520, 590):  # around 1, a range of ~1e-10: the offset rounds up, codes go below zero
+        x[c * 512:(c + 1) * 512] = 1.0 + np.linspace(-1e-12, 1e-10, 512)
+    x[530 * 512 + 9] = np.nan  # in the block of chunk 520 (chunks 512..599), not of chunk 3
+    x[-5:] = 1.0 + np.linspace(-1e-12, 1e-10, 5)  # the tail chunk
+    cases["rounding-up-offsets"] = x
+    y = rng.standard_t(3, 5000) * 1e-3
+    y[100], y[200] = 1e39, -1e39  # beyond float32: infinite parameters
+    cases["beyond-float32"] = y
+    z = 1.0 + np.linspace(-1e-12, 1e-10, 300000)  # one chunk per tensor, longer than a NumPy block
+    cases["per-tensor-rounding"] = z
+    return cases
+
+
+@pytest.mark.skipif(not COMPILED, reason="numba kernels unavailable")
+@pytest.mark.parametrize("bits,width", SHAPES)
+def test_float64_compiled_and_numpy_paths_give_the_same_bits(bits, width, monkeypatch):
+    q = _make(bits, width)
+    for name, x in {**_float64_cases(), **{k: v.astype(np.float64) for k, v in _signed_zero_cases().items()}}.items():
+        acc0 = np.random.default_rng(4).standard_normal(x.size)
+        acc0[::5] = -0.0
+        with monkeypatch.context() as m:
+            m.setattr(quantize_module, "_compiled", lambda *a: None)
+            expected = _round_trip(q, x, acc0)
+        got = _round_trip(q, x, acc0)
+        for e, g, what in zip(expected, got, ("params", "codes", "acc")):
+            assert e.dtype == g.dtype and e.shape == g.shape, (name, what)
+            assert np.array_equal(e.view(np.uint8), g.view(np.uint8)), (name, what)
+
+
+@pytest.mark.skipif(not COMPILED, reason="numba kernels unavailable")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_packed_codes_are_pack4_of_the_codes(dtype):
+    """The kernels' 4-bit codes, packed as they are made, equal ``pack4`` of the byte codes (an
+    odd last code alone in its byte), and unpack back."""
+    from gradcomp.compressors.quantize import compiled
+    from gradcomp.compressors.quantize.kernels import pack4, quantize_compiled
+
+    rng = np.random.default_rng(9)
+    for n in (1, 31, 33, 511, 512, 513, 512 * 5 + 77, 512 * 6):
+        x = rng.standard_t(3, n).astype(dtype)
+        x[n // 2] = np.nan
+        params = np.empty((2, chunk_count(n, 512)), np.float32)
+        codes = np.empty(n + n % 2, np.uint8)
+        codes[n:] = 0
+        quantize(x, params, codes[:n], 512, 15)
+        expected = np.empty((n + 1) // 2, np.uint8)
+        pack4(codes, expected)
+        packed_params = np.empty_like(params)
+        packed = np.empty((n + 1) // 2, np.uint8)
+        quantize_compiled(compiled, x, packed_params, packed, 512, 15, packed=True)
+        assert np.array_equal(packed_params.view(np.uint32), params.view(np.uint32)), n
+        assert np.array_equal(packed, expected), n
+        acc = np.zeros(n, dtype)
+        want = np.zeros(n, dtype)
+        compiled.unpack4_dequantize_chunks(acc, params, packed, 512, True, np.empty(512, np.uint8))
+        dequantize(want, params, codes[:n], 512, add=True)
+        assert np.array_equal(acc.view(np.uint8), want.view(np.uint8)), n
+
+
+CODECS = {"int8": lambda gc: gc.ErrorFeedback(gc.QuantizedAllreduce(8)),
+          "int8-worker": lambda gc: gc.ErrorFeedback(gc.QuantizedAllreduce(8), owner_feedback=False),
+          "int8-noef": lambda gc: gc.QuantizedAllreduce(8),
+          "int4": lambda gc: gc.ErrorFeedback(gc.QuantizedAllreduce(4)),
+          "int4-noef": lambda gc: gc.QuantizedAllreduce(4),
+          "onebit": lambda gc: gc.ErrorFeedback(gc.OneBit()),
+          "onebit-worker": lambda gc: gc.ErrorFeedback(gc.OneBit(), owner_feedback=False),
+          "onebit-noef": lambda gc: gc.OneBit(),
+          "quantize-channel": lambda gc: gc.QuantizePerChannel(),
+          "quantize-tensor": lambda gc: gc.QuantizePerTensor()}
+DTYPES = ["float32", "float64", "float16", "bfloat16"]
+
+
+def _codec_bits(name, dtype, comm, n):
+    """``name`` for 5 steps on ``dtype`` buckets (NaN, infinities and signed zeros in step 2,
+    offsets that round up in float64 in step 1), with every compiled kernel and with them hidden
+    from the codecs: every output and state entry must carry the same bits."""
+    from unittest import mock
+
+    import ml_dtypes
+
+    import gradcomp as gc
+    from gradcomp.compressors.quantize import allgather, onebit, twostage
+
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(11 + comm.rank)
+    steps = []
+    for k in range(5):
+        x = rng.standard_t(3, n) * 1e-3
+        if k == 1:
+            x[512:1024] = 1.0 + np.linspace(-1e-12, 1e-10, 512) * (1 + comm.rank)
+        if k == 2:
+            x[600:700] = np.nan
+            x[1600] = np.inf
+            x[2048:2560:3] = -0.0
+            x[2049:2560:3] = 0.0
+        steps.append(x.astype(dt))
+
+    def run(compiled):
+        comp = CODECS[name](gc)
+        hidden = (lambda *a: None)
+        with mock.patch.object(twostage, "_compiled", twostage._compiled if compiled else hidden), \
+                mock.patch.object(onebit, "_compiled", onebit._compiled if compiled else hidden), \
+                mock.patch.object(allgather, "_compiled", allgather._compiled if compiled else hidden), \
+                mock.patch.object(quantize_module, "_compiled", quantize_module._compiled if compiled else hidden):
+            outs = [comp.reduce(gc.Bucket(x.copy(), 0, scratch=True), comm).result().copy() for x in steps]
+        return outs, comp.state_dict()
+
+    fast, fast_state = run(True)
+    slow, slow_state = run(False)
+    for k, (a, b) in enumerate(zip(fast, slow)):
+        assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), \
+            f"{name} {dtype}: step {k} differs"
+    assert sorted(fast_state) == sorted(slow_state)
+    for key in slow_state:
+        a, b = np.asarray(fast_state[key]), np.asarray(slow_state[key])
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (name, dtype, key)
+
+
+@pytest.mark.skipif(not COMPILED, reason="numba kernels unavailable")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CODECS))
+def test_codecs_compiled_and_numpy_give_the_same_bits(name, dtype):
+    """Every chunk codec on one rank, every bucket dtype: the fused worker, owner and decode
+    kernels (float32, float64, half-precision gradients widened inside) against NumPy's steps."""
+    import gradcomp as gc
+
+    comm = gc.MPICommunicator(pipeline_depth=0)
+    try:
+        _codec_bits(name, dtype, comm, 512 * 9 + 130)
+    finally:
+        comm.close()
+
+
+def rank_codecs_compiled_and_numpy_bits():
+    import gradcomp as gc
+
+    comm = gc.MPICommunicator()
+    for dtype in DTYPES:
+        for name in CODECS:
+            _codec_bits(name, dtype, comm, 512 * 9 + 130)
+
+
+@pytest.mark.skipif(not COMPILED, reason="numba kernels unavailable")
+def test_codecs_compiled_and_numpy_give_the_same_bits_on_three_ranks():
+    """The same at 3 ranks: the owners average three messages (divided), slices have tails."""
+    run_ranks(3, "tests.test_quantize_kernels:rank_codecs_compiled_and_numpy_bits", timeout=900)

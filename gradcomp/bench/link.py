@@ -45,7 +45,7 @@ def goodput(job: dict[str, Any]) -> float | None:
 def problem(job: dict[str, Any]) -> str | None:
     """Why this capped job's ratios must not be reported, or None."""
     fraction = goodput(job)
-    row = next((r for r in job.get("results", []) if r.get("method") == "allreduce"), {})
+    row: dict[str, Any] = next((r for r in job.get("results", []) if r.get("method") == "allreduce"), {})
     if fraction is None or fraction >= MINIMUM or row.get("bytes_per_rank", 0) < CHECKED_FROM:
         return None
     return (f"the emulated link ran below its rate: fp32 allreduce moved {fraction:.0%} of the "

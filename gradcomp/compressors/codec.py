@@ -56,6 +56,9 @@ class Codec(Compressor):
     #: runner may then cut a slice into pieces and overlap one piece's owner stage with the next
     #: piece's transfer, with the same bits as whole slices (``_layout``)
     independent_chunks: ClassVar[bool] = False
+    #: whether ``encode_with_feedback`` takes a float16/bfloat16 ``x`` (the bucket itself) with a
+    #: float32 residual, widening in its own pass: the runner then skips its widened copy
+    half_input: ClassVar[bool] = False
 
     # -- the codec proper ---------------------------------------------------------------------------
     def message_size(self, n: int) -> int:
@@ -87,6 +90,21 @@ class Codec(Compressor):
         order, divide by their number, then do what ``encode_with_feedback`` does with
         ``residual`` into ``message``, with the same bits as those steps. Return False, having
         changed nothing, where this codec or these arrays cannot; the runner then does the steps."""
+        return False
+
+    def average(self, rows: Array, n: int, dtype: DTypeLike, message: Array, workspace: Workspace) -> bool:
+        """Optional, two-stage codecs: the slice owner's stage without a residual in one pass:
+        decode ``rows`` (one message of the slice per rank, in rank order) into a zeroed slice of
+        ``n`` values of ``dtype`` in that order, divide by their number and encode it into
+        ``message``, with the bits of those steps. Return False, having changed nothing, where this
+        codec or these arrays cannot; the runner then does the steps."""
+        return False
+
+    def decode_mean(self, rows: Array, out: Array, workspace: Workspace) -> bool:
+        """Optional, allgathered codecs: ``out`` = the mean of the ``rows`` (every rank's message,
+        in rank order) in one pass: decoded and summed into zeros in rank order, divided by their
+        number, with the bits of those steps. Return False, having changed nothing, where this
+        codec or these arrays cannot; the runner then does the steps."""
         return False
 
     def compute_dtype(self, dtype: DTypeLike) -> np.dtype:
@@ -192,7 +210,9 @@ def _prepare(codec: Codec, bucket: Bucket, comm: Communicator, workspace: Worksp
         slice_len = padded = n
         message = workspace.array(codec, "message", codec.message_size(n), mtype, like=g)
         pieces = [(0, n, message)]
-    if feedback is not None and g.dtype == compute and _fused(codec, bucket, pieces, workspace, feedback):
+    direct = g.dtype == compute or (codec.half_input and compute == np.float32
+                                    and dtype_name(g.dtype) in ("float16", "bfloat16"))
+    if feedback is not None and direct and _fused(codec, bucket, pieces, workspace, feedback, compute):
         return _Prepared(g, message, decision, layout)
     if feedback is None and g.dtype == compute and padded == n:
         x = g  # read only
@@ -213,18 +233,19 @@ def _prepare(codec: Codec, bucket: Bucket, comm: Communicator, workspace: Worksp
 
 
 def _fused(codec: Codec, bucket: Bucket, pieces: list[tuple[int, int, Array]], workspace: Workspace,
-           feedback: ErrorFeedback) -> bool:
+           feedback: ErrorFeedback, compute: DTypeLike) -> bool:
     """Encode with the residual in one pass where the codec can (``encode_with_feedback``),
-    straight from the bucket and the residual store; False (and nothing changed) where not."""
+    straight from the bucket and the residual store (of the ``compute`` dtype, as the steps keep
+    it); False (and nothing changed) where not."""
     g = bucket.buffer
     n = bucket.numel
-    residual = feedback.residual(bucket, g.dtype, like=g)
+    residual = feedback.residual(bucket, compute, like=g)
     for k, (start, stop, part) in enumerate(pieces):
         if stop <= n:
             done = codec.encode_with_feedback(g[start:stop], residual[start:stop], part, workspace)
         else:  # the last slice runs past the bucket: padded copies (the padding's error is dropped)
             tail_g = workspace.array(codec, "tail-g", stop - start, g.dtype, like=g)
-            tail_e = workspace.array(codec, "tail-e", stop - start, g.dtype, like=g)
+            tail_e = workspace.array(codec, "tail-e", stop - start, residual.dtype, like=g)
             tail_g[...] = 0
             tail_e[...] = 0
             if start < n:
@@ -275,11 +296,12 @@ def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: _Prepare
         rows = comm.allgather(message, out=ws.array(codec, "rows", size * message.shape[0],
                                                     message.dtype, like=g))
         acc = _output(bucket, compute)
-        acc[...] = 0
-        for r in range(size):
-            codec.decode(rows[r], acc, ws, add=True)
-        if size > 1:
-            xp.divide(acc, acc.dtype.type(size), out=acc)
+        if not codec.decode_mean(rows, acc, ws):
+            acc[...] = 0
+            for r in range(size):
+                codec.decode(rows[r], acc, ws, add=True)
+            if size > 1:
+                xp.divide(acc, acc.dtype.type(size), out=acc)
         return _narrow(bucket, acc)
     # two-stage
     layout = prepared.layout
@@ -335,24 +357,25 @@ def _owner_stage(codec: Codec, comm: Communicator, feedback: ErrorFeedback | Non
                  rows: Array, compute: DTypeLike, layout: _Layout, p: int) -> Array:
     """The slice owner's message for piece ``p``: the rows decoded and summed in rank order,
     divided by their number, encoded (with the owner's ``residual`` where it keeps one), in one
-    pass where the codec can (``average_with_feedback``), else in those steps."""
+    pass where the codec can (``average_with_feedback``, ``average``), else in those steps."""
     ws = comm.workspace
     lo, hi = layout.bounds[p]
 
     def message() -> Array:
         return layout.owner_message(ws.array(codec, "second", sum(layout.sizes), rows.dtype, like=rows), p)
 
+    second = message()
     if residual is not None:
-        second = message()
         if codec.average_with_feedback(rows, residual[lo:hi], second, ws):
             return second
+    elif codec.average(rows, hi - lo, compute, second, ws):
+        return second
     mine = ws.array(codec, "slice", hi - lo, compute, like=rows)
     mine[...] = 0
     for r in range(comm.size):
         codec.decode(rows[r], mine, ws, add=True)
     if comm.size > 1:
         array_module(mine).divide(mine, mine.dtype.type(comm.size), out=mine)
-    second = message()
     if residual is not None and feedback is not None:
         _encode_owner(codec, comm, feedback, residual[lo:hi], mine, second)
     else:

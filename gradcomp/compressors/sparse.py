@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..arrays import Array, DTypeLike, add_into, array_module, zero_non_finite
+from ..arrays import Array, DTypeLike, add_into, array_module, compiled_kernels, zero_non_finite
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
 from ..params import check_float, check_int
@@ -22,6 +22,32 @@ from .codec import Codec
 
 _SAMPLE = 1 << 16  # values in top-k's threshold sample
 _SAMPLED_FROM = 1 << 18  # buckets of at least this many values are sampled
+_BLOCK = 2048  # values per block of the compiled one-pass kernels (in the L1 cache)
+
+
+def _jit(*arrays: Array) -> Any:
+    """``gradcomp.jit`` where its sparse kernels take ``arrays`` (contiguous NumPy float32 or
+    float64 of one dtype, the first ones; index arrays after), else None."""
+    floats = [a for a in arrays if a.dtype.kind == "f"]
+    if not all(type(a) is np.ndarray and a.flags.c_contiguous for a in arrays):
+        return None
+    if not floats or floats[0].dtype not in (np.float32, np.float64) or any(a.dtype != floats[0].dtype for a in floats):
+        return None
+    return compiled_kernels()
+
+
+def _sum_is_finite(top_bits: int, n: int, dtype: np.dtype) -> bool | None:
+    """Whether a vector of ``n`` values whose largest magnitude has the bits ``top_bits`` (from
+    ``randomk_gather``) sums to a finite value in NumPy's ``sum``: False when a value is NaN or
+    Inf, True when ``n`` times the largest magnitude is below a quarter of the dtype's largest
+    value (no partial sum can overflow: NumPy's pairwise sum grows rounding errors by far less
+    than 4x), None when only the sum itself can tell."""
+    info = np.finfo(dtype)
+    inf_bits = int(np.array(np.inf, dtype).view(np.int32 if dtype == np.float32 else np.int64))
+    if top_bits >= inf_bits:
+        return False
+    largest = float(np.array(top_bits, np.int32 if dtype == np.float32 else np.int64).view(dtype))
+    return True if largest * n < float(info.max) / 4 else None
 
 
 def _k(n: int, ratio: float) -> int:
@@ -55,20 +81,69 @@ class TopK(Codec):
     def encode(self, x: Array, message: Array, workspace: Workspace) -> None:
         n = x.shape[0]
         index, values = self._views(message, n)
-        if n:
-            index[...] = self._top(x, index.shape[0], workspace)
-            values[...] = x[index]
+        if not n:
+            return
+        if self._compiled_select(x, None, index, values, workspace):
+            return
+        index[...] = self._top(x, index.shape[0], workspace)
+        values[...] = x[index]
 
     def encode_with_feedback(self, x: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
         """``x + residual``'s top k sent, and ``residual`` left holding ``x + residual`` but zero
         where it was sent: what decoding this message misses, without decoding it."""
         if residual.dtype != np.float32 or x.dtype != np.float32:
             return False
+        index, values = self._views(message, x.shape[0])
+        if x.shape[0] and self._compiled_select(x, residual, index, values, workspace):
+            return True
         add_into(residual, x)
         self.encode(residual, message, workspace)
-        index, _ = self._views(message, x.shape[0])
         residual[index] = 0
         zero_non_finite(residual)
+        return True
+
+    def _compiled_select(self, x: Array, residual: Array | None, index: Array, values: Array,
+                         workspace: Workspace) -> bool:
+        """``encode`` (with ``residual``: ``encode_with_feedback``) with the residual added, the
+        threshold's candidates collected and (with ``residual``) its NaN and Inf zeroed in one
+        pass over the bucket (``jit.topk_candidates``): the selection of ``_top``'s sampled
+        path, the same ``argpartition`` on the same candidates, so the same bits. False, having
+        changed nothing, where that path does not apply (small buckets, no kernels)."""
+        n, k = x.shape[0], index.shape[0]
+        jit = _jit(x, *(() if residual is None else (residual,)))
+        if jit is None or x.dtype != np.float32 or not (n >= _SAMPLED_FROM and 16 * k <= n):
+            return False
+        feedback = residual is not None
+        e: Array = residual if residual is not None else x
+        stride = n // _SAMPLE
+        sample = workspace.array(self, "sample", -(-n // stride), np.float32, like=x)
+        jit.topk_sample(x, e, feedback, stride, sample)
+        q = sample.shape[0] - 1 - int(1.5 * k * sample.shape[0] / n)
+        threshold = np.partition(sample, q)[q]
+        cap = min(n // 8, 4 * k + 4096)
+        cand = workspace.array(self, "candidates", cap, np.int64, like=x)
+        mags = workspace.array(self, "candidate-magnitudes", cap, np.float32, like=x)
+        masks = workspace.array(self, "masks", _BLOCK // 8, np.uint8, like=x)
+        count = jit.topk_candidates(x, e, feedback, threshold, cand, mags, masks)  # (the residual is added now)
+        if k <= count <= cap:
+            chosen = cand[:count]
+            picked = workspace.array(self, "picked", count, np.bool_, like=x)
+            picked[...] = False
+            picked[np.argpartition(mags[:count], count - k)[count - k:]] = True
+            top = chosen[picked]  # ascending, as the candidates (what sorting the selection gives)
+        else:  # a missed tail, ties at the estimate, or more candidates than kept: _top decides
+            top = self._top(e, k, workspace)
+        index[...] = top
+        values[...] = e[top]
+        if feedback:
+            e[top] = 0
+            if k <= count <= cap:  # every NaN and Inf is a candidate (never below a threshold)
+                rest = e[chosen]
+                lost = ~np.isfinite(rest)
+                if lost.any():
+                    e[chosen[lost]] = 0
+            else:
+                zero_non_finite(e)
         return True
 
     def _top(self, x: Array, k: int, workspace: Workspace) -> Array:
@@ -104,9 +179,21 @@ class TopK(Codec):
 
     def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         index, values = self._views(message, out.shape[0])
+        if _scatter(out, index, values, add):
+            return
         if not add:
             out[...] = 0
         out[index] += values
+
+    def decode_mean(self, rows: Array, out: Array, workspace: Workspace) -> bool:
+        """The rows decoded into ``out`` in rank order (the first one writing the zeros, in the
+        same pass), divided by their number."""
+        size = rows.shape[0]
+        for r in range(size):
+            self.decode(rows[r], out, workspace, add=r > 0)
+        if size > 1:
+            np.divide(out, out.dtype.type(size), out=out)
+        return True
 
 
 class RandomK(Codec):
@@ -126,6 +213,8 @@ class RandomK(Codec):
         self.ratio = check_float("ratio", ratio, above=0, maximum=1)
         self.seed = check_int("seed", seed, 0)
         self._step = 0
+        self._bitmap: np.ndarray | None = None  # Floyd's drawn positions (``_choose``)
+        self._spare: np.ndarray | None = None
 
     def start(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> int:
         step = self._step
@@ -134,11 +223,32 @@ class RandomK(Codec):
         n = bucket.numel
         k = _k(n, self.ratio)
         layout = digest(bucket.layout_text())
-        rng = np.random.default_rng([self.seed, step, layout & 0xFFFFFFFF, layout >> 32])
-        chosen = np.sort(rng.choice(n, size=k, replace=False, shuffle=False)) if k else np.zeros(0, np.int64)
         index = workspace.array(self, "index", k, np.int64, like=bucket.buffer)
-        index[...] = array_module(index).asarray(chosen)
+        self._choose(np.random.default_rng([self.seed, step, layout & 0xFFFFFFFF, layout >> 32]), n, k, index)
         return step
+
+    def _choose(self, rng: np.random.Generator, n: int, k: int, index: Array) -> None:
+        """``k`` of ``n`` positions, ascending, into ``index``: ``np.sort(rng.choice(n, k,
+        replace=False, shuffle=False))``. Where NumPy's choice uses Floyd's algorithm (not more
+        than 2% of a large ``n``) and the kernels are here, the same draws from the same bit
+        generator by a compiled loop (``jit.floyd_bits``, checked against NumPy on first use),
+        which marks them in a bitmap whose set bits are the sorted positions (no sort)."""
+        jit = compiled_kernels() if type(index) is np.ndarray else None
+        floyd = k and not (n > 10000 and k > n // 50) and n < 1 << 31
+        if jit is None or not floyd or not _floyd_matches_numpy(jit):
+            chosen = np.sort(rng.choice(n, size=k, replace=False, shuffle=False)) if k else np.zeros(0, np.int64)
+            index[...] = array_module(index).asarray(chosen)
+            return
+        words = -(-n // 64)
+        if self._bitmap is None or self._bitmap.shape[0] < words:
+            self._bitmap = np.zeros(words, np.uint64)  # all zero between uses (cleared as read)
+        _floyd_positions(jit, rng, n, k, self._bitmap[:words], index, self._positions(k))
+
+    def _positions(self, k: int) -> np.ndarray:
+        """Room for ``k`` positions and the two ``jit.bitmap_positions`` may write past them."""
+        if self._spare is None or self._spare.shape[0] < k + 2:
+            self._spare = np.empty(k + 2, np.int64)
+        return self._spare[:k + 2]
 
     def message_size(self, n: int) -> int:
         return _k(n, self.ratio) + 1
@@ -146,20 +256,42 @@ class RandomK(Codec):
     def encode(self, x: Array, message: Array, workspace: Workspace) -> None:
         k = message.shape[0] - 1
         index = workspace.array(self, "index", k, np.int64, like=x)
+        jit = _jit(x, message, index)
+        if jit is not None:
+            top = _gather(jit, x)(x, x, False, index, message[:k], _BLOCK)
+            finite = _sum_is_finite(top, x.shape[0], x.dtype)
+            if finite is not None:
+                message[k] = 0 if finite else np.nan
+                return
         message[:k] = x[index]
         with np.errstate(all="ignore"):
             message[k] = 0 if bool(array_module(x).isfinite(x.sum())) else np.nan
 
     def encode_with_feedback(self, x: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
         """As ``TopK``'s: ``residual`` becomes ``x + residual``, zero where sent, all zero when the
-        bucket was not finite (what decoding a NaN-flagged message and settling would leave)."""
+        bucket was not finite (what decoding a NaN-flagged message and settling would leave); the
+        add, the NaN check and the gather in one pass where the kernels take the arrays."""
         if residual.dtype != x.dtype:
             return False
+        k = message.shape[0] - 1
+        index = workspace.array(self, "index", k, np.int64, like=x)
+        jit = _jit(x, residual, message, index)
+        if jit is not None:
+            top = _gather(jit, x)(x, residual, True, index, message[:k], _BLOCK)  # zero where sent
+            finite = _sum_is_finite(top, x.shape[0], x.dtype)
+            if finite is None:  # only the sum of the values (before zeroing) can tell
+                residual[index] = message[:k]
+                with np.errstate(all="ignore"):
+                    finite = bool(np.isfinite(residual.sum()))
+                residual[index] = 0
+            message[k] = 0 if finite else np.nan
+            if not finite:
+                residual[...] = 0
+            return True
         add_into(residual, x)
         self.encode(residual, message, workspace)
-        k = message.shape[0] - 1
         if bool(array_module(message).isfinite(message[k])):  # then the whole residual is finite
-            residual[workspace.array(self, "index", k, np.int64, like=x)] = 0
+            residual[index] = 0
         else:
             residual[...] = 0
         return True
@@ -167,11 +299,14 @@ class RandomK(Codec):
     def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         k = message.shape[0] - 1
         index = workspace.array(self, "index", k, np.int64, like=out)
+        if not bool(array_module(message).isfinite(message[k])):
+            out[...] = np.nan
+            return
+        if _scatter(out, index, message[:k], add):
+            return
         if not add:
             out[...] = 0
         out[index] += message[:k]
-        if not bool(array_module(message).isfinite(message[k])):
-            out[...] = np.nan
 
     def agreement_state(self, bucket: Bucket, prepared: Any) -> dict[str, Any]:
         return {"step": prepared.decision if prepared is not None else self._step}
@@ -184,3 +319,57 @@ class RandomK(Codec):
         step = take_int(state, "step", "RandomK")
         reject_leftovers(state, "RandomK")
         self._step = step
+
+
+def _gather(jit: Any, x: Array) -> Any:
+    return jit.randomk_gather if x.dtype == np.float32 else jit.randomk_gather64
+
+
+def _scatter(out: Array, index: Array, values: Array, add: bool) -> bool:
+    """``out (+)= scatter(index, values)`` in one write of ``out`` (``jit.scatter_into``: zeros and
+    the values' ``0 + v`` a block at a time) where the kernels take the arrays and ``index`` is
+    ascending without repeats (every message this module encodes); else False, nothing changed."""
+    jit = _jit(out, values, index)
+    if jit is None:
+        return False
+    n = out.shape[0]
+    if index.shape[0] and not (int(index[0]) >= 0 and int(index[-1]) < n and bool((index[1:] > index[:-1]).all())):
+        return False
+    jit.scatter_into(out, index, values, _BLOCK, add)
+    return True
+
+
+def _floyd_positions(jit: Any, rng: np.random.Generator, n: int, k: int, bitmap: np.ndarray, index: Array,
+                     spare: np.ndarray) -> None:
+    """Floyd's ``k`` of ``n`` from ``rng``'s 32-bit outputs (low half of each 64-bit one first, as
+    NumPy's PCG64 hands them out), ascending into ``index`` (through ``spare``, ``k + 2`` long);
+    ``bitmap`` zero before and after."""
+    stream = rng.bit_generator.random_raw(k // 2 + k // 64 + 64).view(np.uint32)
+    j, used = n - k, 0
+    while True:
+        j, used = jit.floyd_bits(stream, n, k, j, used, bitmap)
+        if j >= n:
+            break
+        stream = np.concatenate([stream[used:], rng.bit_generator.random_raw(k // 64 + 64).view(np.uint32)])
+        used = 0
+    jit.bitmap_positions(bitmap, spare)
+    index[...] = spare[:k]
+
+
+_FLOYD_OK: bool | None = None
+
+
+def _floyd_matches_numpy(jit: Any) -> bool:
+    """Whether ``jit.floyd_bits`` draws what this NumPy's ``Generator.choice`` draws (checked once,
+    on a few sizes): a NumPy that samples another way gets its own ``choice``."""
+    global _FLOYD_OK
+    if _FLOYD_OK is None:
+        ok = True
+        for n, k, seed in ((10, 3, 1), (1000, 10, 2), (10001, 200, 3), (1 << 20, 10485, 4), (70001, 1, 5)):
+            expected = np.sort(np.random.default_rng(seed).choice(n, size=k, replace=False, shuffle=False))
+            got = np.empty(k, np.int64)
+            _floyd_positions(jit, np.random.default_rng(seed), n, k, np.zeros(-(-n // 64), np.uint64), got,
+                             np.empty(k + 2, np.int64))
+            ok = ok and bool(np.array_equal(expected, got))
+        _FLOYD_OK = ok
+    return _FLOYD_OK

@@ -72,6 +72,8 @@ class OptimizerKit:
         a sparse method delays most of them by about ``1 / ratio`` steps (Stich et al. 2018)."""
         if isinstance(opt, gc.optim.DGC):
             return 0.3 * opt.ratio
+        if getattr(opt, "local_momentum", False):  # a sparse code's delays, in Adam's units
+            return 0.015
         return 0.05
 
 

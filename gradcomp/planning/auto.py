@@ -2,7 +2,7 @@
 
 The best method depends on the link (compression that wins at 1 Gbit/s loses at 100 Gbit/s), on
 the bucket (int8's per-chunk scales weigh on a tiny bucket, latency dominates small ones) and on
-what the method's compute costs here. ``Auto`` measures all three once, at its first bucket:
+what the method's compute costs here. ``Auto`` measures all three once:
 
 * **the link**: timed allreduces of a few sizes on the real communicator; every rank's times are
   gathered and the slowest taken, so every rank fits the same latency and bandwidth
@@ -12,7 +12,8 @@ what the method's compute costs here. ``Auto`` measures all three once, at its f
   (``table=``: ``{"int8": seconds per float32 byte, ...}``, e.g. from ``gradcomp.bench.kernels``);
 * **the topology**: ``MPICommunicator.topology`` (how many ranks share each host's link and cores).
 
-For each bucket layout it then predicts every candidate's time with ``cost.Model`` and takes the
+(measured at the first bucket's ordered stage, after every rank agreed on the configuration). For
+each bucket layout it then predicts every candidate's time with ``cost.Model`` and takes the
 fastest; ties within 2% go to the earlier candidate (less compressed: ``allowed`` is in order of
 increasing compression). The choice depends only on agreed inputs, so every rank makes the same
 one; it is part of what ranks agree on before each bucket (its state), it is checkpointed, and it
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -47,6 +49,10 @@ PROBE_SIZES = (1024, 65536, 1048576)
 PROBE_REPEATS = 3
 #: a candidate wins only by more than this fraction (else the earlier, less compressed one)
 TIE = 0.02
+
+
+#: measurements per communicator (see ``Auto.measure``)
+_MEASURED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -86,16 +92,14 @@ class Auto(Compressor):
         return max(c.warmup_steps for c in self.candidates)
 
     # -- measurement ---------------------------------------------------------------------------
-    def reduce(self, bucket: Bucket | Array, comm: Communicator | None = None) -> Any:
-        from ..comm import default_communicator
-
-        comm = comm if comm is not None else default_communicator()
-        if self._measured is None:
-            self._measured = self.measure(comm)  # collectives: here, in submission order
-        return super().reduce(bucket, comm)
-
     def measure(self, comm: Communicator) -> dict[str, Any]:
-        """The link, the compute table and the topology, agreed by every rank (collective)."""
+        """The link, the compute table and the topology, agreed by every rank (collective). Kept
+        per communicator and candidate list: every ``auto`` of a job sees the same numbers, so
+        equal layouts get equal choices."""
+        key = (self.allowed, self.table)
+        known = _MEASURED.setdefault(comm, {})
+        if key in known:
+            return known[key]
         link = _probe(comm)
         compute = _load_table(self.table) if self.table else _time_candidates(self.allowed)
         names = list(self.allowed)
@@ -103,8 +107,9 @@ class Auto(Compressor):
         compute = {n: float(v) for n, v in zip(names, np.max(worst, axis=0))}
         topo = getattr(comm, "topology", None)
         hosts, per_host = (topo.hosts, topo.local_size) if topo is not None else (comm.size, 1)
-        return {"link": link, "compute": compute, "hosts": hosts, "per_host": per_host,
-                "contention": _contention(comm)}
+        known[key] = {"link": link, "compute": compute, "hosts": hosts, "per_host": per_host,
+                      "contention": _contention(comm)}
+        return known[key]
 
     def replan(self) -> None:
         """Choose again at every layout's next bucket (call on every rank, between steps); the
@@ -112,8 +117,11 @@ class Auto(Compressor):
         self._choices.clear()
         self._why.clear()
         self._measured = None
+        _MEASURED.clear()
 
     def _choose(self, bucket: Bucket, comm: Communicator) -> int:
+        """The candidate for ``bucket``'s layout; the first time (on the wire thread, after the
+        agreement: the measurement is collective) measured and predicted."""
         key = f"{bucket.layout_key():x}"
         if key in self._choices:
             return self._choices[key]
@@ -140,7 +148,12 @@ class Auto(Compressor):
 
     # -- the two stages, routed --------------------------------------------------------------------
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Routed:
-        k = self._choose(bucket, comm)
+        k = self._choices.get(f"{bucket.layout_key():x}")
+        if k is None:  # a new layout: chosen on the wire thread, once every rank agreed to go on
+            return _Routed(-1, bucket, None)
+        return self._route(k, bucket, comm, workspace)
+
+    def _route(self, k: int, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Routed:
         chosen = self.candidates[k]
         handed: dict[str, Array] = {}
         for key in bucket.keys:
@@ -155,11 +168,15 @@ class Auto(Compressor):
         return _Routed(k, bucket, chosen.prepare(bucket, comm, workspace))
 
     def finish(self, bucket: Bucket, comm: Communicator, prepared: _Routed) -> Array:
+        if prepared.choice < 0:
+            prepared = self._route(self._choose(bucket, comm), bucket, comm, comm.workspace)
         return run_stage(self.candidates[prepared.choice], prepared.bucket, comm, prepared.inner)
 
     def agreement_state(self, bucket: Bucket, prepared: _Routed | None) -> dict[str, Any]:
         if prepared is None:
             return {"choices": digest(repr(sorted(self._choices.items())))}
+        if prepared.choice < 0:
+            return {"method": "to be chosen"}
         inner = self.candidates[prepared.choice].agreement_state(prepared.bucket, prepared.inner)
         return {"method": self.allowed[prepared.choice], **{f"{self.allowed[prepared.choice]}.{k}": v
                                                            for k, v in inner.items()}}

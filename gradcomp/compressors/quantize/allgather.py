@@ -15,7 +15,7 @@ from ...arrays import Array, DTypeLike
 from ...comm import Workspace
 from ...params import check_int
 from ..codec import Codec
-from .kernels import chunk_count, dequantize, quantize
+from .kernels import _compiled, chunk_count, dequantize, quantize
 
 
 class QuantizePerChannel(Codec):
@@ -53,6 +53,22 @@ class QuantizePerChannel(Codec):
     def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         params, codes = self._views(message, out.shape[0])
         dequantize(out, params, codes, self._width(out.shape[0]), add)
+
+    def decode_mean(self, rows: Array, out: Array, workspace: Workspace) -> bool:
+        """Every rank's codes decoded, summed in rank order and averaged a chunk at a time, in one
+        write of ``out`` (``compiled.dequantize_rows_chunks``): NumPy float32/float64 only."""
+        n = out.shape[0]
+        width = self._width(n)
+        chunks = chunk_count(n, width)
+        jit = _compiled(out, rows) if out.dtype in (np.float32, np.float64) and n else None
+        if jit is None:
+            return False
+        size = rows.shape[0]
+        params = workspace.array(self, "row-params", size * 2 * chunks, np.float32, like=out).reshape(size, 2, chunks)
+        for r in range(size):
+            params[r] = rows[r, :8 * chunks].view(np.float32).reshape(2, chunks)
+        jit.dequantize_rows_chunks(rows, params, 8 * chunks, width, out, out.dtype.type(size))
+        return True
 
     def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray:
         """Each code is within half a step of its value: the mean over senders of half their

@@ -1,24 +1,105 @@
-"""Compiled (numba) kernels of affine chunk quantization: one pass per 512-value chunk while it is
-in the L1 cache, the float32 operations of the NumPy kernels (``kernels``) in the same order, so
-the bits are the same. Only imported where ``gradcomp.jit.available()``."""
+"""Compiled (numba) kernels of the chunk codes: one pass per 512-value chunk while it is in the L1
+cache, the operations of the NumPy kernels (``kernels``, ``onebit``) in the same order, so the
+bits are the same. Only imported where ``gradcomp.jit.available()``.
+
+Every stage of a two-stage code is one kernel here, so that each touches the bucket's memory once:
+the worker's encode with its residual (``quantize_feedback_chunks``, ``onebit_encode_chunks``),
+the slice owner's stage from the ranks' messages to its own (``quantize_owner_chunks``,
+``onebit_owner_chunks``: decode every row into a chunk in L1, average, add the owner's residual,
+encode, keep the error) and the decode of the result (``dequantize_chunks``,
+``unpack4_dequantize_chunks``, ``onebit_decode_chunks``), writing or adding. 4-bit codes are
+packed and unpacked inside them (no code array of the bucket's length).
+
+float32 and float64: the decoders and the 1-bit kernels take either (numba compiles each); the
+affine quantizers of float32 rank values by integer order keys, those of float64 have their own
+kernels (``quantize64_chunks``...) because NumPy's float64 sequence rounds the offset to float32
+first (see ``_chunk_range64``).
+"""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
-from ...jit import _f32_from_bits
+from ...jit import _bf16_decode, _f16_decode, _f32_bits, _f32_from_bits, _f64_from_bits
 
 _kernel = njit(cache=True, boundscheck=False, nogil=True)
 
 _INF_KEY = np.int32(0x7F800000)  # order key (below) of +inf
 _NEG_INF_KEY = np.int32(-0x7F800001)  # and of -inf
+_ROUND_MAGIC = np.float32(2.0 ** 23)
 
-@njit(inline="always")
-def _order_key(b):
+#: chunk ``redo`` marks (float64 kernels): left to NumPy, and why
+REDO_BAD = 1        # a non-finite offset, scale or inverse: NumPy's whole block takes the reference path
+REDO_TIE = 2        # an extreme that is a zero held with both signs (NumPy picks the zero)
+REDO_ROUNDING = 3   # finite, but the rounding shortcut and the reference differ here: depends on the block
+
+
+@intrinsic
+def _order_key(typingctx, b):
     """float32 bits (as int32) -> an int32 that sorts like the float (-0 just below +0, NaNs
     beyond the infinities); its own inverse. Integer min/max vectorize and have no NaN or
-    signed-zero ambiguity, unlike float comparisons."""
-    return b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF))
+    signed-zero ambiguity, unlike float comparisons. In 32-bit arithmetic (numba's own integer
+    operators widen to 64 bits, which halves the vector lanes)."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        sign = builder.ashr(args[0], ir.Constant(i32, 31))
+        return builder.xor(args[0], builder.and_(sign, ir.Constant(i32, 0x7FFFFFFF)))
+    return types.int32(types.int32), codegen
+
+
+@intrinsic
+def _min32(typingctx, a, b):
+    """The smaller of two int32, as an int32."""
+    def codegen(context, builder, signature, args):
+        return builder.select(builder.icmp_signed("<", args[0], args[1]), args[0], args[1])
+    return types.int32(types.int32, types.int32), codegen
+
+
+@intrinsic
+def _max32(typingctx, a, b):
+    """The larger of two int32, as an int32."""
+    def codegen(context, builder, signature, args):
+        return builder.select(builder.icmp_signed(">", args[0], args[1]), args[0], args[1])
+    return types.int32(types.int32, types.int32), codegen
+
+
+@intrinsic
+def _key_of(typingctx, x):
+    """``_order_key`` of a float32 value's bits."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        bits = builder.bitcast(args[0], i32)
+        sign = builder.ashr(bits, ir.Constant(i32, 31))
+        return builder.xor(bits, builder.and_(sign, ir.Constant(i32, 0x7FFFFFFF)))
+    return types.int32(types.float32), codegen
+
+
+def _wide(v, bf16):
+    """A gradient value as the kernels compute with it: floats as they are, half precision (its
+    bits, uint16) widened to float32 (exact; ``bf16``: bfloat16, else float16)."""
+
+
+@overload(_wide, inline="always")
+def _wide_impl(v, bf16):
+    if isinstance(v, types.Float):
+        return lambda v, bf16: v
+    if v == types.uint16:
+        def widen(v, bf16):
+            if bf16:
+                return _bf16_decode(v)
+            return _f16_decode(v)
+        return widen
+    return None
+
+
+@njit(inline="always")
+def _order_key64(b):
+    """``_order_key`` of float64 bits (as int64)."""
+    return b ^ ((b >> np.int64(63)) & np.int64(0x7FFFFFFFFFFFFFFF))
+
 
 @_kernel
 def _has_both_zeros(bits):
@@ -29,20 +110,38 @@ def _has_both_zeros(bits):
         minus |= bits[i] == np.int32(-0x80000000)
     return plus and minus
 
+
+@_kernel
+def _has_both_zeros64(bits):
+    """True when ``bits`` (float64 as int64) hold both +0.0 and -0.0."""
+    plus = minus = False
+    for i in range(bits.shape[0]):
+        plus |= bits[i] == np.int64(0)
+        minus |= bits[i] == np.int64(-0x7FFFFFFFFFFFFFFF - 1)
+    return plus and minus
+
+
 @njit(inline="always")
-def _chunk_range(bs, top):
-    """(offset, scale, 1/scale or 1, whether the NumPy kernels must redo the chunk) of a chunk's
-    float32 bits ``bs``: the minimum and maximum by order keys, scale = range / levels. A chunk is
-    redone for a NaN or Inf, a scale or inverse that is not finite, and an extreme that is a zero
-    held with both signs (NumPy's SIMD min may return either zero)."""
+def _keys(xs, n):
+    """The smallest and largest order key of ``xs[:n]`` (float32)."""
     kmin = np.int32(0x7FFFFFFF)
     kmax = np.int32(-0x80000000)
-    for i in range(bs.shape[0]):
-        k = _order_key(bs[i])
-        kmin = min(kmin, k)
-        kmax = max(kmax, k)
-    lo = _f32_from_bits(np.uint32(_order_key(kmin) & 0xFFFFFFFF))
-    hi = _f32_from_bits(np.uint32(_order_key(kmax) & 0xFFFFFFFF))
+    for i in range(n):
+        k = _key_of(xs[i])
+        kmin = _min32(kmin, k)
+        kmax = _max32(kmax, k)
+    return kmin, kmax
+
+
+@njit(inline="always")
+def _range_of(kmin, kmax, top, bs):
+    """(offset, scale, 1/scale or 1, whether the NumPy kernels must redo the chunk) of a chunk
+    whose order keys run from ``kmin`` to ``kmax`` (``bs``: its float32 bits as int32): the
+    minimum and maximum, scale = range / levels. A chunk is redone for a NaN or Inf, a scale or
+    inverse that is not finite, and an extreme that is a zero held with both signs (NumPy's SIMD
+    min may return either zero)."""
+    lo = _f32_from_bits(np.uint32(_order_key(kmin)))
+    hi = _f32_from_bits(np.uint32(_order_key(kmax)))
     scale = (hi - lo) / top
     inv = np.float32(1.0) / (scale if scale > np.float32(0.0) else np.float32(1.0))
     bad = not (kmax < _INF_KEY and kmin > _NEG_INF_KEY and np.isfinite(scale) and np.isfinite(inv))
@@ -52,26 +151,129 @@ def _chunk_range(bs, top):
 
 
 @njit(inline="always")
-def _quantize_chunk(xs, bs, cs, n, top, params, c):
-    """Chunk ``c``'s parameters into ``params`` and, unless the chunk must be redone, its ``n``
-    codes ``clip(rint((x - min) * (1 / scale)), 0, levels)`` into ``cs``; returns (redo, min,
-    scale). ``n`` is passed, not read from a slice: LLVM vectorizes the fused caller's loops only
-    with one shared bound."""
-    lo, scale, inv, bad = _chunk_range(bs, top)
-    params[0, c] = lo
-    params[1, c] = scale
-    if not bad:
-        for i in range(n):
-            q = np.rint((xs[i] - lo) * inv)
-            cs[i] = np.uint8(min(max(q, np.float32(0.0)), top))
-    return bad, lo, scale
+def _codes(xs, cs, n, lo, inv, top):
+    """``cs = clip(rint((x - min) * (1 / scale)), 0, levels)`` as uint8. ``n`` is passed, not
+    read from a slice: LLVM vectorizes the fused callers' loops only with one shared bound."""
+    zero = np.float32(0.0)
+    for i in range(n):
+        cs[i] = np.uint8(min(max(np.rint((xs[i] - lo) * inv), zero), top))
+
+
+@njit(inline="always")
+def _codes_and_error(xs, es, cs, n, lo, scale, inv, top):
+    """``_codes`` and, in the same loop, ``es = xs - (code * scale + offset)``: the residual from
+    the chunk's own codes decoded as ``dequantize_chunks`` does into a zeroed array (the code as a
+    float is the clipped value itself: a whole number in [0, levels], never -0)."""
+    zero = np.float32(0.0)
+    for i in range(n):
+        v = xs[i]
+        q = min(max(np.rint((v - lo) * inv), zero), top)
+        cs[i] = np.uint8(q)
+        es[i] = v - ((zero + q * scale) + lo)
+
+
+def _bytes(*arrays: types.Type) -> bool:
+    return all(isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.uint8 for a in arrays)
+
+
+@intrinsic
+def _pack4_groups(typingctx, cs, groups, out):
+    """``out[16g:16g + 16]`` = the 32 codes ``cs[32g:32g + 32]`` two to a byte (even index in
+    the low nibble) for ``g < groups``: two shuffles, a shift and an or per 32 codes. Both arrays
+    contiguous from their first element."""
+    if not _bytes(cs, out):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i8, i32 = ir.IntType(8), ir.IntType(32)
+        v32, v16 = ir.VectorType(i8, 32), ir.VectorType(i8, 16)
+        cdata = context.make_array(signature.args[0])(context, builder, args[0]).data
+        odata = context.make_array(signature.args[2])(context, builder, args[2]).data
+        even = ir.Constant(ir.VectorType(i32, 16), list(range(0, 32, 2)))
+        odd = ir.Constant(ir.VectorType(i32, 16), list(range(1, 32, 2)))
+        four = ir.Constant(v16, [4] * 16)
+        with cgutils.for_range(builder, args[1]) as loop:
+            at = builder.mul(loop.index, ir.Constant(loop.index.type, 32))
+            v = builder.load(builder.bitcast(builder.gep(cdata, [at]), v32.as_pointer()), align=1)
+            lo = builder.shuffle_vector(v, v, even)
+            hi = builder.shuffle_vector(v, v, odd)
+            packed = builder.or_(lo, builder.shl(hi, four))
+            to = builder.mul(loop.index, ir.Constant(loop.index.type, 16))
+            builder.store(packed, builder.bitcast(builder.gep(odata, [to]), v16.as_pointer()), align=1)
+        return context.get_dummy_value()
+    return types.none(cs, groups, out), codegen
+
+
+@intrinsic
+def _unpack4_groups(typingctx, ps, groups, cs):
+    """The inverse of ``_pack4_groups``: 32 codes from every 16 bytes."""
+    if not _bytes(ps, cs):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i8, i32 = ir.IntType(8), ir.IntType(32)
+        v32, v16 = ir.VectorType(i8, 32), ir.VectorType(i8, 16)
+        pdata = context.make_array(signature.args[0])(context, builder, args[0]).data
+        cdata = context.make_array(signature.args[2])(context, builder, args[2]).data
+        mix = ir.Constant(ir.VectorType(i32, 32), [k // 2 + 16 * (k % 2) for k in range(32)])
+        with cgutils.for_range(builder, args[1]) as loop:
+            at = builder.mul(loop.index, ir.Constant(loop.index.type, 16))
+            b = builder.load(builder.bitcast(builder.gep(pdata, [at]), v16.as_pointer()), align=1)
+            lo = builder.and_(b, ir.Constant(v16, [15] * 16))
+            hi = builder.lshr(b, ir.Constant(v16, [4] * 16))
+            to = builder.mul(loop.index, ir.Constant(loop.index.type, 32))
+            builder.store(builder.shuffle_vector(lo, hi, mix),
+                          builder.bitcast(builder.gep(cdata, [to]), v32.as_pointer()), align=1)
+        return context.get_dummy_value()
+    return types.none(ps, groups, cs), codegen
+
+
+@njit(inline="always")
+def _pack4(cs, n, out):
+    """Codes ``cs[:n]`` two to a byte into ``out`` (even index in the low nibble; an odd last code
+    alone in its byte), as ``kernels.pack4`` of the codes padded with a zero."""
+    groups = n // 32
+    _pack4_groups(cs, groups, out)
+    for j in range(16 * groups, n // 2):
+        out[j] = cs[2 * j] | (cs[2 * j + 1] << np.uint8(4))
+    if n % 2:
+        out[n // 2] = cs[n - 1]
+
+
+@njit(inline="always")
+def _unpack4(ps, n, cs):
+    """The inverse of ``_pack4``: ``n`` codes from ``ps`` into ``cs``."""
+    groups = n // 32
+    _unpack4_groups(ps, groups, cs)
+    for j in range(16 * groups, n // 2):
+        byte = ps[j]
+        cs[2 * j] = byte & np.uint8(15)
+        cs[2 * j + 1] = byte >> np.uint8(4)
+    if n % 2:
+        cs[n - 1] = ps[n // 2] & np.uint8(15)
+
+
+@njit(inline="always")
+def _codes_of(codes, ctmp, start, n, packed):
+    """Where a chunk's codes are written first: the message itself (8-bit), or ``ctmp`` (packed
+    after, ``_pack4``)."""
+    if packed:
+        return ctmp
+    return codes[start:start + n]
+
+
+@njit(inline="always")
+def _packed_part(codes, start, n):
+    return codes[start // 2:start // 2 + (n + 1) // 2]
+
 
 @_kernel
-def quantize_chunks(x, bits, width, levels, params, codes, redo):
+def quantize_chunks(x, bits, width, levels, params, codes, redo, packed, ctmp):
     """Per-chunk affine quantization of float32 ``x`` (``bits`` is x viewed as int32) in one
     pass per chunk: ``params[0] = min``, ``params[1] = (max - min) / levels``, codes =
     clip(rint((x - min) * (1 / scale)), 0, levels) as uint8 (1 instead of 1/scale where scale
-    is not > 0) -- the float32 operations of the NumPy kernels, in the same order.
+    is not > 0) -- the float32 operations of the NumPy kernels, in the same order; with
+    ``packed``, two codes to a byte (``ctmp`` holds a chunk's codes first).
 
     Chunks whose result this loop cannot promise bit for bit are marked ``redo[c] = True`` and
     left to the NumPy kernels: a NaN or Inf (NaN payloads and the flags follow NumPy's
@@ -86,18 +288,29 @@ def quantize_chunks(x, bits, width, levels, params, codes, redo):
     for c in range(params.shape[1]):
         start = c * width
         xs = x[start:start + width]
-        bs = bits[start:start + width]
-        cs = codes[start:start + width]
-        if _quantize_chunk(xs, bs, cs, xs.shape[0], top, params, c)[0]:
+        n = xs.shape[0]
+        kmin, kmax = _keys(xs, n)
+        lo, scale, inv, bad = _range_of(kmin, kmax, top, bits[start:start + n])
+        params[0, c] = lo
+        params[1, c] = scale
+        if bad:
             redo[c] = True
             redone += 1
+            continue
+        cs = _codes_of(codes, ctmp, start, n, packed)
+        _codes(xs, cs, n, lo, inv, top)
+        if packed:
+            _pack4(cs, n, _packed_part(codes, start, n))
     return redone
 
+
 @_kernel
-def dequantize_add_chunks(acc, params, codes, width):
-    """``acc += codes * scale`` then ``acc += offset`` per chunk, as two float32 roundings
-    (the NumPy kernels' sequence, no fused multiply-add); chunks whose offset or scale is not
-    finite become NaN. Per-chunk slices, as in ``quantize_chunks``."""
+def dequantize_chunks(acc, params, codes, width, add):
+    """``acc (+)= codes * scale + offset`` per chunk: ``acc + code * scale`` then ``+ offset``,
+    two roundings in ``acc``'s dtype (the product in float32; the NumPy kernels' sequence, no
+    fused multiply-add; writing is adding to zero); chunks whose offset or scale is not finite
+    become NaN. Per-chunk slices, as in ``quantize_chunks``."""
+    zero = np.zeros(1, acc.dtype)[0]
     for c in range(params.shape[1]):
         start = c * width
         a = acc[start:start + width]
@@ -105,97 +318,509 @@ def dequantize_add_chunks(acc, params, codes, width):
         lo = params[0, c]
         scale = params[1, c]
         if not (np.isfinite(lo) and np.isfinite(scale)):
-            a[:] = np.float32(np.nan)
+            a[:] = np.nan
             continue
-        for i in range(a.shape[0]):
-            a[i] = (a[i] + np.float32(cs[i]) * scale) + lo
+        if add:
+            for i in range(a.shape[0]):
+                a[i] = (a[i] + np.float32(cs[i]) * scale) + lo
+        else:
+            for i in range(a.shape[0]):
+                a[i] = (zero + np.float32(cs[i]) * scale) + lo
 
 
 @_kernel
-def quantize_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tmp_bits):
+def unpack4_dequantize_chunks(acc, params, packed, width, add, ctmp):
+    """``dequantize_chunks`` with the codes two to a byte (even index in the low nibble),
+    unpacked a chunk at a time into ``ctmp``."""
+    zero = np.zeros(1, acc.dtype)[0]
+    for c in range(params.shape[1]):
+        start = c * width
+        a = acc[start:start + width]
+        n = a.shape[0]
+        lo = params[0, c]
+        scale = params[1, c]
+        if not (np.isfinite(lo) and np.isfinite(scale)):
+            a[:] = np.nan
+            continue
+        cs = ctmp
+        _unpack4(_packed_part(packed, start, n), n, cs)
+        if add:
+            for i in range(n):
+                a[i] = (a[i] + np.float32(cs[i]) * scale) + lo
+        else:
+            for i in range(n):
+                a[i] = (zero + np.float32(cs[i]) * scale) + lo
+
+
+@_kernel
+def dequantize_rows_chunks(rows, row_params, base, width, acc, div):
+    """``acc`` = the mean of every row's reconstruction (rows: one allgathered message per rank,
+    its codes from byte ``base``; ``row_params`` (ranks, 2, chunks) their offsets and scales),
+    one chunk at a time: row after row decoded as ``dequantize_chunks`` adds into zeros (a row
+    whose chunk has non-finite parameters makes it NaN), then divided by ``div`` (more than one
+    row): the runner's zero, add per rank and divide, in one write of ``acc``."""
+    size = rows.shape[0]
+    zero = np.zeros(1, acc.dtype)[0]
+    for c in range(row_params.shape[2]):
+        start = c * width
+        a = acc[start:start + width]
+        n = a.shape[0]
+        for r in range(size):
+            lo = row_params[r, 0, c]
+            scale = row_params[r, 1, c]
+            if not (np.isfinite(lo) and np.isfinite(scale)):
+                a[:] = np.nan
+                continue
+            cs = rows[r, base + start:base + start + n]
+            if r == 0:
+                for i in range(n):
+                    a[i] = (zero + np.float32(cs[i]) * scale) + lo
+            else:
+                for i in range(n):
+                    a[i] = (a[i] + np.float32(cs[i]) * scale) + lo
+        if size > 1:
+            for i in range(n):
+                a[i] = a[i] / div
+
+
+@njit(inline="always")
+def _keep_error(xs, es, cs, n, lo, scale):
+    """``es = xs - (codes * scale + offset)``: the residual from the chunk's own codes, decoded
+    as ``dequantize_chunks`` does into a zeroed array (float64 chunks)."""
+    zero = np.zeros(1, es.dtype)[0]
+    for i in range(n):
+        es[i] = xs[i] - ((zero + np.float32(cs[i]) * scale) + lo)
+
+
+@_kernel
+def quantize_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tmp_bits, packed, ctmp, bf16):
     """Error feedback fused with ``quantize_chunks``: per chunk, ``x = g + e`` (kept in ``tmp``,
-    in the L1 cache), its parameters and codes, then ``e = x - (codes * scale + offset)`` with the
-    NumPy kernels' roundings: one pass over ``g`` and ``e`` where the unfused sequence makes
-    about five. Chunks marked in ``redo`` (as ``quantize_chunks`` marks them) are left untouched,
-    ``e`` included, for the NumPy sequence. Returns how many were marked."""
+    in the L1 cache) and its range in one loop, then its codes and ``e = x - (codes * scale +
+    offset)`` with the NumPy kernels' roundings in another: one pass over ``g`` and ``e`` where
+    the unfused sequence makes about five. ``g`` may be half precision (uint16 bits, ``bf16``
+    saying which), widened exactly as the runner's cast does. Chunks marked in ``redo`` (as
+    ``quantize_chunks`` marks them) are left untouched, ``e`` included, for the NumPy sequence.
+    Returns how many were marked."""
     redone = 0
     top = np.float32(levels)
     for c in range(params.shape[1]):
         start = c * width
         gs = g[start:start + width]
         es = e[start:start + width]
-        cs = codes[start:start + width]
         n = gs.shape[0]
         xs = tmp[:n]
-        bs = tmp_bits[:n]
+        kmin = np.int32(0x7FFFFFFF)
+        kmax = np.int32(-0x80000000)
         for i in range(n):
-            xs[i] = gs[i] + es[i]
-        bad, lo, scale = _quantize_chunk(xs, bs, cs, n, top, params, c)
+            v = _wide(gs[i], bf16) + es[i]
+            xs[i] = v
+            k = _key_of(v)
+            kmin = _min32(kmin, k)
+            kmax = _max32(kmax, k)
+        lo, scale, inv, bad = _range_of(kmin, kmax, top, tmp_bits[:n])
+        params[0, c] = lo
+        params[1, c] = scale
         if bad:
             redo[c] = True
             redone += 1
             continue
+        cs = _codes_of(codes, ctmp, start, n, packed)
+        _codes_and_error(xs, es, cs, n, lo, scale, inv, top)
+        if packed:
+            _pack4(cs, n, _packed_part(codes, start, n))
+    return redone
+
+
+@njit(inline="always")
+def _row_codes(rows, r, base, start, n, packed, ctmp):
+    """Row ``r``'s codes of values ``start:start + n`` (unpacked into ``ctmp`` where packed)."""
+    if packed:
+        _unpack4(rows[r, base + start // 2:base + start // 2 + (n + 1) // 2], n, ctmp)
+        return ctmp
+    return rows[r, base + start:base + start + n]
+
+
+@njit(inline="always")
+def _rows_finite(row_params, chunks, c):
+    for r in range(row_params.shape[0]):
+        if not (np.isfinite(row_params[r, c]) and np.isfinite(row_params[r, chunks + c])):
+            return False
+    return True
+
+
+@njit(inline="always")
+def _decode_rows(rows, row_params, chunks, c, start, n, packed, xs, ctmp, count):
+    """Chunk ``c`` of the first ``count`` rows (one message per rank: parameters, then codes)
+    decoded and summed in rank order into ``xs``, from zero: ``dequantize_chunks`` row after
+    row. The rows' parameters are finite (``_rows_finite``)."""
+    zero = np.zeros(1, xs.dtype)[0]
+    base = 8 * chunks
+    for r in range(count):
+        lo = row_params[r, c]
+        scale = row_params[r, chunks + c]
+        cs = _row_codes(rows, r, base, start, n, packed, ctmp)
+        if r == 0:
+            for i in range(n):
+                xs[i] = (zero + np.float32(cs[i]) * scale) + lo
+        else:
+            for i in range(n):
+                xs[i] = (xs[i] + np.float32(cs[i]) * scale) + lo
+
+
+@njit(inline="always")
+def _last_row(rows, row_params, chunks, c, start, n, packed, xs, es, feedback, div, ctmp):
+    """The last row of chunk ``c`` added as ``_decode_rows`` adds (into zero when it is the
+    only one), the sum divided by ``div`` (more than one row), ``es`` added (``feedback``), and
+    the range of the result, in one loop; returns the smallest and largest order key."""
+    size = rows.shape[0]
+    r = size - 1
+    lo = row_params[r, c]
+    scale = row_params[r, chunks + c]
+    cs = _row_codes(rows, r, 8 * chunks, start, n, packed, ctmp)
+    zero = np.float32(0.0)
+    kmin = np.int32(0x7FFFFFFF)
+    kmax = np.int32(-0x80000000)
+    if size == 1 and feedback:
         for i in range(n):
-            es[i] = xs[i] - ((np.float32(0.0) + np.float32(cs[i]) * scale) + lo)
+            v = ((zero + np.float32(cs[i]) * scale) + lo) + es[i]
+            xs[i] = v
+            k = _key_of(v)
+            kmin = _min32(kmin, k)
+            kmax = _max32(kmax, k)
+    elif size == 1:
+        for i in range(n):
+            v = (zero + np.float32(cs[i]) * scale) + lo
+            xs[i] = v
+            k = _key_of(v)
+            kmin = _min32(kmin, k)
+            kmax = _max32(kmax, k)
+    elif feedback:
+        for i in range(n):
+            v = (((xs[i] + np.float32(cs[i]) * scale) + lo) / div) + es[i]
+            xs[i] = v
+            k = _key_of(v)
+            kmin = _min32(kmin, k)
+            kmax = _max32(kmax, k)
+    else:
+        for i in range(n):
+            v = ((xs[i] + np.float32(cs[i]) * scale) + lo) / div
+            xs[i] = v
+            k = _key_of(v)
+            kmin = _min32(kmin, k)
+            kmax = _max32(kmax, k)
+    return kmin, kmax
+
+
+@_kernel
+def quantize_owner_chunks(rows, row_params, chunks, width, levels, packed, feedback, e, params, codes,
+                          redo, tmp, tmp_bits, ctmp):
+    """The slice owner's stage in one pass per chunk: the ``rows`` (uint8, one message per rank:
+    float32 offsets and scales of ``chunks`` chunks, ``row_params`` the same bytes as float32,
+    then the codes) decoded and summed in rank order from zero, divided by the number of rows,
+    with ``feedback`` the owner's residual ``e`` added, quantized into ``params`` and ``codes``
+    and ``e`` left with the error: the operations of decoding each row into a zeroed slice,
+    dividing and ``quantize_chunks`` / ``quantize_feedback_chunks``, in the same order, without
+    the slice-sized sum. Chunks marked in ``redo`` (those kernels' marks, and any chunk a row
+    decodes to NaN) are left untouched (``e`` included) for the NumPy sequence; returns how many."""
+    top = np.float32(levels)
+    div = np.float32(rows.shape[0])
+    redone = 0
+    for c in range(chunks):
+        start = c * width
+        n = width
+        xs = tmp[:n]
+        es = e[start:start + n]
+        if not _rows_finite(row_params, chunks, c):  # that row's chunk decodes to NaN: so does the mean
+            redo[c] = True
+            redone += 1
+            continue
+        _decode_rows(rows, row_params, chunks, c, start, n, packed, xs, ctmp, rows.shape[0] - 1)
+        kmin, kmax = _last_row(rows, row_params, chunks, c, start, n, packed, xs, es, feedback, div, ctmp)
+        lo, scale, inv, bad = _range_of(kmin, kmax, top, tmp_bits[:n])
+        params[0, c] = lo
+        params[1, c] = scale
+        if bad:
+            redo[c] = True
+            redone += 1
+            continue
+        cs = _codes_of(codes, ctmp, start, n, packed)
+        if feedback:
+            _codes_and_error(xs, es, cs, n, lo, scale, inv, top)
+        else:
+            _codes(xs, cs, n, lo, inv, top)
+        if packed:
+            _pack4(cs, n, _packed_part(codes, start, n))
+    return redone
+
+
+# ---------------------------------------------------------------------------------------------
+# float64: NumPy's sequence (kernels._quantize_blocked) on float64 values
+# ---------------------------------------------------------------------------------------------
+@njit(inline="always")
+def _chunk_range64(xs, bs, top, wide):
+    """(offset, scale, 1/scale or 1, redo mark) of a float64 chunk as NumPy's kernels compute
+    them: min and max in float64 (by order keys), the offset rounded to float32, the scale
+    ``(max - offset) / levels`` in float64 rounded to float32 (``wide``: chunks longer than a
+    NumPy block, ``(max - min) / levels`` with the minimum not rounded), the inverse in float32. Marks
+    ``REDO_BAD`` for a NaN or Inf, or an offset, scale or inverse that is not finite;
+    ``REDO_TIE`` for an extreme that is a zero held with both signs."""
+    kmin = np.int64(0x7FFFFFFFFFFFFFFF)
+    kmax = np.int64(-0x7FFFFFFFFFFFFFFF - 1)
+    for i in range(bs.shape[0]):
+        k = _order_key64(bs[i])
+        kmin = min(kmin, k)
+        kmax = max(kmax, k)
+    lo64 = _f64_from_bits(_order_key64(kmin))
+    hi64 = _f64_from_bits(_order_key64(kmax))
+    inf_key = np.int64(0x7FF0000000000000)
+    mark = 0
+    if not (kmax < inf_key and kmin > -inf_key - 1):
+        mark = REDO_BAD
+        lo = np.float32(0.0)
+        scale = np.float32(0.0)
+        inv = np.float32(1.0)
+    else:
+        lo = np.float32(lo64)
+        scale = np.float32((hi64 - (lo64 if wide else np.float64(lo))) / np.float64(top))
+        inv = np.float32(1.0) / (scale if scale > np.float32(0.0) else np.float32(1.0))
+        if not (np.isfinite(lo) and np.isfinite(scale) and np.isfinite(inv)):
+            mark = REDO_BAD
+        elif (kmin == np.int64(-1) or kmax == np.int64(0)) and _has_both_zeros64(bs):
+            mark = REDO_TIE
+    return lo, scale, inv, mark
+
+
+@njit(inline="always")
+def _quantize_chunk64(xs, bs, cs, n, top, params, c, wide):
+    """Chunk ``c`` of float64 values: parameters into ``params``, codes into ``cs`` as NumPy's
+    finite-block sequence makes them (``(x - offset)`` rounded to float32, times the inverse,
+    plus 2**23, the low byte of the bits), unless marked; returns (mark, offset, scale). Marks
+    ``REDO_ROUNDING`` (codes not written) where that shortcut and the reference sequence (rint,
+    clip) would differ: NumPy's choice between them depends on the other chunks of its block."""
+    lo, scale, inv, mark = _chunk_range64(xs, bs, top, wide)
+    if mark == REDO_BAD:  # the parameters as NumPy computes them come from NumPy
+        return mark, lo, scale
+    params[0, c] = lo
+    params[1, c] = scale
+    if mark:
+        return mark, lo, scale
+    wide = np.float64(lo)
+    edge = top + np.float32(0.5)
+    odd = False
+    for i in range(n):
+        q = np.float32(xs[i] - wide) * inv
+        odd |= not (q >= np.float32(0.0) and q < edge)
+        cs[i] = np.uint8(_f32_bits(q + _ROUND_MAGIC) & np.uint32(0xFF))
+    if odd:
+        return REDO_ROUNDING, lo, scale
+    return 0, lo, scale
+
+
+@_kernel
+def quantize64_chunks(x, bits, width, levels, params, codes, redo, packed, ctmp, wide):
+    """``quantize_chunks`` for float64 ``x`` (``bits``: x as int64), NumPy's float64 sequence
+    (``_quantize_chunk64``; ``wide``: chunks longer than NumPy's block); ``redo[c]`` holds the
+    chunk's mark (0: done). Returns how many chunks were marked."""
+    redone = 0
+    top = np.float32(levels)
+    for c in range(params.shape[1]):
+        start = c * width
+        xs = x[start:start + width]
+        n = xs.shape[0]
+        cs = _codes_of(codes, ctmp, start, n, packed)
+        mark = _quantize_chunk64(xs, bits[start:start + n], cs, n, top, params, c, wide)[0]
+        if mark:
+            redo[c] = mark
+            redone += 1
+        elif packed:
+            _pack4(cs, n, _packed_part(codes, start, n))
     return redone
 
 
 @_kernel
-def unpack4_dequantize_chunks(acc, params, packed, width, add):
-    """``acc (+)= code * scale + offset`` with the codes two to a byte (even index in the low
-    nibble): ``dequantize_add_chunks`` without unpacking first. ``width`` is even."""
+def quantize64_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tmp_bits, packed, ctmp, bf16):
+    """``quantize_feedback_chunks`` for float64 (marks as ``quantize64_chunks``; a marked chunk's
+    ``e`` and codes are left untouched; ``bf16`` unused: no half-precision input)."""
+    redone = 0
+    top = np.float32(levels)
     for c in range(params.shape[1]):
         start = c * width
-        a = acc[start:start + width]
-        ps = packed[start // 2:(start + width) // 2 + 1]
-        lo = params[0, c]
-        scale = params[1, c]
-        if not (np.isfinite(lo) and np.isfinite(scale)):
-            a[:] = np.float32(np.nan)
+        gs = g[start:start + width]
+        es = e[start:start + width]
+        n = gs.shape[0]
+        cs = _codes_of(codes, ctmp, start, n, packed)
+        xs = tmp[:n]
+        for i in range(n):
+            xs[i] = gs[i] + es[i]
+        mark, lo, scale = _quantize_chunk64(xs, tmp_bits[:n], cs, n, top, params, c, False)
+        if mark:
+            redo[c] = mark
+            redone += 1
             continue
-        for j in range(a.shape[0] // 2):
-            byte = ps[j]
-            low = np.float32(byte & np.uint8(15))
-            high = np.float32(byte >> np.uint8(4))
-            if add:
-                a[2 * j] = (a[2 * j] + low * scale) + lo
-                a[2 * j + 1] = (a[2 * j + 1] + high * scale) + lo
-            else:
-                a[2 * j] = (np.float32(0.0) + low * scale) + lo
-                a[2 * j + 1] = (np.float32(0.0) + high * scale) + lo
+        _keep_error(xs, es, cs, n, lo, scale)
+        if packed:
+            _pack4(cs, n, _packed_part(codes, start, n))
+    return redone
 
 
-#: multiplying 8 bytes of 0 or 1 (a uint64, little-endian) by this gathers byte k's bit into bit
-#: 56 + k, with no carries between the partial products: the 8 signs packed in one multiply
-_GATHER_BITS = np.uint64(0x0102040810204080)
+@_kernel
+def quantize64_owner_chunks(rows, row_params, chunks, width, levels, packed, feedback, e, params, codes,
+                            redo, tmp, tmp_bits, ctmp):
+    """``quantize_owner_chunks`` for a float64 slice (the rows decoded in float64; marks as
+    ``quantize64_chunks``, and ``REDO_BAD`` for a chunk a row decodes to NaN)."""
+    size = rows.shape[0]
+    top = np.float32(levels)
+    div = np.float64(size)
+    redone = 0
+    for c in range(chunks):
+        start = c * width
+        n = width
+        if not _rows_finite(row_params, chunks, c):
+            redo[c] = REDO_BAD
+            redone += 1
+            continue
+        xs = tmp[:n]
+        _decode_rows(rows, row_params, chunks, c, start, n, packed, xs, ctmp, size)
+        if size > 1:
+            for i in range(n):
+                xs[i] = xs[i] / div
+        es = e[start:start + n]
+        if feedback:
+            for i in range(n):
+                xs[i] = xs[i] + es[i]
+        cs = _codes_of(codes, ctmp, start, n, packed)
+        mark, lo, scale = _quantize_chunk64(xs, tmp_bits[:n], cs, n, top, params, c, False)
+        if mark:
+            redo[c] = mark
+            redone += 1
+            continue
+        if feedback:
+            _keep_error(xs, es, cs, n, lo, scale)
+        if packed:
+            _pack4(cs, n, _packed_part(codes, start, n))
+    return redone
+
+
+# ---------------------------------------------------------------------------------------------
+# 1-bit codes
+# ---------------------------------------------------------------------------------------------
+def _float_vector(dtype: types.Type, lanes: int) -> ir.VectorType:
+    return ir.VectorType(ir.DoubleType() if dtype == types.float64 else ir.FloatType(), lanes)
+
+
+def _contiguous_floats(*arrays: types.Type) -> bool:
+    return all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
+               and a.dtype in (types.float32, types.float64) for a in arrays)
+
+
+def _element(context, builder, aty, value, index, vector):
+    """A pointer to ``vector`` values of array ``value`` (type ``aty``) from ``index``."""
+    data = context.make_array(aty)(context, builder, value).data
+    return builder.bitcast(builder.gep(data, [index]), vector.as_pointer())
+
+
+@intrinsic
+def _abs_lane_total(typingctx, xs, groups):
+    """The float64 sum of ``|xs|`` over the first ``8 * groups`` values (float32 or float64) in
+    a fixed order: eight lanes, lane k adding values 8j + k in order, then the lanes in order
+    (``((a0 + a1) + a2) ... + a7``). Two vectors of four float64 lanes: the same additions, in
+    the same order, as eight scalar sums (which LLVM leaves scalar)."""
+    if not _contiguous_floats(xs):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aty = signature.args[0]
+        v4d = ir.VectorType(ir.DoubleType(), 4)
+        src = _float_vector(aty.dtype, 4)
+        fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v4d, [v4d]), "llvm.fabs.v4f64")
+        zero = ir.Constant(v4d, [0.0] * 4)
+        lo = cgutils.alloca_once_value(builder, zero)
+        hi = cgutils.alloca_once_value(builder, zero)
+        align = 8 if aty.dtype == types.float64 else 4
+        with cgutils.for_range(builder, args[1]) as loop:
+            base = builder.mul(loop.index, ir.Constant(loop.index.type, 8))
+            four = builder.add(base, ir.Constant(base.type, 4))
+            halves = []
+            for at in (base, four):
+                v = builder.load(_element(context, builder, aty, args[0], at, src), align=align)
+                halves.append(v if aty.dtype == types.float64 else builder.fpext(v, v4d))
+            builder.store(builder.fadd(builder.load(lo), builder.call(fabs, [halves[0]])), lo)
+            builder.store(builder.fadd(builder.load(hi), builder.call(fabs, [halves[1]])), hi)
+        a, b = builder.load(lo), builder.load(hi)
+        i32 = ir.IntType(32)
+        total = builder.extract_element(a, ir.Constant(i32, 0))
+        for k in range(1, 8):
+            total = builder.fadd(total, builder.extract_element(a if k < 4 else b, ir.Constant(i32, k % 4)))
+        return total
+    return types.float64(xs, types.intp), codegen
+
+
+@intrinsic
+def _sign_bits(typingctx, xs, groups, out):
+    """Byte j of ``out`` (uint8) = the signs of ``xs[8j:8j + 8]``, bit k for value 8j + k, 1 = not
+    negative (``x >= 0``: NaN is 0): eight compares, one byte, per group."""
+    if not (_contiguous_floats(xs) and isinstance(out, types.Array) and out.dtype == types.uint8):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aty, oty = signature.args[0], signature.args[2]
+        v8 = _float_vector(aty.dtype, 8)
+        zero = ir.Constant(v8, [0.0] * 8)
+        align = 8 if aty.dtype == types.float64 else 4
+        odata = context.make_array(oty)(context, builder, args[2]).data
+        with cgutils.for_range(builder, args[1]) as loop:
+            base = builder.mul(loop.index, ir.Constant(loop.index.type, 8))
+            v = builder.load(_element(context, builder, aty, args[0], base, v8), align=align)
+            byte = builder.bitcast(builder.fcmp_ordered(">=", v, zero), ir.IntType(8))
+            builder.store(byte, builder.gep(odata, [loop.index]))
+        return context.get_dummy_value()
+    return types.none(xs, groups, out), codegen
+
+
+@intrinsic
+def _from_signs(typingctx, out, bits, groups, scale, add):
+    """``out[8j + k] (+)= scale`` where bit k of ``bits[j]`` is set, else ``-scale`` (``scale``
+    float32, widened to ``out``'s dtype; adding as ``out + value``): a select of two vectors per
+    byte."""
+    if not (_contiguous_floats(out) and isinstance(bits, types.Array) and bits.dtype == types.uint8):
+        return None
+
+    def codegen(context, builder, signature, args):
+        oty, bty = signature.args[0], signature.args[1]
+        v8 = _float_vector(oty.dtype, 8)
+        s = args[3]
+        if oty.dtype == types.float64:
+            s = builder.fpext(s, ir.DoubleType())
+        pos = cgutils.alloca_once_value(builder, ir.Constant(v8, ir.Undefined))
+        vec = builder.load(pos)
+        for k in range(8):
+            vec = builder.insert_element(vec, s, ir.Constant(ir.IntType(32), k))
+        neg = builder.fneg(vec)
+        align = 8 if oty.dtype == types.float64 else 4
+        bdata = context.make_array(bty)(context, builder, args[1]).data
+        adding = builder.icmp_unsigned("!=", args[4], ir.Constant(args[4].type, 0))
+        with cgutils.for_range(builder, args[2]) as loop:
+            mask = builder.bitcast(builder.load(builder.gep(bdata, [loop.index])), ir.VectorType(ir.IntType(1), 8))
+            value = builder.select(mask, vec, neg)
+            ptr = _element(context, builder, oty, args[0], builder.mul(loop.index, ir.Constant(loop.index.type, 8)), v8)
+            with builder.if_else(adding) as (then, otherwise):
+                with then:
+                    builder.store(builder.fadd(builder.load(ptr, align=align), value), ptr, align=align)
+                with otherwise:
+                    builder.store(value, ptr, align=align)
+        return context.get_dummy_value()
+    return types.none(out, bits, groups, scale, add), codegen
 
 
 @njit(inline="always")
-def _onebit_chunk(xs, n, es, feedback, flags, bs):
-    """Encode the ``n`` values of ``xs`` (a chunk, in the L1 cache): its mean magnitude (float64,
-    eight lanes: lane k takes values 8j + k in order, then the lanes in order, as ``onebit`` does
-    in NumPy), its signs packed into ``bs`` (value 8j + k is bit k of byte j, 1 = not negative),
-    and with ``feedback`` ``es = xs - scale * sign``. Returns the scale. Separate loops, each one
-    LLVM vectorizes (a fused loop does not)."""
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
-    for j in range(n // 8):
-        b = 8 * j
-        a0 += abs(np.float64(xs[b]))
-        a1 += abs(np.float64(xs[b + 1]))
-        a2 += abs(np.float64(xs[b + 2]))
-        a3 += abs(np.float64(xs[b + 3]))
-        a4 += abs(np.float64(xs[b + 4]))
-        a5 += abs(np.float64(xs[b + 5]))
-        a6 += abs(np.float64(xs[b + 6]))
-        a7 += abs(np.float64(xs[b + 7]))
-    total = ((((((a0 + a1) + a2) + a3) + a4) + a5) + a6) + a7
-    scale = np.float32(total / n)
-    fs = flags[:n]
-    for i in range(n):
-        fs[i] = np.uint8(xs[i] >= np.float32(0.0))
-    eights = flags.view(np.uint64)
-    for j in range(n // 8):
-        bs[j] = np.uint8((eights[j] * _GATHER_BITS) >> np.uint64(56))
+def _onebit_chunk(xs, n, es, feedback, bs):
+    """Encode the ``n`` values of ``xs`` (a chunk, in the L1 cache; ``n`` a multiple of 8): its
+    mean magnitude (float64, eight lanes: lane k takes values 8j + k in order, then the lanes in
+    order, as ``onebit`` does in NumPy), its signs packed into ``bs`` (value 8j + k is bit k of
+    byte j, 1 = not negative), and with ``feedback`` ``es = xs - scale * sign``. Returns the
+    scale."""
+    scale = np.float32(_abs_lane_total(xs, n // 8) / n)
+    _sign_bits(xs, n // 8, bs)
     if feedback:
         neg = -scale
         for i in range(n):
@@ -204,11 +829,12 @@ def _onebit_chunk(xs, n, es, feedback, flags, bs):
 
 
 @_kernel
-def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp, flags):
+def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp, bf16):
     """Sign bits and a mean-magnitude scale per chunk (``_onebit_chunk``); with ``feedback``,
     ``x = g + e`` first and ``e = x - scale * sign`` after. ``width`` and every chunk's length
-    are multiples of 8; ``tmp`` (float32) and ``flags`` (uint8) hold ``width`` values. Returns
-    how many chunks have a non-finite scale: only those can leave a non-finite residual
+    are multiples of 8; ``tmp`` (the values' dtype) holds ``width`` values; ``g`` may be half
+    precision (uint16 bits, ``bf16`` saying which), widened to float32 exactly.
+    Returns how many chunks have a non-finite scale: only those can leave a non-finite residual
     (elsewhere ``|e| <= max(|x|, scale)``)."""
     bad = 0
     for c in range(scales.shape[0]):
@@ -219,11 +845,11 @@ def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp, flags):
         es = e[start:start + n]
         if feedback:
             for i in range(n):
-                xs[i] = gs[i] + es[i]
+                xs[i] = _wide(gs[i], bf16) + es[i]
         else:
             for i in range(n):
-                xs[i] = gs[i]
-        scale = _onebit_chunk(xs, n, es, feedback, flags, bits[start // 8:(start + n) // 8])
+                xs[i] = _wide(gs[i], bf16)
+        scale = _onebit_chunk(xs, n, es, feedback, bits[start // 8:(start + n) // 8])
         scales[c] = scale
         if not np.isfinite(scale):
             bad += 1
@@ -232,49 +858,43 @@ def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp, flags):
 
 @njit(inline="always")
 def _onebit_add(scale, bs, o, add):
-    """``o (+)= scale * sign`` for one chunk; a NaN scale makes it one canonical NaN (a NaN
-    product's sign is not portable)."""
+    """``o (+)= scale * sign`` for one chunk (``_from_signs``); a NaN scale makes it one
+    canonical NaN (a NaN product's sign is not portable)."""
     if np.isnan(scale):
-        o[:] = np.float32(np.nan)
+        o[:] = np.nan
         return
-    for j in range(bs.shape[0]):
-        byte = bs[j]
-        for k in range(8):
-            bit = (byte >> np.uint8(k)) & np.uint8(1)
-            value = scale if bit else -scale
-            if add:
-                o[8 * j + k] += value
-            else:
-                o[8 * j + k] = value
+    _from_signs(o, bs, o.shape[0] // 8, scale, add)
 
 
 @_kernel
-def onebit_owner_chunks(rows, chunks, width, n, e, scales, bits, tmp, flags):
+def onebit_owner_chunks(rows, row_scales, chunks, width, n, div, feedback, e, scales, bits, tmp):
     """The slice owner's stage in one pass per chunk: the ``rows`` (one message per rank: float32
-    scales of ``chunks`` chunks, then the sign bits of ``n`` values) decoded and summed in rank
-    order from 0.0, divided by the number of rows, ``e`` added, encoded into ``scales`` and
-    ``bits`` and ``e`` left with the error: the operations of decoding each row into a zeroed
-    slice, dividing and ``onebit_encode_chunks`` with feedback, in the same order, without the
-    slice-sized sum. Returns the count of non-finite scales, as that kernel."""
+    scales of ``chunks`` chunks, ``row_scales`` the same bytes as float32, then the sign bits of
+    ``n`` values) decoded and summed in rank order from zero, divided by the number of rows, with
+    ``feedback`` ``e`` added (``div``: the number of rows in ``tmp``'s dtype), encoded into
+    ``scales`` and ``bits`` and ``e`` left with the error: the operations of decoding each row into a zeroed slice, dividing and
+    ``onebit_encode_chunks``, in the same order, without the slice-sized sum. Returns the count of
+    non-finite scales, as that kernel."""
     size = rows.shape[0]
-    row_scales = [rows[r, :4 * chunks].view(np.float32) for r in range(size)]
+    zero = np.zeros(1, tmp.dtype)[0]
+    base = 4 * chunks
     bad = 0
     for c in range(chunks):
         start = c * width
         m = min(width, n - start)
         xs = tmp[:m]
         for i in range(m):
-            xs[i] = np.float32(0.0)
+            xs[i] = zero
         for r in range(size):
-            _onebit_add(row_scales[r][c], rows[r, 4 * chunks + start // 8:4 * chunks + (start + m) // 8], xs, True)
+            _onebit_add(row_scales[r, c], rows[r, base + start // 8:base + (start + m) // 8], xs, True)
         if size > 1:
-            div = np.float32(size)
             for i in range(m):
                 xs[i] = xs[i] / div
         es = e[start:start + m]
-        for i in range(m):
-            xs[i] = xs[i] + es[i]
-        scale = _onebit_chunk(xs, m, es, True, flags, bits[start // 8:(start + m) // 8])
+        if feedback:
+            for i in range(m):
+                xs[i] = xs[i] + es[i]
+        scale = _onebit_chunk(xs, m, es, feedback, bits[start // 8:(start + m) // 8])
         scales[c] = scale
         if not np.isfinite(scale):
             bad += 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...arrays import array_module, compiled_kernels
+from ...arrays import array_module, compiled_kernels, zero_non_finite
 
 _BLOCK = 1 << 18  # values per NumPy block (1 MiB of float32 scratch: fewer Python round trips)
 _ROUND_MAGIC = np.float32(2.0 ** 23)
@@ -32,6 +32,13 @@ def _compiled(*arrays):
 
         return compiled
     return None
+
+
+def _half_kind(x, residual):
+    """'float16' or 'bfloat16' for a half-precision ``x`` with a float32 residual (what the
+    compiled error-feedback kernels widen themselves), else None."""
+    name = np.dtype(x.dtype).name
+    return name if name in ("float16", "bfloat16") and residual.dtype == np.float32 else None
 
 
 def _runs(flags):
@@ -88,22 +95,16 @@ def _pieces(n, width):
 
 
 def quantize(x, params, codes, width: int, levels: int) -> None:
-    """Write float32 ``x``'s per-chunk offsets and scales into ``params`` (2, chunks) and its codes
-    (0..levels) into ``codes`` (uint8, ``x``'s length)."""
+    """Write float32 (or float64) ``x``'s per-chunk offsets and scales into ``params`` (2, chunks)
+    and its codes (0..levels) into ``codes`` (uint8, ``x``'s length)."""
     xp = array_module(x)
     n = x.shape[0]
     if xp is np:
-        jit = _compiled(x, params, codes) if x.dtype == np.float32 else None
+        jit = _compiled(x, params, codes) if x.dtype in (np.float32, np.float64) else None
         if jit is None:
             _quantize_blocked(x, params, codes, width, levels)
             return
-        redo = np.zeros(params.shape[1], bool)
-        if jit.quantize_chunks(x, x.view(np.int32), width, levels, params, codes, redo):
-            # chunks the compiled loop leaves to the NumPy kernels (non-finite values, ranges whose
-            # scale or inverse is not finite, a +0/-0 tie at an extreme): same bits that way
-            for c0, c1 in _runs(redo):
-                start, stop = c0 * width, min(c1 * width, n)
-                _quantize_blocked(x[start:stop], params[:, c0:c1], codes[start:stop], width, levels)
+        quantize_compiled(jit, x, params, codes, width, levels)
         return
     rows, _ = _split(n, width)
     parts = ((x[:rows * width].reshape(rows, width), codes[:rows * width].reshape(rows, width), slice(0, rows)),
@@ -120,7 +121,66 @@ def quantize(x, params, codes, width: int, levels: int) -> None:
         params[1, sl] = scale
 
 
-def _quantize_blocked(x, params, codes, width, levels):
+def quantize_compiled(jit, x, params, codes, width: int, levels: int, packed: bool = False,
+                      ctmp=None) -> None:
+    """``quantize`` by the compiled kernels (contiguous NumPy float32 or float64), the codes two to
+    a byte where ``packed`` (``ctmp``: uint8 scratch of a chunk); the chunks they leave to NumPy
+    (``redone``) redone here."""
+    if ctmp is None:
+        ctmp = np.empty(width if packed else 1, np.uint8)
+    redo = np.zeros(params.shape[1], np.uint8)
+    if x.dtype == np.float32:
+        marked = jit.quantize_chunks(x, x.view(np.int32), width, levels, params, codes, redo, packed, ctmp)
+    else:
+        marked = jit.quantize64_chunks(x, x.view(np.int64), width, levels, params, codes, redo, packed, ctmp,
+                                       width > _BLOCK)
+    if marked:
+        redone(redo, x.shape[0], width, levels, params, codes, packed,
+               lambda part: x[part], None)
+
+
+def redone(redo, n: int, width: int, levels: int, params, codes, packed: bool, values, residual) -> None:
+    """Redo the chunks a compiled kernel marked (``redo``), by the NumPy kernels: quantize
+    ``values(part)`` (the chunks' values, a slice of the bucket's) into ``params`` and ``codes``
+    (packed where ``packed``) and, with ``residual`` (the chunks' residual, ``values`` then
+    without it), keep the error there as the runner's steps do. The marks of the float64 kernels
+    say why (``compiled.REDO_*``): a chunk whose rounding depends on its NumPy block takes that
+    block's path (the reference where the block holds a non-finite chunk)."""
+    from .compiled import REDO_BAD, REDO_ROUNDING
+
+    rows = n // width
+    per = max(1, _BLOCK // width) if width <= _BLOCK else 1
+
+    def block_bad(c: int) -> bool:
+        if c >= rows or width > _BLOCK:  # the tail chunk, or chunks longer than a block: alone
+            return bool(redo[c] == REDO_BAD)
+        b0 = c // per * per
+        return bool((redo[b0:min(b0 + per, rows)] == REDO_BAD).any())
+
+    rounding = redo == REDO_ROUNDING
+    runs = [(c0, c1, False) for c0, c1 in _runs(redo.astype(bool) & ~rounding)]
+    runs += [(c, c + 1, block_bad(c)) for c in np.flatnonzero(rounding).tolist()]
+    for c0, c1, reference in runs:
+        part = slice(c0 * width, min(c1 * width, n))
+        xs = values(part)
+        if residual is not None:
+            xs = xs + residual[part]
+        count = part.stop - part.start
+        out = np.empty(count, np.uint8) if packed else codes[part]
+        _quantize_blocked(xs, params[:, c0:c1], out, width, levels, reference)
+        if residual is not None:
+            own = np.zeros_like(xs)
+            dequantize(own, params[:, c0:c1], out, width, add=True)
+            with np.errstate(invalid="ignore", over="ignore"):
+                np.subtract(xs, own, out=residual[part])
+            zero_non_finite(residual[part])  # the other chunks' residuals are finite
+        if packed:
+            padded = np.zeros(count + count % 2, np.uint8)
+            padded[:count] = out
+            pack4(padded, codes[part.start // 2:part.start // 2 + padded.shape[0] // 2])
+
+
+def _quantize_blocked(x, params, codes, width, levels, reference=False):
     scratch = np.empty(min(_BLOCK, x.shape[0]), np.float32)
     whole_chunks = width <= _BLOCK  # else each chunk's parameters come first, in one pass
     if not whole_chunks:
@@ -135,17 +195,19 @@ def _quantize_blocked(x, params, codes, width, levels):
         if whole_chunks:
             params[0, chunks] = part.min(axis=1)
             params[1, chunks] = _scale(np, params[0, chunks], part.max(axis=1), levels)
-        _encode_block(part, out, params[0, chunks], params[1, chunks], scratch, levels)
+        _encode_block(part, out, params[0, chunks], params[1, chunks], scratch, levels, reference)
 
 
-def _encode_block(part, out, lo, scale, scratch, levels):
-    """codes of a (chunks, width) block with per-chunk ``lo`` and ``scale``."""
+def _encode_block(part, out, lo, scale, scratch, levels, reference=False):
+    """codes of a (chunks, width) block with per-chunk ``lo`` and ``scale``; ``reference``: the
+    reference sequence even where every chunk is finite (what the block of a float64 chunk that
+    was redone alone took, see ``redone``)."""
     inv = _inverse(np, scale)
     q = scratch[:part.size].reshape(part.shape)
     with np.errstate(invalid="ignore", over="ignore"):
         np.subtract(part, lo[:, None], out=q)
     finite = np.isfinite(lo).all() and np.isfinite(scale).all() and np.isfinite(inv).all()
-    if not finite:  # a chunk with NaN/Inf, an overflowing or subnormal range: the reference sequence
+    if reference or not finite:  # a chunk with NaN/Inf, an overflowing or subnormal range: the reference
         _finish_codes(np, q, inv, levels)
         out[...] = q
         return
@@ -162,13 +224,14 @@ def dequantize(acc, params, codes, width: int, add: bool = False) -> None:
     """``acc (+)= codes * scale + offset`` per chunk, as two float32 roundings on every path;
     chunks with non-finite parameters become NaN."""
     xp = array_module(acc)
+    if xp is np:
+        jit = _compiled(acc, params, codes) if acc.dtype in (np.float32, np.float64) else None
+        if jit is not None:
+            jit.dequantize_chunks(acc, params, codes, width, add)
+            return
     if not add:
         acc[...] = 0
     if xp is np:
-        jit = _compiled(acc, params, codes) if acc.dtype == np.float32 else None
-        if jit is not None:
-            jit.dequantize_add_chunks(acc, params, codes, width)
-            return
         scratch = np.empty(min(_BLOCK, acc.shape[0]), np.float32)
         for start, stop, chunks in _pieces(acc.shape[0], width):
             k = chunks.stop - chunks.start

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...arrays import Array, ArrayModule, array_module, zero_non_finite
+from ...arrays import Array, ArrayModule, DTypeLike, array_module, zero_non_finite
 from ...comm import Workspace
 from ..codec import Codec
-from .kernels import _compiled, chunk_count
+from .kernels import _compiled, _half_kind, chunk_count
 
 CHUNK = 512
 
@@ -30,6 +30,7 @@ class OneBit(Codec):
     chunk = CHUNK
     nan_effect = "chunk"
     independent_chunks = True
+    half_input = True
     relative_error_limit = 0.95  # without error feedback, on the kit's structured signal
 
     def message_size(self, n: int) -> int:
@@ -51,11 +52,13 @@ class OneBit(Codec):
         if not n:
             return True
         feedback = residual is not None
-        jit = _compiled(x, scales, bits, *(() if residual is None else (residual,)))
-        if jit is not None and x.dtype == np.float32:
-            tmp, flags = self._chunk_temporaries(workspace, x)
-            bad = jit.onebit_encode_chunks(x, residual if feedback else x, CHUNK, scales, bits, feedback,
-                                           tmp, flags)
+        half = None if residual is None else _half_kind(x, residual)
+        jit = self._jit(x if half is None else residual, x, scales, bits, *(() if residual is None else (residual,)))
+        if jit is not None and (residual is None or residual.dtype == x.dtype or half is not None):
+            g = x if half is None else x.view(np.uint16)
+            compute = x.dtype if residual is None or half is None else residual.dtype
+            bad = jit.onebit_encode_chunks(g, residual if feedback else x, CHUNK, scales, bits, feedback,
+                                           self._chunk(workspace, x, compute), half == "bfloat16")
             if bad and residual is not None:
                 zero_non_finite(residual)  # a non-finite scale: that chunk's residual is NaN or Inf
             return True
@@ -75,30 +78,44 @@ class OneBit(Codec):
         bits[...] = xp.packbits(positive, bitorder="little")
         return True
 
+    def _jit(self, *arrays: Array):
+        """The compiled kernels where they take ``arrays`` (the first one float32 or float64)."""
+        return _compiled(*arrays) if arrays[0].dtype in (np.float32, np.float64) else None
+
     def average_with_feedback(self, rows: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
-        """The owner's stage in one compiled pass per chunk (``onebit_owner_chunks``): float32
-        NumPy only, else False."""
-        n = residual.shape[0]
+        """The owner's stage in one compiled pass per chunk (``onebit_owner_chunks``): NumPy
+        float32 or float64 only, else False."""
+        return self._owner(rows, residual.shape[0], residual.dtype, residual, message, workspace)
+
+    def average(self, rows: Array, n: int, dtype: DTypeLike, message: Array, workspace: Workspace) -> bool:
+        """The owner's stage without a residual, in one compiled pass per chunk."""
+        return self._owner(rows, n, np.dtype(dtype), None, message, workspace)
+
+    def _owner(self, rows: Array, n: int, dtype: np.dtype, residual: Array | None, message: Array,
+               workspace: Workspace) -> bool:
         scales, bits = self._views(message, n)
-        jit = _compiled(rows, residual, scales, bits) if residual.dtype == np.float32 else None
-        if jit is None or not n:
+        if dtype not in (np.float32, np.float64) or rows.shape[1] % 4 or not n:
             return False
-        tmp, flags = self._chunk_temporaries(workspace, residual)
-        if jit.onebit_owner_chunks(rows, scales.shape[0], CHUNK, n, residual, scales, bits, tmp, flags):
+        tmp = self._chunk(workspace, rows, dtype)
+        jit = self._jit(tmp, rows, scales, bits, *(() if residual is None else (residual,)))
+        if jit is None:
+            return False
+        e = residual if residual is not None else tmp
+        if jit.onebit_owner_chunks(rows, rows.view(np.float32), scales.shape[0], CHUNK, n, dtype.type(rows.shape[0]),
+                                   residual is not None, e, scales, bits, tmp) and residual is not None:
             zero_non_finite(residual)
         return True
 
-    def _chunk_temporaries(self, workspace: Workspace, like: Array) -> tuple[Array, Array]:
-        """One chunk of float32 values and one of uint8 sign flags, for the compiled kernels."""
-        return (workspace.array(self, "tmp", CHUNK, np.float32, like=like),
-                workspace.array(self, "flags", CHUNK, np.uint8, like=like))
+    def _chunk(self, workspace: Workspace, like: Array, dtype: DTypeLike) -> Array:
+        """One chunk of values of ``dtype``, for the compiled kernels."""
+        return workspace.array(self, "tmp", CHUNK, dtype, like=like)
 
     def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         n = out.shape[0]
         scales, bits = self._views(message, n)
         if not n:
             return
-        jit = _compiled(out, scales, bits) if out.dtype == np.float32 else None
+        jit = self._jit(out, scales, bits)
         if jit is not None:
             jit.onebit_decode_chunks(scales, bits, out, CHUNK, add)
             return

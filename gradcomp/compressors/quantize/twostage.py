@@ -18,7 +18,7 @@ from ...comm import Workspace
 from ...params import check_choice
 from ..codec import Codec
 from .allgather import chunk_error_bound
-from .kernels import _compiled, _runs, _quantize_blocked, chunk_count, dequantize, pack4, quantize, unpack4
+from .kernels import _compiled, _half_kind, chunk_count, dequantize, pack4, quantize, quantize_compiled, redone, unpack4
 
 CHUNK = 512
 
@@ -30,6 +30,7 @@ class QuantizedAllreduce(Codec):
     chunk = CHUNK
     nan_effect = "chunk"
     independent_chunks = True
+    half_input = True
 
     def __init__(self, bits: int = 8):
         super().__init__()
@@ -45,6 +46,11 @@ class QuantizedAllreduce(Codec):
 
     def encode(self, x: Array, message: Array, workspace: Workspace) -> None:
         params, packed = self._views(message, x.shape[0])
+        jit = self._jit(x, params)
+        if jit is not None:
+            quantize_compiled(jit, x, params, packed, CHUNK, self.levels, self.bits == 4,
+                              self._ctmp(workspace, x))
+            return
         if self.bits == 8:
             quantize(x, params, packed, CHUNK, self.levels)
             return
@@ -54,38 +60,97 @@ class QuantizedAllreduce(Codec):
         quantize(x, params, codes[:n], CHUNK, self.levels)
         pack4(codes, packed)
 
+    def _jit(self, *arrays: Array):
+        """The compiled kernels where they take ``arrays`` (the first one float32 or float64)."""
+        return _compiled(*arrays) if arrays[0].dtype in (np.float32, np.float64) else None
+
+    def _ctmp(self, workspace: Workspace, like: Array) -> Array:
+        """A chunk of uint8 codes (4-bit codes are packed from there)."""
+        return workspace.array(self, "ctmp", CHUNK, np.uint8, like=like)
+
+    def _tmp(self, workspace: Workspace, like: Array) -> tuple[Array, Array]:
+        """A chunk of values in ``like``'s dtype, and the same memory as integers (order keys)."""
+        tmp = workspace.array(self, "tmp", CHUNK, like.dtype, like=like)
+        return tmp, tmp.view(np.int32 if like.dtype == np.float32 else np.int64)
+
     def encode_with_feedback(self, x: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
         """``x + residual`` encoded and ``residual`` updated to what the codes miss, in one
-        compiled pass per chunk (float32 NumPy only: else False, and the runner does it in steps)."""
+        compiled pass per chunk (NumPy float32 or float64 ``x`` with a residual of its dtype, or
+        float16/bfloat16 ``x`` with a float32 residual: else False, and the runner does it in
+        steps)."""
         n = x.shape[0]
         params, packed = self._views(message, n)
-        jit = _compiled(x, residual, params) if x.dtype == residual.dtype == np.float32 else None
-        if jit is None or n % 2:
+        half = _half_kind(x, residual)
+        if half is None and residual.dtype != x.dtype:
             return False
-        codes = packed if self.bits == 8 else workspace.array(self, "codes", n, np.uint8, like=x)
-        tmp = workspace.array(self, "tmp", CHUNK, np.float32, like=x)
-        redo = np.zeros(params.shape[1], bool)
-        if jit.quantize_feedback_chunks(x, residual, CHUNK, self.levels, params, codes, redo, tmp,
-                                        tmp.view(np.int32)):
-            for c0, c1 in _runs(redo):  # non-finite or tied chunks: NumPy's sequence, same bits
-                part = slice(c0 * CHUNK, min(c1 * CHUNK, n))
-                xs = x[part] + residual[part]
-                _quantize_blocked(xs, params[:, c0:c1], codes[part], CHUNK, self.levels)
-                own = np.zeros_like(xs)
-                dequantize(own, params[:, c0:c1], codes[part], CHUNK, add=True)
-                np.subtract(xs, own, out=residual[part])
-                zero_non_finite(residual[part])  # the other chunks' residuals are finite
-        if self.bits == 4:
-            pack4(codes, packed)
+        jit = self._jit(residual, x, params)
+        if jit is None:
+            return False
+        tmp, tmp_bits = self._tmp(workspace, residual)
+        redo = np.zeros(params.shape[1], np.uint8)
+        kernel = jit.quantize_feedback_chunks if residual.dtype == np.float32 else jit.quantize64_feedback_chunks
+        g = x if half is None else x.view(np.uint16)
+        if kernel(g, residual, CHUNK, self.levels, params, packed, redo, tmp, tmp_bits, self.bits == 4,
+                  self._ctmp(workspace, x), half == "bfloat16"):
+            # non-finite or tied chunks: NumPy's sequence, same bits
+            redone(redo, n, CHUNK, self.levels, params, packed, self.bits == 4,
+                   lambda part: x[part].astype(residual.dtype), residual)
         return True
+
+    def average_with_feedback(self, rows: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
+        """The owner's stage in one compiled pass per chunk (``quantize_owner_chunks``)."""
+        return self._owner(rows, residual.shape[0], residual.dtype, residual, message, workspace)
+
+    def average(self, rows: Array, n: int, dtype: DTypeLike, message: Array, workspace: Workspace) -> bool:
+        """The owner's stage without a residual, in one compiled pass per chunk."""
+        return self._owner(rows, n, np.dtype(dtype), None, message, workspace)
+
+    def _owner(self, rows: Array, n: int, dtype: np.dtype, residual: Array | None, message: Array,
+               workspace: Workspace) -> bool:
+        """NumPy float32 or float64 slices of whole chunks only (else False)."""
+        params, packed = self._views(message, n)
+        chunks = params.shape[1]
+        if dtype not in (np.float32, np.float64) or rows.shape[1] % 4 or n != chunks * CHUNK:
+            return False
+        like = residual if residual is not None else workspace.array(self, "like", 1, dtype, like=rows)
+        jit = self._jit(like, rows, params)
+        if jit is None or not n:
+            return False
+        tmp, tmp_bits = self._tmp(workspace, like)
+        redo = np.zeros(chunks, np.uint8)
+        kernel = jit.quantize_owner_chunks if like.dtype == np.float32 else jit.quantize64_owner_chunks
+        e = residual if residual is not None else tmp
+        if kernel(rows, rows.view(np.float32), chunks, CHUNK, self.levels, self.bits == 4, residual is not None,
+                  e, params, packed, redo, tmp, tmp_bits, self._ctmp(workspace, like)):
+            redone(redo, n, CHUNK, self.levels, params, packed, self.bits == 4,
+                   lambda part: self._mean(rows, part, like.dtype, workspace), residual)
+        return True
+
+    def _mean(self, rows: Array, part: slice, dtype: np.dtype, workspace: Workspace) -> Array:
+        """The owner's slice ``part`` (whole chunks) from the rows, as the runner's steps make it:
+        each row decoded into a zeroed array in rank order, divided by their number."""
+        mine = np.zeros(part.stop - part.start, dtype)
+        c0, c1 = part.start // CHUNK, -(-part.stop // CHUNK)
+        for r in range(rows.shape[0]):
+            params, packed = self._row_views(rows[r])
+            codes = packed[part] if self.bits == 8 else _unpacked(packed, part)
+            dequantize(mine, np.ascontiguousarray(params[:, c0:c1]), codes, CHUNK, add=True)
+        if rows.shape[0] > 1:
+            np.divide(mine, mine.dtype.type(rows.shape[0]), out=mine)
+        return mine
+
+    def _row_views(self, row: Array) -> tuple[Array, Array]:
+        """(params, codes) of one row the owner received (whole chunks)."""
+        chunks = row.shape[0] * 8 // (64 + CHUNK * self.bits)
+        return row[:8 * chunks].view(np.float32).reshape(2, chunks), row[8 * chunks:]
 
     def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         params, packed = self._views(message, out.shape[0])
-        codes = packed
-        jit = _compiled(out, params, packed) if out.dtype == np.float32 else None
-        if self.bits == 4 and jit is not None and out.shape[0] % 2 == 0:
-            jit.unpack4_dequantize_chunks(out, params, packed, CHUNK, add)
+        jit = self._jit(out, params, packed)
+        if self.bits == 4 and jit is not None:
+            jit.unpack4_dequantize_chunks(out, params, packed, CHUNK, add, self._ctmp(workspace, out))
             return
+        codes = packed
         if self.bits == 4:
             codes = workspace.array(self, "codes", 2 * packed.shape[0], np.uint8, like=packed)
             unpack4(packed, codes)
@@ -99,4 +164,13 @@ class QuantizedAllreduce(Codec):
         spread = first.max(initial=0.0)  # the decoded mean moves by up to the first error
         second = chunk_error_bound(mean, CHUNK, self.levels, dtype) + 2 * spread / self.levels
         return first + second
+
+
+
+def _unpacked(packed: Array, part: slice) -> Array:
+    """The 4-bit codes of values ``part`` (an even start) as one byte each."""
+    count = part.stop - part.start
+    codes = np.empty(count + count % 2, np.uint8)
+    unpack4(packed[part.start // 2:part.start // 2 + codes.shape[0] // 2], codes)
+    return codes[:count]
 
