@@ -214,7 +214,7 @@ class _ReducerCase(_GradcompTraffic, _Case):
             _start_torch()  # TorchCommunicator needs the process group
         comm = m.communicator(path.shared) or path.comm
         self.reducer: GradientReducer | None = GradientReducer(path.grads, self.compressor, comm,
-                                                               path.args.bucket_mb)
+                                                               path.args.bucket_mb, m.hierarchical)
         # views: the gradients live in the reducer's buffers (reducer.gradients, the README's
         # recommended form); own: the user's own arrays, copied in and out by step()
         self.arrays = self.reducer.gradients if path.args.reducer_arrays == "views" else path.grads
@@ -413,7 +413,8 @@ class _DDPCase(_ModelCase):
             from ..torch import register
 
             self.compressor = m.build()
-            register(self.model, self.compressor, comm=m.communicator(path.shared))
+            register(self.model, self.compressor, comm=m.communicator(path.shared),
+                     hierarchical=m.hierarchical)
         else:
             state, hook = m.build(path.size)
             self.model.register_comm_hook(state, hook)

@@ -76,6 +76,19 @@ from .paths import PATHS, DDPPath, ReducerPath, _Case
 from .shapes import heavy_tailed, model_shapes, numel
 
 
+def _link_tx() -> int | None:
+    """Bytes this emulated host has sent on its capped link so far (``eth0``'s counter in the
+    network namespace ``bench/capped.sh`` put this rank in, shared by the host's ranks, frames with
+    their TCP/IP headers and the ACKs of what it received); None outside ``capped.sh``."""
+    if "GRADCOMP_NETNS_PREFIX" not in os.environ:
+        return None
+    try:
+        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
 def _progress(rank: int, done: int, total: int, name: str) -> None:
     if rank == 0:
         print(f"@progress {done} {total} {name}", flush=True)
@@ -160,6 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[float]] = {}
     faults: dict[str, list[int]] = {}
     cpu: dict[str, list[tuple[float, float]]] = {}  # (user, system) seconds of each timed step
+    link: dict[str, list[int]] = {}  # bytes this rank's host sent on its capped link, per timed step
     errors: dict[str, float] = {}
     diffs: dict[str, float] = {}
 
@@ -186,12 +200,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         nonlocal reference
         case.prepare()  # restoring overwritten gradients is not part of the step
         world.Barrier()
+        tx0 = _link_tx()
         with case.timed():
             f0, u0, s0 = _usage()
             t0 = time.perf_counter()
             case.step()
             t = time.perf_counter() - t0
             f1, u1, s1 = _usage()
+        if tx0 is not None:  # after every rank of the host has finished sending (and a barrier's bytes)
+            world.Barrier()
+            link.setdefault(case.name, []).append((_link_tx() or 0) - tx0)
         times[case.name].append(t)
         faults[case.name].append(f1 - f0)
         cpu[case.name].append((u1 - u0, s1 - s0))
@@ -261,6 +279,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         used = np.array(cpu[name], dtype=np.float64)  # (steps, 2): this rank's user, system
         world.Allreduce(MPI.IN_PLACE, used, op=MPI.SUM)
         total_cpu = used.sum(axis=1)
+        if name in link:  # the busiest host's link
+            sent = np.array(link[name], dtype=np.int64)
+            world.Allreduce(MPI.IN_PLACE, sent, op=MPI.MAX)
+            row["host_link_bytes_per_step"] = float(np.median(sent))
         row.update(times_s=slowest.tolist(), time_s=float(np.median(slowest)),
                    faults=most.tolist(), faults_per_step=float(np.median(most)),
                    cpu_s=float(np.median(total_cpu)),

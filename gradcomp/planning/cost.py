@@ -33,6 +33,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 KINDS = ("allreduce", "allgather", "two-stage")
 
 
@@ -161,59 +163,89 @@ def messages(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
 @dataclass
 class Model:
     """Link constants and each method's compute (seconds per byte of float32 gradient, one rank
-    on its own core: worker and owner stages together)."""
+    on its own core: worker and owner stages together). ``local``: the link inside a host, where
+    a fit measured it (else the cluster's)."""
     compute: dict[str, float]
     local_pass: float = 0.0  # seconds per byte of one memory pass (hierarchical's local stages)
+    local: Link | None = None
 
     def step(self, method: str, t: Traffic, numel: int, buckets: int, cluster: Cluster,
              hierarchical: bool) -> float:
-        """Predicted seconds per training step of ``numel`` float32 values in ``buckets`` buckets."""
+        """Predicted seconds per training step of ``numel`` float32 values in ``buckets`` buckets.
+        On one host, the flat exchange runs over the local link."""
         per = numel / buckets
         hier = hierarchical and cluster.per_host > 1 and cluster.hosts > 1
-        wire = cluster.network.time(host_link_bytes(t, cluster, hier), messages(t, cluster, hier))
+        local_link = self.local or cluster.local
+        over = local_link if cluster.hosts == 1 else cluster.network
+        wire = over.time(host_link_bytes(t, cluster, hier), messages(t, cluster, hier))
         local = 0.0
         share = 1.0
         if hier:
             L = cluster.per_host
-            local = cluster.local.time(2 * 2 * (L - 1) / L * per * 4, 2 * (L - 1))
+            local = local_link.time(2 * 2 * (L - 1) / L * per * 4, 2 * (L - 1))
             local += 2 * self.local_pass * per * 4
             share = 1.0 / L
         compute = self.compute.get(method, 0.0) * per * 4 * share * cluster.contention()
         return buckets * (wire + local + compute)
 
+    def step_of(self, method: str, parts: Sequence[tuple[Traffic, int]], cluster: Cluster,
+                hierarchical: bool) -> float:
+        """Predicted seconds per step of buckets given as ``(traffic, numel)`` each."""
+        return sum(self.step(method, t, n, 1, cluster, hierarchical) for t, n in parts)
+
+
+def _terms(r: Mapping[str, Any], methods: Sequence[str]) -> list[float]:
+    """One run's coefficients of (network alpha, 1/beta, local alpha, 1/beta, each method's
+    compute per byte): its seconds are their dot product with the constants (``Model.step``)."""
+    c = r["cluster"]
+    hier = r["hierarchical"] and c.per_host > 1 and c.hosts > 1
+    net = [0.0, 0.0]
+    loc = [0.0, 0.0]
+    work = [0.0] * len(methods)
+    L = c.per_host
+    for t, n in r["parts"]:
+        pair = loc if c.hosts == 1 else net
+        pair[0] += messages(t, c, hier)
+        pair[1] += host_link_bytes(t, c, hier)
+        if hier:
+            loc[0] += 2 * (L - 1)
+            loc[1] += 2 * 2 * (L - 1) / L * n * 4
+        if r["method"] in methods:
+            work[methods.index(r["method"])] += n * 4 * (1.0 / L if hier else 1.0) * c.contention()
+    return net + loc + work
+
 
 def fit(runs: Sequence[Mapping[str, Any]]) -> tuple[Link, Model]:
-    """Constants from measured steps. Each run: ``method``, ``traffic`` (``Traffic``), ``numel``,
-    ``buckets``, ``cluster`` (its ``network`` link ignored), ``hierarchical``, ``seconds``.
+    """Constants from measured steps. Each run: ``method``, ``parts`` (one ``(Traffic, numel)``
+    per bucket), ``cluster`` (its links ignored; its cores counted), ``hierarchical``,
+    ``seconds``.
 
-    The link: least squares over the fp32 ``allreduce`` runs of ``seconds = buckets * (m * alpha
-    + bytes / beta)``; then each method's compute: the mean over its runs of what is left per byte,
-    divided by the core contention of its shape."""
-    exact = [r for r in runs if r["method"] == "allreduce"]
-    if not exact:
-        raise ValueError("fit needs fp32 allreduce runs (the link's constants come from them)")
-    rows, ys = [], []
-    for r in exact:
-        c, hier = r["cluster"], r["hierarchical"]
-        rows.append((r["buckets"] * messages(r["traffic"], c, hier),
-                     r["buckets"] * host_link_bytes(r["traffic"], c, hier)))
-        ys.append(r["seconds"])
-    alpha, inv_beta = _least_squares(rows, ys)
-    link = Link(max(alpha, 0.0), 1.0 / inv_beta if inv_beta > 0 else math.inf)
-    compute: dict[str, float] = {}
-    for method in sorted({r["method"] for r in runs}):
-        if method == "allreduce":
-            continue
-        per_byte = []
-        for r in (r for r in runs if r["method"] == method):
-            c = r["cluster"]
-            shaped = Cluster(c.hosts, c.per_host, link, c.local, c.cores_per_host)
-            wire_only = Model({}).step(method, r["traffic"], r["numel"], r["buckets"], shaped, r["hierarchical"])
-            share = 1.0 / c.per_host if r["hierarchical"] and c.per_host > 1 and c.hosts > 1 else 1.0
-            left = max(r["seconds"] - wire_only, 0.0)
-            per_byte.append(left / (r["numel"] * 4 * share * shaped.contention()))
-        compute[method] = sum(per_byte) / len(per_byte)
-    return link, Model(compute)
+    One least-squares fit of every run's ``seconds`` to the model's terms, each run weighted by
+    1 / its seconds (the error that matters is relative), every constant kept >= 0: the network
+    link (alpha, beta), the link inside a host (from runs on one host and the local stages of
+    hierarchical ones; the cluster's default where no run has them) and each method's compute
+    per byte (fp32 ``allreduce``'s is 0: its additions are part of the link's time)."""
+    methods = sorted({r["method"] for r in runs} - {"allreduce"})
+    a = np.array([_terms(r, methods) for r in runs], dtype=np.float64)
+    y = np.array([r["seconds"] for r in runs], dtype=np.float64)
+    if not a[:, 1].any():
+        raise ValueError("fit needs runs on several hosts (the network's constants)")
+    a, y = a / y[:, None], np.ones_like(y)
+    free = [j for j in range(a.shape[1]) if a[:, j].any()]
+    x = np.zeros(a.shape[1])
+    while free:  # least squares; constants that come out negative are held at 0, the rest refit
+        sol = np.linalg.lstsq(a[:, free], y, rcond=None)[0]
+        if (sol >= 0).all():
+            x[free] = sol
+            break
+        free = [j for j, v in zip(free, sol) if v >= 0]
+    link = _as_link(x[0], x[1])
+    local = _as_link(x[2], x[3]) if a[:, 3].any() else None
+    return link, Model({m: float(v) for m, v in zip(methods, x[4:])}, local=local)
+
+
+def _as_link(alpha: float, inv_beta: float) -> Link:
+    return Link(max(float(alpha), 0.0), 1.0 / float(inv_beta) if inv_beta > 0 else math.inf)
 
 
 def _least_squares(rows: list[tuple[float, float]], ys: list[float]) -> tuple[float, float]:
