@@ -19,22 +19,23 @@
 #   old 64 KB bucket moved fp32 at about half the cap). Each run checks it: the benchmark measures
 #   fp32's goodput against RATE and refuses to report ratios below 85% of it (bench/link.py).
 #   GRADCOMP_RANKS_PER_HOST=L is exported, so gradcomp's topology sees the emulated hosts.
-# MPICH is kept off shared memory and on TCP (MPIR_CVAR_NOLOCAL=1, ch4:ofi with the tcp provider
-# on eth0); mpiexec launches this script again as a wrapper that enters namespace number
-# $PMI_RANK (`ip netns exec`) and execs CMD there. torch.distributed (gloo) is pointed at the same
+# mpiexec is told each emulated host is a node of its own (`-launcher fork -hosts gcbhost0:L,...`:
+# one local proxy per host), so MPICH uses shared memory between the ranks of one host, as on a
+# real one, and TCP (ch4:ofi with the tcp provider on eth0) between hosts; it launches this script
+# again as a wrapper that enters the namespace of the rank's host ($PMI_RANK / L, `ip netns exec`)
+# and execs CMD there. torch.distributed (gloo) is pointed at the same
 # interface (GLOO_SOCKET_IFNAME=eth0, MASTER_ADDR=10.77.0.1). GRADCOMP_NETWORK=RATE is exported so
 # the benchmark records the cap.
 #
 # CAPPED_MTU=9000 sets that MTU on every veth (default: 1500, the kernel's): a comparison, not the
-# headline. At 1500 the emulated hosts' kernels (TCP, veth, bridge, tbf for 4 ranks, on the same
-# cores as the ranks) take most of the CPU and fp32 moves at about half the cap; at 9000 they take
-# a fifth as much and fp32 nears the cap (BENCHMARKS.md, section 3).
+# headline (the emulated hosts' kernels, on the same cores as the ranks, then handle 6x fewer
+# packets).
 #
 # Cleanup: namespaces (and with them the veths, the bridge and the qdiscs) are deleted on success,
 # failure and on INT/TERM/HUP. Needs root and iproute2 (ip, tc): without them it prints why and
 # exits with status 77 (the conventional "skipped").
 # Measured on a 2-core machine of this kind: 1gbit x 4 ranks moves a 25 MB fp32 allreduce in about
-# 360 ms (0.83-0.91 Gbit/s effective); a 10gbit cap is not reachable on 2 cores.
+# 270 ms (0.92 of the cap, BENCHMARKS.md section 1); a 10gbit cap is not reachable on 2 cores.
 set -u
 
 if [ "${1:-}" = "--in-namespace" ]; then  # the per-rank wrapper, started by mpiexec
@@ -165,7 +166,7 @@ echo "capped.sh: $NRANKS ranks on $HOSTS host(s) 10.77.0.1-$HOSTS ($PER_HOST per
 export GRADCOMP_NETNS_PREFIX="$PREFIX"
 export GRADCOMP_NETWORK="$RATE"
 export GRADCOMP_RANKS_PER_HOST="$PER_HOST"
-export MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0
+export MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0
 export GLOO_SOCKET_IFNAME=eth0 MASTER_ADDR=10.77.0.1
 # MPICH's algorithm and allocator variables are left as a user has them (plain mpiexec): set
 # them in the environment yourself to compare (BENCHMARKS.md labels such rows).
@@ -174,7 +175,9 @@ for v in MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM MALLOC_TRIM_THRESHOLD_ MALLOC_MMAP_
     [ -n "${!v:-}" ] && echo "capped.sh: note: $v=${!v} is set (not a default configuration)" >&2
 done
 
-"$MPIEXEC" -n "$NRANKS" "$SELF" --in-namespace "$@" &
+HOSTLIST=$(for ((r = 0; r < HOSTS; r++)); do printf ',gcbhost%d:%d' "$r" "$PER_HOST"; done)
+HOSTLIST=${HOSTLIST#,}
+"$MPIEXEC" -launcher fork -hosts "$HOSTLIST" -n "$NRANKS" "$SELF" --in-namespace "$@" &
 MPI_PID=$!
 wait "$MPI_PID"
 rc=$?

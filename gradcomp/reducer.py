@@ -20,6 +20,7 @@ from .comm import CollectiveError, Communicator, default_communicator
 from .compressors.agreement import gather_texts
 from .compressors.base import Compressor
 from .compressors.hierarchical import wrap
+from .planning.cost import hierarchical_pays
 
 
 class GradientReducer:
@@ -37,7 +38,9 @@ class GradientReducer:
     ``hierarchical``: on a job of several hosts with several ranks each (``MPICommunicator.topology``),
     average exactly inside each host and run the compressor across hosts only
     (``gradcomp.compressors.hierarchical``); None (default) does so wherever the topology has more
-    than one host and more than one rank per host, False never, True insists. ``compressor`` is
+    than one host and more than one rank per host and the method is one the hierarchy was
+    measured to speed up (``gradcomp.planning.cost.hierarchical_pays``: at most 8x compression),
+    False never, True insists. ``compressor`` is
     then ``self.compressor.inner``.
 
     The arrays are grouped into buckets of about ``bucket_cap_mb`` MiB (consecutive arrays of one
@@ -56,6 +59,8 @@ class GradientReducer:
             raise TypeError(f"expected a gradcomp Compressor, got {type(compressor).__name__} "
                             "(gradcomp.make(name) builds one by name)")
         self.comm = comm if comm is not None else default_communicator()
+        if hierarchical is None and not hierarchical_pays(compressor):
+            hierarchical = False
         self.compressor = wrap(compressor, self.comm, hierarchical)
         self.arrays = list(arrays)
         self.bucket_cap_mb = bucket_cap_mb

@@ -5,12 +5,12 @@
 Each RUN is a ``gradcomp.bench.worker`` result on the reducer path (``bench/capped_steps.sh``,
 with ``CAPPED_HOSTS`` for the shape). The constants (network and local links, each method's compute per
 byte: ``gradcomp.planning.cost.fit``) come from the ``--fit`` runs; the model then predicts every
-row of every run, ``--check`` ones included, and the table says how far off it is. ``flat-SPEC`` rows are the
-flat schedule on a topology where ``SPEC`` runs hierarchically.
+row of every run, ``--check`` ones included, and the table says how far off it is. ``hier-SPEC`` and ``flat-SPEC``
+rows name their schedule; plain ones ran the default's.
 
-Where a run was on ``capped.sh``'s link, the bytes each host sent on it (``host_link_bytes``, the
-namespace's counter: TCP/IP frames and ACKs included) are set beside the schedule's formula; the
-framing factor is fitted on the fp32 rows, so every other row's ratio should be 1.
+Where a run was on ``capped.sh``'s link, the bytes the busiest host sent on it per step
+(``host_link_bytes_per_step``, the namespace's counter: TCP/IP headers and ACKs included, a few
+tenths of a percent with the veth's large segments) are set beside the schedule's formula.
 
 Then the predictions: the step of every fitted method, flat and hierarchical, at 8x8, 64x8 and
 512x8 ranks on 100 and 10 Gbit/s links between hosts (latency ``REAL_ALPHA``, a host's own path
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from pathlib import Path
 
 import numpy as np
@@ -49,12 +48,14 @@ def buckets(model: str, bucket_mb: float) -> list[list[tuple[int, ...]]]:
     return [[shapes[i] for i in members] for members in group(views, bucket_mb)]
 
 
-def spec_of(row: dict) -> tuple[str, bool | None]:
-    """(the compressor spec, False for a ``flat-`` row else None: the topology's default)."""
+def spec_of(row: dict, several: bool) -> tuple[str, bool]:
+    """(the compressor spec, whether it ran hierarchically: a ``hier-`` row, or a plain one whose
+    method the default made hierarchical on ``several`` hosts of several ranks)."""
     name = row["method"]
-    if name.startswith("flat-"):
-        return name[len("flat-"):], False
-    return row.get("spec") or name, None
+    spec = row.get("spec") or name
+    if name.startswith(("hier-", "flat-")):
+        return spec, name.startswith("hier-")
+    return spec, several and cost.hierarchical_pays(make(spec))
 
 
 def runs_of(path: Path) -> list[dict]:
@@ -71,8 +72,7 @@ def runs_of(path: Path) -> list[dict]:
     for row in job["results"]:
         if row.get("kind") != "gradcomp" or "time_s" not in row:
             continue
-        spec, hier = spec_of(row)
-        hierarchical = (hosts > 1 and per_host > 1) if hier is None else hier
+        spec, hierarchical = spec_of(row, hosts > 1 and per_host > 1)
         across = hosts if hierarchical else ranks
         parts = [(cost.traffic(make(spec), shapes, across), sum(math.prod(s) for s in shapes))
                  for shapes in layout]
@@ -88,9 +88,6 @@ def formula_bytes(r: dict) -> float:
 
 def check(runs: list[dict], fitted: list[dict]) -> tuple[cost.Link, cost.Model, str]:
     link, model = cost.fit(fitted)
-    framing = [r["measured_link"] / formula_bytes(r) for r in runs
-               if r["method"] == "allreduce" and r["measured_link"] and r["cluster"].hosts > 1]
-    factor = statistics.median(framing) if framing else None
     rows = []
     for r in runs:
         c = r["cluster"]
@@ -103,14 +100,13 @@ def check(runs: list[dict], fitted: list[dict]) -> tuple[cost.Link, cost.Model, 
                      f"{predicted / r['seconds'] - 1:+.0%}",
                      f"{formula / 2**20:.2f}" if c.hosts > 1 else "-",
                      f"{measured / 2**20:.2f}" if measured and c.hosts > 1 else "-",
-                     f"{measured / (formula * factor):.3f}" if measured and factor and c.hosts > 1 else "-"])
+                     f"{measured / formula:.3f}" if measured and c.hosts > 1 else "-"])
     head = ["shape", "method", "schedule", "measured ms", "model ms", "model error",
-            "host link MiB (formula)", "host link MiB (counter)", "counter / (formula x framing)"]
+            "host link MiB (formula)", "host link MiB (counter)", "counter / formula"]
     text = aligned_table(head, rows)
     text += (f"\n\nlink: alpha {1e6 * link.alpha:.0f} us, beta {8 * link.beta / 1e9:.3f} Gbit/s; local: "
              + (f"alpha {1e6 * model.local.alpha:.0f} us, beta {8 * model.local.beta / 1e9:.2f} Gbit/s"
                 if model.local else "not measured")
-             + (f"; framing factor (counter / formula, fp32) {factor:.4f}" if factor else "")
              + "\ncompute, ns per gradient byte on a core of its own: "
              + ", ".join(f"{m} {1e9 * v:.2f}" for m, v in sorted(model.compute.items())))
     return link, model, text

@@ -253,6 +253,9 @@ def test_method_specs_with_commas_and_their_pytorch_twins():
     assert by["powersgd:rank=4,start_iter=2"].same_as == "torch-powersgd-r4"
     assert by["gloo-fp16"].transport == "gloo" and by["gloo-fp16"].same_as == "torch-fp16"
     assert by["powersgd:rank=4,start_iter=2"].build().rank == 4
+    hier = select("int8,hier-onebit:warmup=0,flat-int8", with_torch=False)
+    assert [(m.name, m.spec, m.hierarchical) for m in hier] == [
+        ("int8", "int8", None), ("hier-onebit:warmup=0", "onebit:warmup=0", True), ("flat-int8", "int8", False)]
     everything = [m.name for m in select("everything", with_torch=True)]
     assert "torch-quantize-tensor" in everything
     assert "torch-quantize-tensor" not in [m.name for m in select("all", with_torch=True)]
@@ -603,3 +606,8 @@ def test_the_link_check_refuses_a_slow_link():
     assert "below its rate" in link.problem(job(2.4))  # the old 64 KB bucket's half rate
     assert link.problem(job(2.4, nbytes=1e5)) is None  # latency-bound: not checked
     assert link.problem({"network": "", "results": []}) is None
+    counted = job(1.30)  # the host's own counter, where the worker read it, wins over the formula
+    counted["results"][0]["host_link_bytes_per_step"] = big / 2
+    assert link.goodput(counted) == pytest.approx(big / 2 * 8 / 1.30 / 1e9)
+    counted["results"].append({"method": "flat-allreduce", "time_s": 2.4, "bytes_per_rank": big})
+    assert "below its rate" in link.problem(counted)  # the flat schedule is the link's test

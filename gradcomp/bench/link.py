@@ -30,22 +30,32 @@ def rate_bits(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
+def _flat_fp32(job: dict[str, Any]) -> dict[str, Any] | None:
+    """The job's timed flat fp32 allreduce row: ``flat-allreduce`` where the job has one (on
+    several hosts of several ranks plain ``allreduce`` is hierarchical by default, and leaves the
+    link idle during its stages inside the host), else ``allreduce``."""
+    rows = {r.get("method"): r for r in job.get("results", []) if "time_s" in r}
+    return rows.get("flat-allreduce") or rows.get("allreduce")
+
+
 def goodput(job: dict[str, Any]) -> float | None:
-    """fp32 allreduce's bits per second on one rank's link, as a fraction of the cap; None when
-    the job was not capped or timed no fp32 allreduce."""
+    """fp32 allreduce's bits per second on one host's link, as a fraction of the cap; None when
+    the job was not capped or timed no fp32 allreduce. The bytes are the host's own counter where
+    the worker read it (``host_link_bytes_per_step``), else the bandwidth-optimal formula (ranks
+    of one host share its link: what they send to other hosts crosses it together)."""
     network = job.get("network")
-    row = next((r for r in job.get("results", []) if r.get("method") == "allreduce" and "time_s" in r), None)
+    row = _flat_fp32(job)
     if not network or row is None or not row["time_s"] or not row.get("bytes_per_rank"):
         return None
     per_host = int(job.get("ranks_per_host") or 1)
-    # ranks of one host share its link: what they send to other hosts crosses it together
-    return per_host * row["bytes_per_rank"] * 8 / row["time_s"] / rate_bits(network)
+    sent = row.get("host_link_bytes_per_step") or per_host * row["bytes_per_rank"]
+    return sent * 8 / row["time_s"] / rate_bits(network)
 
 
 def problem(job: dict[str, Any]) -> str | None:
     """Why this capped job's ratios must not be reported, or None."""
     fraction = goodput(job)
-    row: dict[str, Any] = next((r for r in job.get("results", []) if r.get("method") == "allreduce"), {})
+    row = _flat_fp32(job) or {}
     if fraction is None or fraction >= MINIMUM or row.get("bytes_per_rank", 0) < CHECKED_FROM:
         return None
     return (f"the emulated link ran below its rate: fp32 allreduce moved {fraction:.0%} of the "

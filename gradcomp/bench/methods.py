@@ -17,9 +17,10 @@ an entry point) adds it to the benchmark with no edit here:
 * ``GLOO_SPECS`` with a ``gloo-`` prefix: the same compressor over ``TorchCommunicator`` (gloo),
   PyTorch's transport, so that the comparison with PyTorch's hooks isolates the compressor from
   MPI-versus-gloo (needs torch). Any spec may be named with the prefix.
-* ``flat-SPEC`` (by name only): the compressor with ``hierarchical=False``, every rank in one flat
-  schedule, beside ``SPEC``'s default (hierarchical wherever the topology has several hosts of
-  several ranks): the comparison of the two schedules in one run.
+* ``hier-SPEC`` and ``flat-SPEC`` (by name only): the compressor with ``hierarchical=True``
+  (exact inside each host, the method across hosts) and ``False`` (one flat schedule), where
+  ``SPEC`` alone gets the default (``gradcomp.planning.cost.hierarchical_pays``): the two
+  schedules compared in one run, on a topology of several hosts of several ranks.
 
 Method names (what ``--methods`` takes and what result rows carry) are the specs with their
 ``key=value`` items in sorted order. In a ``--methods`` list, items are separated by commas; an
@@ -83,8 +84,8 @@ class Method:
     broken: str = ""  # why it is left out of "all" (it still runs when named)
     broken_paths: tuple = ()  # ((worker path, why), ...): left out of "all" on that path only
     transport: str = "mpi"  # gradcomp: "mpi", "gloo" (TorchCommunicator) or "mpi-allreduce"
-    hierarchical: bool | None = None  # gradcomp: passed on (None: the default, hierarchical on
-    # several hosts of several ranks; False: the flat schedule, the ``flat-`` prefix)
+    hierarchical: bool | None = None  # gradcomp: passed on (None: the default; ``hier-``: True,
+    # ``flat-``: False)
     hook: Callable | None = field(default=None, repr=False)  # torch: (world_size) -> (state, hook)
 
     def build(self, world_size: int | None = None) -> Any:
@@ -239,9 +240,10 @@ def _gradcomp(spec: str, transport: str = "mpi") -> Method:
     if transport == "gloo":
         return Method("gloo-" + spec, "gradcomp", spec, twin, label and label + " over gloo",
                       transport="gloo")
-    if transport == "flat":
-        return Method("flat-" + spec, "gradcomp", spec, None, label and label + ", flat schedule",
-                      hierarchical=False)
+    if transport in ("hier", "flat"):
+        return Method(f"{transport}-{spec}", "gradcomp", spec, None,
+                      label and f"{label}, {'hierarchical' if transport == 'hier' else 'flat'}",
+                      hierarchical=transport == "hier")
     if transport == MPI_ALLREDUCE:
         return Method(MPI_ALLREDUCE, "gradcomp", "allreduce", None,
                       "fp32 allreduce, one MPI_Allreduce per bucket (MPICH's algorithm)",
@@ -266,7 +268,7 @@ def _known(name: str) -> bool:
 
 
 def resolve(name: str) -> Method:
-    """One method by name (a spec, ``gloo-`` or ``flat-`` + spec, a PyTorch hook, ``mpi-allreduce``, or an
+    """One method by name (a spec, ``gloo-``, ``hier-`` or ``flat-`` + spec, a PyTorch hook, ``mpi-allreduce``, or an
     alias of an earlier version); ValueError when unknown."""
     name = ALIASES.get(name.strip(), name.strip())
     if name in TORCH:
@@ -275,13 +277,13 @@ def resolve(name: str) -> Method:
         return _gradcomp("allreduce", MPI_ALLREDUCE)
     if _known(name):
         return _gradcomp(name)
-    for prefix in ("gloo", "flat"):
+    for prefix in ("gloo", "hier", "flat"):
         if name.startswith(prefix + "-") and _known(name[len(prefix) + 1:]):
             return _gradcomp(name[len(prefix) + 1:], prefix)
     raise ValueError(f"unknown method {name!r}; known: all, gradcomp, torch, everything, "
                      f"{', '.join(m.name for m in all_methods(True, True))}, {MPI_ALLREDUCE}, "
                      "or any compressor spec NAME[:key=value,...] with NAME from gradcomp.REGISTRY "
-                     "(optionally prefixed gloo- or flat-)")
+                     "(optionally prefixed gloo-, hier- or flat-)")
 
 
 def split_methods(text: str) -> list[str]:

@@ -325,6 +325,10 @@ def _summary(case: _Case, steps: int) -> dict[str, Any]:
     if case.compressor is not None:
         row["compressor"] = repr(case.compressor)
         row["label"] = case.label or row["compressor"]
+        choices = case.compressor.stats().get("choices")
+        if choices:  # auto: what it chose per bucket, and the step its cost model predicted
+            row["choices"] = {str(c["bucket"]): c["chosen"] for c in choices}
+            row["predicted_s"] = sum(c["predicted_s"][c["chosen"]] for c in choices)
     return row
 
 

@@ -194,12 +194,14 @@ class OrderedCommunicator:
         returned) instead of a new array."""
         return self._call(self._allreduce, array, overwrite)
 
-    def reduce_scatter(self, array: Array, out: Array | None = None, counts: list[int] | None = None) -> Array:
+    def reduce_scatter(self, array: Array, out: Array | None = None, counts: list[int] | None = None,
+                       overwrite: bool = False) -> Array:
         """This rank's block (``partition``, or ``counts`` values per rank) of the element-wise
         sum over ranks, in ``out`` (the block's length) or a new array. Each block is summed by
-        its owner alone."""
+        its owner alone. ``overwrite=True``: ``array`` is the caller's scratch, which the
+        exchange may use as its working buffer (no copy of it)."""
         self.partition(array.shape[0], counts)  # checked before queueing
-        return self._call(self._reduce_scatter, array, out, counts)
+        return self._call(self._reduce_scatter, array, out, counts, overwrite)
 
     def allgather_blocks(self, block: Array, out: Array, counts: list[int] | None = None) -> Array:
         """Every rank's block (``partition(len(out))``, or ``counts`` values per rank), each in
@@ -260,7 +262,8 @@ class OrderedCommunicator:
     def _allreduce(self, array: Array, overwrite: bool = False) -> Array:
         raise NotImplementedError
 
-    def _reduce_scatter(self, array: Array, out: Array | None = None, counts: list[int] | None = None) -> Array:
+    def _reduce_scatter(self, array: Array, out: Array | None = None, counts: list[int] | None = None,
+                        overwrite: bool = False) -> Array:
         raise NotImplementedError
 
     def _allgather_blocks(self, block: Array, out: Array, counts: list[int] | None = None) -> Array:

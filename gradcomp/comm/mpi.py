@@ -145,6 +145,11 @@ class MPICommunicator(OrderedCommunicator):
                                        abort_grace_s=self._grace, pipeline_depth=0,
                                        large_allreduce_bytes=self.large_allreduce_bytes)
                        for c in (inside, across))
+        # Inside a host MPI moves large messages through shared memory a piece per call into its
+        # progress engine: sleeping between tests (``_wait``) left a 12 MB allgather at 37 ms
+        # instead of 7 (2 hosts x 2 ranks, BENCHMARKS.md section 9). These exchanges are short
+        # and the peers are on the same host: MPI's own waiting.
+        levels[0]._spin = True
         inside.Free()
         across.Free()
         return levels
@@ -284,11 +289,11 @@ class MPICommunicator(OrderedCommunicator):
                                                               ([c * item for c in counts], [o * item for o in offsets]),
                                                               self._MPI.BYTE]))
 
-    def _reduce_scatter(self, array, out=None, counts=None):
+    def _reduce_scatter(self, array, out=None, counts=None, overwrite=False):
         counts, offsets = self.partition(array.shape[0], counts)
         mine = slice(offsets[self.rank], offsets[self.rank] + counts[self.rank])
         buf, xp = self._prepare(array)
-        work = buf if buf is not array else _copy(buf)  # the ring works in place
+        work = buf if buf is not array or overwrite else _copy(buf)  # the ring works in place
         if self.size > 1:
             self._ring_reduce_scatter(work, counts, offsets)
         else:

@@ -152,7 +152,9 @@ class Hierarchical(Compressor):
         ws = comm.workspace
         mine = ws.array(self, "group", counts[l], work.dtype, like=g)
         before = local.bytes_sent
-        local.reduce_scatter(work, out=mine, counts=counts)
+        # the bucket's own buffer is the ring's working space where it is scratch (it receives the
+        # means at the end anyway), or the half-precision bucket's float32 copy
+        local.reduce_scatter(work, out=mine, counts=counts, overwrite=bucket.scratch or work is not g)
         divide(mine, L, out=mine)
         first, end = ranges[l]
         shapes = bucket.shapes[first:end] or [(0,)]

@@ -86,9 +86,7 @@ class OneBitAdam(Optimizer):
         if not isinstance(inner, Compressor):
             raise TypeError(f"compressor must be a gradcomp Compressor or a registry name, got {inner!r}")
         self.momentum_compressor = inner
-        # DGC's masking reads each rank's own residual: flat only (as DGC)
-        reducer = self._exchange(Schedule([(0, Allreduce()), (self.warmup, inner)]),
-                                 hierarchical=False if self.local_momentum else None)
+        reducer = self._exchange(Schedule([(0, Allreduce()), (self.warmup, inner)]))
         self._sent = reducer.gradients  # what travels: gradients in the warm-up, momentum after
         xp = array_module(self.params[0])
         self.m = [xp.zeros(p.shape, p.dtype) for p in self.params]

@@ -54,10 +54,7 @@ class DGC(Optimizer):
         self.warmup = check_int("warmup", warmup, 0)
         self.clip_norm = None if clip_norm is None else check_float("clip_norm", clip_norm, above=0)
         self.stages = sparsity_ramp(self.ratio, self.warmup)
-        # flat only: momentum masking needs every rank's own sent positions, which a hierarchical
-        # exchange (top-k of each host's sum) does not have
-        reducer = self._exchange(Schedule([(s, ErrorFeedback(TopK(f))) for s, f in self.stages]),
-                                 hierarchical=False)
+        reducer = self._exchange(Schedule([(s, ErrorFeedback(TopK(f))) for s, f in self.stages]))
         self._sent = reducer.gradients
         xp = array_module(self.params[0])
         self.u = [xp.zeros(p.shape, p.dtype) for p in self.params]

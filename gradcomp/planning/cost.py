@@ -16,11 +16,14 @@ collective         flat (ranks in host order)      hierarchical (1/L per rank)
 ================  ==============================  ============================
 allreduce (ring)   2 (N-1)/N M                     2 (H-1)/H M
 two-stage          2 L (N-L)/N M                   2 (H-1)/H M
-allgather          L (N-L) M                       (H-1) M
+allgather (ring)   (N-1) M                         (H-1) M
 ================  ==============================  ============================
 
-A flat ring crosses each host boundary once, so a host link carries one rank's ring traffic; an
-alltoall or allgather sends from every rank of the host to every rank elsewhere. Hierarchical
+A flat ring (gradcomp's allreduce; MPI's allgather of large messages) crosses each host boundary
+once, so a host link carries one rank's ring traffic: for an allgather, every other rank's
+message; an alltoall sends from every rank of the host to every rank elsewhere. (MPI's own
+algorithms for messages under ``MPICommunicator.large_allreduce_bytes`` cross the boundary in
+other patterns: the formulas hold for large messages.) Hierarchical
 adds an exact reduce-scatter and allgather of the bucket inside the host (``2 (L-1)/L`` of it
 each way over ``local``). The step is the sum over buckets of latency, the link time, the local
 time and the compute (no overlap assumed: on a busy machine compute and the network's kernel work
@@ -127,6 +130,22 @@ def traffic(compressor: Any, shapes: Sequence[Sequence[int]], ranks: int = 1, it
     raise TypeError(f"the cost model does not know {type(comp).__name__}")
 
 
+def hierarchical_pays(compressor: Any) -> bool:
+    """Whether the hierarchical schedule is the better default for ``compressor`` on several
+    hosts of several ranks: where it sends at least 1/8 of fp32's bytes (fp32, fp16, bf16, int8,
+    int4, the allgathered 8-bit codes: the link bounds their step, and the hierarchy cuts what
+    crosses it). Below (onebit, topk, randomk, PowerSGD) the CPU bounds the step, and the exact
+    stages inside the host cost more than the bytes they save: measured on 2 emulated hosts x 2
+    ranks at 1 Gbit/s, BENCHMARKS.md section 9. Judged on a 1024 x 1024 float32 matrix, in steady
+    state; a compressor the model does not know (``auto``, which plans per bucket) stays flat."""
+    try:
+        t = traffic(compressor, [(1024, 1024)], 2)
+    except TypeError:
+        return False
+    sent = sum(part.message_bytes * part.rounds for part in (t,) + t.extra)
+    return sent >= 4 * 1024 * 1024 / 8 * 0.95  # (int4's codes and scales: 1/7.8)
+
+
 def host_link_bytes(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
     """Bytes through one host's link in one direction for one bucket (see the module table)."""
     N, H, L = cluster.ranks, cluster.hosts, cluster.per_host
@@ -137,7 +156,7 @@ def host_link_bytes(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
             total += {"allreduce": 2 * (H - 1) / H, "two-stage": 2 * (H - 1) / H, "allgather": H - 1}[part.kind] * M
         else:
             total += {"allreduce": 2 * (N - 1) / N, "two-stage": 2 * L * (N - L) / N,
-                      "allgather": L * (N - L)}[part.kind] * M
+                      "allgather": N - 1}[part.kind] * M
     return total
 
 
@@ -156,7 +175,9 @@ def messages(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
     """Latency terms per bucket (sequential message steps over the network)."""
     N, H, L = cluster.ranks, cluster.hosts, cluster.per_host
     peers = H if hierarchical and L > 1 and H > 1 else N
-    steps = {"allreduce": 2 * (peers - 1), "two-stage": 2, "allgather": 1}
+    # bandwidth-optimal schedules take a step per peer: a ring allreduce 2 (P-1), an alltoall and
+    # an allgather (pairwise or ring) P-1 each, the two-stage codes both
+    steps = {"allreduce": 2 * (peers - 1), "two-stage": 2 * (peers - 1), "allgather": peers - 1}
     return float(sum(steps[p.kind] for p in (t,) + t.extra)) + 1.0  # + the agreement
 
 

@@ -137,7 +137,7 @@ class TorchCommunicator(OrderedCommunicator):
             return array
         return out
 
-    def _reduce_scatter(self, array, out=None, counts=None):
+    def _reduce_scatter(self, array, out=None, counts=None, overwrite=False):
         """The owner of each block adds the ``size`` contributions in rank order (alltoall of the
         padded blocks, then a local sum): identical on every rank, any backend."""
         counts, offsets = self.partition(array.shape[0], counts)

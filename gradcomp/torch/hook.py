@@ -37,6 +37,7 @@ from ..bucket import Bucket
 from ..comm import Communicator, launched_by_mpi
 from ..compressors import Compressor, make
 from ..compressors.hierarchical import wrap
+from ..planning.cost import hierarchical_pays
 from .checkpoint import from_torch_state, to_torch_state
 from .sparse import reduce_sparse
 from .tensors import as_array, wait_for_torch
@@ -206,7 +207,8 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
     loaded with ``torch.load``); its compressor is used and ``compressor`` may be None.
     ``hierarchical``: exact inside each host, the compressor across hosts (as
     ``GradientReducer``'s: None, the default, wherever the topology has several hosts of several
-    ranks; ``state.compressor`` is then the ``Hierarchical`` wrapper).
+    ranks and the method is one it speeds up; ``state.compressor`` is then the ``Hierarchical``
+    wrapper).
 
     Returns the hook state: ``state.compressor.stats()`` holds the traffic figures, and
     ``state.state_dict()`` / ``load_state_dict()`` checkpoint the compressor.
@@ -226,6 +228,8 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
         # (compressor None without a state: comm_hook raises the TypeError that says so)
         state, hook = comm_hook(compressor, comm)  # type: ignore[arg-type]
         assert state.comm is not None  # comm_hook picks one
+        if hierarchical is None and not hierarchical_pays(state.compressor):
+            hierarchical = False
         state.compressor = wrap(state.compressor, state.comm, hierarchical)
         hook = _named_hook(state.compressor)
     else:
