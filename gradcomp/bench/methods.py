@@ -268,8 +268,8 @@ def _known(name: str) -> bool:
 
 
 def resolve(name: str) -> Method:
-    """One method by name (a spec, ``gloo-``, ``hier-`` or ``flat-`` + spec, a PyTorch hook, ``mpi-allreduce``, or an
-    alias of an earlier version); ValueError when unknown."""
+    """One method by name (a spec, ``gloo-``, ``hier-`` or ``flat-`` + spec, a PyTorch hook,
+    ``mpi-allreduce``, or an alias of an earlier version); ValueError when unknown."""
     name = ALIASES.get(name.strip(), name.strip())
     if name in TORCH:
         return TORCH[name]

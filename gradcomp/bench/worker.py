@@ -49,7 +49,9 @@ timed step, outside the clock; on the ``ddp`` path also against DDP's own result
 (``rel_diff_vs_ddp``). Bytes on the wire: gradcomp's compressors count them
 (``Compressor.stats()``); for PyTorch's hooks, the torch.distributed collectives they call are
 counted with the same bandwidth-optimal formulas (``gradcomp.comm.wire_bytes``); DDP's own
-allreduce by that formula. torch runs one thread per rank, like gradcomp's BLAS (ranks share the
+allreduce by that formula. On ``bench/capped.sh``'s link every rank also reads its emulated host's
+own counter of bytes sent (``host_link_bytes_per_step``: the busiest host, after a barrier that
+closes the step, outside the clock), which the link check and the hierarchical tables use. torch runs one thread per rank, like gradcomp's BLAS (ranks share the
 cores).
 
 Rank 0 prints ``@progress DONE TOTAL NAME`` lines (for the driver's progress bar) and writes the

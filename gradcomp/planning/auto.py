@@ -250,19 +250,22 @@ class Auto(Compressor):
 
 
 def _contention(comm: Communicator) -> float:
-    """How many ranks share each of this machine's cores (its ranks by MPI's shared memory, not
-    the emulated hosts of ``GRADCOMP_RANKS_PER_HOST``), at least 1; the largest over ranks."""
+    """How many ranks share each of this machine's cores, at least 1; the largest over ranks.
+    A machine's ranks are those with its name (``MPI.Get_processor_name``), not MPI's
+    shared-memory nodes: ``bench/capped.sh`` makes each emulated host a node of its own, while
+    all of them share this machine's cores."""
     import os
+    import socket
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    here = 1
-    mpi_comm = getattr(comm, "comm", None)
-    if mpi_comm is not None and hasattr(mpi_comm, "Split_type"):
+    try:
         from mpi4py import MPI
 
-        shared = comm._call(mpi_comm.Split_type, MPI.COMM_TYPE_SHARED)  # type: ignore[attr-defined]
-        here = shared.Get_size()
-        shared.Free()
+        name = MPI.Get_processor_name()
+    except ImportError:
+        name = socket.gethostname()
+    names = comm.allgather(np.array([digest(name)], dtype=np.uint64)).reshape(-1)
+    here = int(np.count_nonzero(names == names[comm.rank]))
     mine = max(1.0, here / cores)
     return float(np.max(comm.allgather(np.array([mine]))))
 
