@@ -320,8 +320,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _summary(case: _Case, steps: int) -> dict[str, Any]:
     nbytes, rounds = case.traffic(steps)
-    row = dict(method=case.name, kind=case.kind, label=case.label, same_as=case.same_as,
-               bytes_per_rank=nbytes, rounds_per_step=rounds)
+    row: dict[str, Any] = dict(method=case.name, kind=case.kind, label=case.label, same_as=case.same_as,
+                               bytes_per_rank=nbytes, rounds_per_step=rounds)
     if case.spec is not None:
         row["spec"] = case.spec
     if case.compressor is not None:
