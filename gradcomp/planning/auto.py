@@ -4,11 +4,11 @@ The best method depends on the link (compression that wins at 1 Gbit/s loses at 
 the bucket (int8's per-chunk scales weigh on a tiny bucket, latency dominates small ones) and on
 what the method's compute costs here. ``Auto`` measures all three once:
 
-* **the link**: timed allreduces of a few sizes on the real communicator; every rank's times are
-  gathered and the slowest taken, so every rank fits the same latency and bandwidth
-  (``cost.fit``'s alpha-beta model);
+* **the link**: timed allreduces of a few sizes, up to the first bucket's, on the real
+  communicator; every rank's times are gathered and the slowest taken, so every rank fits the
+  same latency and bandwidth (the alpha-beta model of ``cost``);
 * **the compute**: each candidate's whole reduction of a 4 MiB bucket on a one-rank communicator
-  (the kernel cost without a peer), the slowest rank's again; or a table loaded from a JSON file
+  (the kernel cost without a peer), timed on rank 0 while the others wait; or a table loaded from a JSON file
   (``table=``: ``{"int8": seconds per float32 byte, ...}``, e.g. from ``gradcomp.bench.kernels``);
 * **the topology**: ``MPICommunicator.topology`` (how many ranks share each host's link and cores).
 
@@ -92,16 +92,23 @@ class Auto(Compressor):
         return max(c.warmup_steps for c in self.candidates)
 
     # -- measurement ---------------------------------------------------------------------------
-    def measure(self, comm: Communicator) -> dict[str, Any]:
+    def measure(self, comm: Communicator, numel: int = PROBE_SIZES[-1]) -> dict[str, Any]:
         """The link, the compute table and the topology, agreed by every rank (collective). Kept
         per communicator and candidate list: every ``auto`` of a job sees the same numbers, so
-        equal layouts get equal choices."""
+        equal layouts get equal choices. ``numel``: the largest probe (the first bucket's size:
+        how fast large messages move depends on their size, through shared memory most). The
+        compute is timed on rank 0 alone, while the others wait: timed on every rank at once, the
+        ranks sharing a core would slow each other, and the model multiplies by that sharing
+        (``cost.Cluster.contention``) itself."""
         key = (self.allowed, self.table)
         known = _MEASURED.setdefault(comm, {})
         if key in known:
             return known[key]
-        link = _probe(comm)
-        compute = _load_table(self.table) if self.table else _time_candidates(self.allowed)
+        link = _probe(comm, max(numel, PROBE_SIZES[-1]))
+        if self.table:
+            compute = _load_table(self.table)
+        else:
+            compute = _time_candidates(self.allowed) if comm.rank == 0 else {}
         names = list(self.allowed)
         worst = comm.allgather(np.array([compute.get(n, 0.0) for n in names]))
         compute = {n: float(v) for n, v in zip(names, np.max(worst, axis=0))}
@@ -125,7 +132,7 @@ class Auto(Compressor):
         key = f"{bucket.layout_key():x}"
         if key in self._choices:
             return self._choices[key]
-        m = self._measured if self._measured is not None else self.measure(comm)
+        m = self._measured if self._measured is not None else self.measure(comm, bucket.numel)
         self._measured = m
         hosts, per_host = m["hosts"], m["per_host"]
         # cores_per_host such that per_host / cores_per_host is how many ranks share a core here
@@ -270,12 +277,13 @@ def _contention(comm: Communicator) -> float:
     return float(np.max(comm.allgather(np.array([mine]))))
 
 
-def _probe(comm: Communicator) -> cost.Link:
-    """Latency and bandwidth of ``comm``'s allreduce, the slowest rank's, the same on every rank."""
+def _probe(comm: Communicator, largest: int = PROBE_SIZES[-1]) -> cost.Link:
+    """Latency and bandwidth of ``comm``'s allreduce, the slowest rank's, the same on every rank,
+    from messages of ``PROBE_SIZES`` and ``largest`` float32 values."""
     if comm.size == 1:
         return cost.Link(0.0, float("inf"))
     rows, times = [], []
-    for n in PROBE_SIZES:
+    for n in sorted(set(PROBE_SIZES) | {largest}):
         x = np.ones(n, np.float32)
         comm.allreduce(x)  # warm
         for _ in range(PROBE_REPEATS):
