@@ -75,7 +75,7 @@ class Traffic:
     """One bucket's communication: ``kind`` (``KINDS``), message bytes, collectives in sequence."""
     kind: str
     message_bytes: float
-    rounds: int = 1
+    pieces: int = 1  # collectives of this kind in sequence, each with its share of the bytes
     extra: tuple["Traffic", ...] = field(default=())  # further collectives (PowerSGD's second round)
 
 
@@ -118,14 +118,17 @@ def traffic(compressor: Any, shapes: Sequence[Sequence[int]], ranks: int = 1, it
         first = Traffic("allreduce", (plan.n_unc + plan.p_size) * itemsize)
         if comp.rounds == 1:
             return first
-        return Traffic("allreduce", first.message_bytes, 2, (Traffic("allreduce", plan.q_size * itemsize),))
+        return Traffic("allreduce", first.message_bytes, extra=(Traffic("allreduce", plan.q_size * itemsize),))
     if isinstance(comp, Codec):
         import numpy as np
 
         unit = itemsize if comp.message_dtype is None else np.dtype(comp.message_dtype).itemsize
         if comp.collective == "two-stage":  # one message per rank's slice of whole chunks
-            per_slice = -(-(-(-n // comp.chunk)) // max(ranks, 1)) * comp.chunk
-            return Traffic("two-stage", max(ranks, 1) * comp.message_size(per_slice) * unit)
+            from ..compressors.codec import MAX_PIECES, PIECE_CHUNKS
+
+            chunks = -(-(-(-n // comp.chunk)) // max(ranks, 1))
+            pieces = max(1, min(MAX_PIECES, chunks // PIECE_CHUNKS)) if comp.independent_chunks else 1
+            return Traffic("two-stage", max(ranks, 1) * comp.message_size(chunks * comp.chunk) * unit, pieces)
         return Traffic(comp.collective, comp.message_size(n) * unit)
     raise TypeError(f"the cost model does not know {type(comp).__name__}")
 
@@ -142,7 +145,7 @@ def hierarchical_pays(compressor: Any) -> bool:
         t = traffic(compressor, [(1024, 1024)], 2)
     except TypeError:
         return False
-    sent = sum(part.message_bytes * part.rounds for part in (t,) + t.extra)
+    sent = sum(part.message_bytes for part in (t,) + t.extra)
     return sent >= 4 * 1024 * 1024 / 8 * 0.95  # (int4's codes and scales: 1/7.8)
 
 
@@ -158,6 +161,15 @@ def host_link_bytes(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
             total += {"allreduce": 2 * (N - 1) / N, "two-stage": 2 * L * (N - L) / N,
                       "allgather": N - 1}[part.kind] * M
     return total
+
+
+def wire_bytes(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
+    """Bytes of one bucket over the link that bounds its exchange: a host's link to the others
+    (``host_link_bytes``), or on one host each rank's own share of the exchange (``rank_bytes``),
+    which crosses no host boundary."""
+    if cluster.hosts == 1:
+        return rank_bytes(t, cluster.ranks)
+    return host_link_bytes(t, cluster, hierarchical)
 
 
 def rank_bytes(t: Traffic, ranks: int) -> float:
@@ -178,7 +190,7 @@ def messages(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
     # bandwidth-optimal schedules take a step per peer: a ring allreduce 2 (P-1), an alltoall and
     # an allgather (pairwise or ring) P-1 each, the two-stage codes both
     steps = {"allreduce": 2 * (peers - 1), "two-stage": 2 * (peers - 1), "allgather": peers - 1}
-    return float(sum(steps[p.kind] for p in (t,) + t.extra)) + 1.0  # + the agreement
+    return float(sum(steps[p.kind] * p.pieces for p in (t,) + t.extra)) + 1.0  # + the agreement
 
 
 @dataclass
@@ -198,7 +210,7 @@ class Model:
         hier = hierarchical and cluster.per_host > 1 and cluster.hosts > 1
         local_link = self.local or cluster.local
         over = local_link if cluster.hosts == 1 else cluster.network
-        wire = over.time(host_link_bytes(t, cluster, hier), messages(t, cluster, hier))
+        wire = over.time(wire_bytes(t, cluster, hier), messages(t, cluster, hier))
         local = 0.0
         share = 1.0
         if hier:
@@ -227,7 +239,7 @@ def _terms(r: Mapping[str, Any], methods: Sequence[str]) -> list[float]:
     for t, n in r["parts"]:
         pair = loc if c.hosts == 1 else net
         pair[0] += messages(t, c, hier)
-        pair[1] += host_link_bytes(t, c, hier)
+        pair[1] += wire_bytes(t, c, hier)
         if hier:
             loc[0] += 2 * (L - 1)
             loc[1] += 2 * 2 * (L - 1) / L * n * 4
