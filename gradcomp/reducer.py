@@ -19,8 +19,7 @@ from .bucket import Bucket, digest, group
 from .comm import CollectiveError, Communicator, default_communicator
 from .compressors.agreement import gather_texts
 from .compressors.base import Compressor
-from .compressors.hierarchical import wrap
-from .planning.cost import hierarchical_pays
+from .planning.cost import scheduled
 
 
 class GradientReducer:
@@ -59,9 +58,7 @@ class GradientReducer:
             raise TypeError(f"expected a gradcomp Compressor, got {type(compressor).__name__} "
                             "(gradcomp.make(name) builds one by name)")
         self.comm = comm if comm is not None else default_communicator()
-        if hierarchical is None and not hierarchical_pays(compressor):
-            hierarchical = False
-        self.compressor = wrap(compressor, self.comm, hierarchical)
+        self.compressor = scheduled(compressor, self.comm, hierarchical)
         self.arrays = list(arrays)
         self.bucket_cap_mb = bucket_cap_mb
         groups = check_arrays(self.comm, self.arrays, bucket_cap_mb) if _groups is None else _groups

@@ -20,6 +20,7 @@ allreduce (where compression starts to pay).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from pathlib import Path
@@ -35,7 +36,7 @@ from gradcomp.registry import make
 SHAPES = ((8, 8), (64, 8), (512, 8))
 RATES = (("100 Gbit/s", 100e9 / 8), ("10 Gbit/s", 10e9 / 8))
 #: inside a real host: shared memory or NVLink-class paths, well above the network (an assumption:
-#: this machine's emulated hosts run their local exchange over TCP on loopback)
+#: the emulated hosts' shared memory here is slowed by the wire thread's sleeping wait)
 REAL_LOCAL = cost.Link(5e-6, 20e9)
 #: a real network's latency per message (an assumption: the emulated link's fitted alpha holds the
 #: scheduling delays of 4 ranks and 4 emulated kernels on 2 cores, not a wire's latency)
@@ -112,22 +113,31 @@ def check(runs: list[dict], fitted: list[dict]) -> tuple[cost.Link, cost.Model, 
     return link, model, text
 
 
-def predict(link: cost.Link, model: cost.Model, runs: list[dict]) -> str:
+def _real_step(model: cost.Model, method: str, hosts: int, per_host: int, beta: float, hier: bool,
+               layout: list) -> float:
+    """``method``'s predicted step on a real cluster of ``hosts`` x ``per_host`` ranks whose
+    network moves ``beta`` bytes a second (latency REAL_ALPHA, a host's own path REAL_LOCAL)."""
+    cluster = cost.Cluster(hosts, per_host, cost.Link(REAL_ALPHA, beta), REAL_LOCAL)
+    across = hosts if hier else hosts * per_host
+    parts = [(_traffic(method, tuple(map(tuple, s)), across), n) for s, n in layout]
+    return cost.Model(model.compute).step_of(method, parts, cluster, hier)
+
+
+@functools.lru_cache(maxsize=None)
+def _traffic(method: str, shapes: tuple, ranks: int) -> cost.Traffic:
+    return cost.traffic(make(method), shapes, ranks)
+
+
+def predict(model: cost.Model) -> str:
     """Steps at larger shapes: the model's compute on a core per rank, the link's bandwidth from
-    RATES, its latency REAL_ALPHA, the local path REAL_LOCAL."""
+    RATES (see ``_real_step``)."""
     layout = [(shapes, sum(math.prod(s) for s in shapes)) for shapes in buckets("resnet50", 25.0)]
     methods = ["allreduce"] + sorted(model.compute)
     rows = []
     for hosts, per_host in SHAPES:
         for rate_name, beta in RATES:
-            cluster = cost.Cluster(hosts, per_host, cost.Link(REAL_ALPHA, beta), REAL_LOCAL)
-            real = cost.Model(model.compute)  # the local path of a real host, not the emulation's
-            steps = {}
-            for m in methods:
-                for hier in (False, True):
-                    across = hosts if hier else hosts * per_host
-                    parts = [(cost.traffic(make(m), s, across), n) for s, n in layout]
-                    steps[m, hier] = real.step_of(m, parts, cluster, hier)
+            steps = {(m, hier): _real_step(model, m, hosts, per_host, beta, hier, layout)
+                     for m in methods for hier in (False, True)}
             base = steps["allreduce", False]
             for m in methods:
                 rows.append([f"{hosts}x{per_host}", rate_name, m, f"{1e3 * steps[m, False]:.1f}",
@@ -135,10 +145,10 @@ def predict(link: cost.Link, model: cost.Model, runs: list[dict]) -> str:
                              f"{steps[m, True] / base:.2f}"])
     head = ["shape", "network", "method", "flat ms", "hierarchical ms", "flat / fp32 flat",
             "hier / fp32 flat"]
-    return aligned_table(head, rows) + "\n\n" + breakeven(link, model, methods[1:], layout)
+    return aligned_table(head, rows) + "\n\n" + breakeven(model, methods[1:], layout)
 
 
-def breakeven(link: cost.Link, model: cost.Model, methods: list[str], layout) -> str:
+def breakeven(model: cost.Model, methods: list[str], layout: list) -> str:
     """The network bandwidth below which each method's hierarchical step beats fp32's (both
     hierarchical), at each shape: compression pays below it."""
     lines = []
@@ -146,11 +156,9 @@ def breakeven(link: cost.Link, model: cost.Model, methods: list[str], layout) ->
         found = []
         for m in methods:
             def gain(gbit: float) -> float:
-                cluster = cost.Cluster(hosts, per_host, cost.Link(REAL_ALPHA, gbit * 1e9 / 8), REAL_LOCAL)
-                real = cost.Model(model.compute)
-                t = {k: real.step_of(k, [(cost.traffic(make(k), s, hosts), n) for s, n in layout], cluster, True)
-                     for k in ("allreduce", m)}
-                return t["allreduce"] - t[m]
+                beta = gbit * 1e9 / 8
+                return (_real_step(model, "allreduce", hosts, per_host, beta, True, layout)
+                        - _real_step(model, m, hosts, per_host, beta, True, layout))
             lo, hi = 0.01, 10000.0
             if gain(lo) <= 0:
                 found.append(f"{m} never")
@@ -174,9 +182,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     fitted = [r for path in args.fit for r in runs_of(path)]
     runs = fitted + [r for path in args.check for r in runs_of(path)]
-    link, model, text = check(runs, fitted)
+    _, model, text = check(runs, fitted)
     print(text + "\n")
-    print(predict(link, model, runs))
+    print(predict(model))
 
 
 if __name__ == "__main__":

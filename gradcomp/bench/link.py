@@ -45,6 +45,8 @@ def goodput(job: dict[str, Any]) -> float | None:
     of one host share its link: what they send to other hosts crosses it together)."""
     network = job.get("network")
     row = _flat_fp32(job)
+    if int(job.get("ranks_per_host") or 1) >= int(job.get("ranks") or 1) > 1:
+        return None  # one host: nothing crosses its link
     if not network or row is None or not row["time_s"] or not row.get("bytes_per_rank"):
         return None
     per_host = int(job.get("ranks_per_host") or 1)

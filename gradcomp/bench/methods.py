@@ -84,8 +84,7 @@ class Method:
     broken: str = ""  # why it is left out of "all" (it still runs when named)
     broken_paths: tuple = ()  # ((worker path, why), ...): left out of "all" on that path only
     transport: str = "mpi"  # gradcomp: "mpi", "gloo" (TorchCommunicator) or "mpi-allreduce"
-    hierarchical: bool | None = None  # gradcomp: passed on (None: the default; ``hier-``: True,
-    # ``flat-``: False)
+    hierarchical: bool | None = None  # gradcomp: None the default, True ``hier-``, False ``flat-``
     hook: Callable | None = field(default=None, repr=False)  # torch: (world_size) -> (state, hook)
 
     def build(self, world_size: int | None = None) -> Any:

@@ -51,8 +51,8 @@ timed step, outside the clock; on the ``ddp`` path also against DDP's own result
 counted with the same bandwidth-optimal formulas (``gradcomp.comm.wire_bytes``); DDP's own
 allreduce by that formula. On ``bench/capped.sh``'s link every rank also reads its emulated host's
 own counter of bytes sent (``host_link_bytes_per_step``: the busiest host, after a barrier that
-closes the step, outside the clock), which the link check and the hierarchical tables use. torch runs one thread per rank, like gradcomp's BLAS (ranks share the
-cores).
+closes the step, outside the clock), which the link check and the hierarchical tables use. torch
+runs one thread per rank, like gradcomp's BLAS (ranks share the cores).
 
 Rank 0 prints ``@progress DONE TOTAL NAME`` lines (for the driver's progress bar) and writes the
 results as JSON to ``--out``. The paths and the cases they step are in ``gradcomp.bench.paths``;

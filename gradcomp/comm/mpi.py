@@ -146,9 +146,8 @@ class MPICommunicator(OrderedCommunicator):
                                        large_allreduce_bytes=self.large_allreduce_bytes)
                        for c in (inside, across))
         # Inside a host MPI moves large messages through shared memory a piece per call into its
-        # progress engine: sleeping between tests (``_wait``) left a 12 MB allgather at 37 ms
-        # instead of 7 (2 hosts x 2 ranks, BENCHMARKS.md section 9). These exchanges are short
-        # and the peers are on the same host: MPI's own waiting.
+        # progress engine, so sleeping between tests (``_wait``) stretches them several times
+        # over; these exchanges are short and the peers are on the same host: MPI's own waiting.
         levels[0]._spin = True
         inside.Free()
         across.Free()

@@ -120,8 +120,6 @@ def traffic(compressor: Any, shapes: Sequence[Sequence[int]], ranks: int = 1, it
             return first
         return Traffic("allreduce", first.message_bytes, extra=(Traffic("allreduce", plan.q_size * itemsize),))
     if isinstance(comp, Codec):
-        import numpy as np
-
         unit = itemsize if comp.message_dtype is None else np.dtype(comp.message_dtype).itemsize
         if comp.collective == "two-stage":  # one message per rank's slice of whole chunks
             from ..compressors.codec import MAX_PIECES, PIECE_CHUNKS
@@ -147,6 +145,18 @@ def hierarchical_pays(compressor: Any) -> bool:
         return False
     sent = sum(part.message_bytes for part in (t,) + t.extra)
     return sent >= 4 * 1024 * 1024 / 8 * 0.95  # (int4's codes and scales: 1/7.8)
+
+
+def scheduled(compressor: Any, comm: Any, hierarchical: bool | None) -> Any:
+    """``compressor`` in the schedule it runs in on ``comm`` (the one place the reducer and the
+    DDP hook decide it): ``Hierarchical`` where ``hierarchical`` is True, or, by default (None),
+    where the topology has several hosts of several ranks and ``hierarchical_pays``; flat
+    otherwise (``gradcomp.compressors.hierarchical.wrap``)."""
+    from ..compressors.hierarchical import wrap
+
+    if hierarchical is None and not hierarchical_pays(compressor):
+        hierarchical = False
+    return wrap(compressor, comm, hierarchical)
 
 
 def host_link_bytes(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:

@@ -36,8 +36,7 @@ from ..arrays import is_device_array, synchronize
 from ..bucket import Bucket
 from ..comm import Communicator, launched_by_mpi
 from ..compressors import Compressor, make
-from ..compressors.hierarchical import wrap
-from ..planning.cost import hierarchical_pays
+from ..planning.cost import scheduled
 from .checkpoint import from_torch_state, to_torch_state
 from .sparse import reduce_sparse
 from .tensors import as_array, wait_for_torch
@@ -228,9 +227,7 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
         # (compressor None without a state: comm_hook raises the TypeError that says so)
         state, hook = comm_hook(compressor, comm)  # type: ignore[arg-type]
         assert state.comm is not None  # comm_hook picks one
-        if hierarchical is None and not hierarchical_pays(state.compressor):
-            hierarchical = False
-        state.compressor = wrap(state.compressor, state.comm, hierarchical)
+        state.compressor = scheduled(state.compressor, state.comm, hierarchical)
         hook = _named_hook(state.compressor)
     else:
         if comm is not None or state.comm is None:
