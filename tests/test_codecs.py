@@ -28,7 +28,9 @@ def rank_traffic():
     n, size = 512 * 96, comm.size
     x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
     expected = {"int8:feedback=none": n + 8 * n / 512, "int4:feedback=none": n / 2 + 8 * n / 512,
-                "onebit:warmup=0,feedback=none": n / 8 + 4 * n / 512}
+                "onebit:warmup=0,feedback=none": n / 8 + 4 * n / 512,
+                # each slice's top 2%: int32 positions and float32 values (n is whole in every N)
+                "topk:stages=2,ratio=0.02,warmup=0,feedback=none": 8 * math.ceil(0.02 * n / size) * size}
     for name, message in expected.items():
         comp = gc.make(name)
         comp.reduce(x, comm).result()

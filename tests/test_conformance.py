@@ -14,7 +14,8 @@ import gradcomp as gc
 from gradcomp.conformance import run as run_kit
 from gradcomp.planning.names import steady
 
-NAMES = sorted(gc.REGISTRY)
+#: every registered name, and the variants a name's parameter switches to another codec
+NAMES = sorted(gc.REGISTRY) + ["topk:stages=2"]
 
 
 @pytest.mark.parametrize("name", NAMES)

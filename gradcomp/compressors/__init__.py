@@ -16,9 +16,9 @@ from .cast import BF16, FP16, Cast
 from .codec import Codec
 from .feedback import ErrorFeedback
 from .quantize import OneBit, QuantizedAllreduce, QuantizePerChannel, QuantizePerTensor
-from .sparse import RandomK, TopK
+from .sparse import RandomK, ReducedTopK, TopK
 
 
 __all__ = ["Compressor", "Codec", "ErrorFeedback", "Allreduce", "Allgather", "Cast", "FP16", "BF16",
-           "QuantizePerTensor", "QuantizePerChannel", "QuantizedAllreduce", "OneBit", "TopK",
+           "QuantizePerTensor", "QuantizePerChannel", "QuantizedAllreduce", "OneBit", "TopK", "ReducedTopK",
            "RandomK", "REGISTRY", "register", "make"]

@@ -196,6 +196,18 @@ class TopK(Codec):
         return True
 
 
+class ReducedTopK(TopK):
+    """Top-k reduced in two stages, as int8's codes are: each rank sends the ``ratio`` largest of
+    every slice to the slice's owner (an alltoall), the owner sums them in rank order and sends
+    the ``ratio`` largest of the mean back to everyone (an allgather). Bytes per rank:
+    ``2(N-1)/N * 8k`` for ``k = ratio * n``, i.e. ``4 * ratio * (N-1)/N`` of the float32 bucket,
+    flat in N where the allgathered ``TopK`` grows with it (25x fewer than fp32 allreduce at 2%,
+    at any N). Both stages drop what they do not send: run it with error feedback at both
+    (``ErrorFeedback(ReducedTopK(r))``, the registered ``topk:stages=2``)."""
+
+    collective = "two-stage"
+
+
 class RandomK(Codec):
     """Every rank sends the values at the same ``ratio`` of coordinates, drawn afresh each step
     from a generator seeded by (``seed``, step, bucket layout), so no indices travel and the values

@@ -46,6 +46,7 @@ from ..compressors.base import Compressor
 from ..compressors.feedback import ErrorFeedback
 from ..compressors.quantize import OneBit
 from ..params import check_bool, check_float, check_int
+from ..planning.names import steady
 from ..registry import make
 from ..schedule import Schedule
 from .base import Hyper, Optimizer
@@ -62,7 +63,8 @@ class OneBitAdam(Optimizer):
     ``warmup``: steps of exact AdamW before the variance freezes (1-bit Adam used 15-25% of
     training; the step-time saving starts after it). ``compressor``: the momentum's exchange after
     the warm-up, a gradcomp compressor or a registry name (default ``ErrorFeedback(OneBit())``:
-    1-bit codes with both residuals). ``lr``, ``weight_decay``: one value or one per parameter; ``step`` may
+    1-bit codes with both residuals; a name's own exact warm-up is dropped unless the name sets
+    it, since this warm-up comes first: ``"topk:stages=2,ratio=0.02"`` sparsifies from the freeze). ``lr``, ``weight_decay``: one value or one per parameter; ``step`` may
     override them for one step (a schedule).
     """
 
@@ -82,7 +84,7 @@ class OneBitAdam(Optimizer):
         self.floor = check_float("floor", floor, minimum=0, maximum=1)
         self.local_momentum = check_bool("local_momentum", local_momentum)
         inner = (ErrorFeedback(OneBit()) if compressor is None
-                 else make(compressor) if isinstance(compressor, str) else compressor)
+                 else make(steady(compressor, keep_given=True)) if isinstance(compressor, str) else compressor)
         if not isinstance(inner, Compressor):
             raise TypeError(f"compressor must be a gradcomp Compressor or a registry name, got {inner!r}")
         self.momentum_compressor = inner

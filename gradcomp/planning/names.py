@@ -10,8 +10,9 @@ from functools import partial
 from typing import Any
 
 from ..compressors import (BF16, FP16, Allgather, Allreduce, OneBit, QuantizedAllreduce,
-                           QuantizePerChannel, QuantizePerTensor, RandomK, TopK, register)
+                           QuantizePerChannel, QuantizePerTensor, RandomK, ReducedTopK, TopK, register)
 from ..powersgd import PowerSGD
+from ..params import check_choice
 from .recipes import codec_recipe, sparse_recipe
 
 
@@ -39,9 +40,16 @@ def onebit(warmup: int = 100, feedback: str = "none") -> Any:
     return codec_recipe("onebit", OneBit, warmup, feedback)
 
 
-def topk(ratio: float = 0.01, warmup: int = 100, ramp: int = 0, feedback: str = "worker") -> Any:
-    """The largest ``ratio`` of each bucket, allgathered, after an exact warm-up."""
-    return sparse_recipe("topk", TopK, ratio, warmup, ramp, feedback)
+def topk(ratio: float = 0.01, warmup: int = 100, ramp: int = 0, feedback: str | None = None,
+         stages: int = 1) -> Any:
+    """The largest ``ratio`` of each bucket after an exact warm-up: allgathered (``stages=1``,
+    the workers' residual), or reduced in two stages (``stages=2``: ``ReducedTopK``, bytes flat in
+    the number of ranks, both residuals)."""
+    stages = check_choice("topk stages", stages, (1, 2))
+    if feedback is None:
+        feedback = "worker" if stages == 1 else "both"
+    return sparse_recipe("topk", TopK if stages == 1 else ReducedTopK, ratio, warmup, ramp, feedback,
+                         extra={"stages": 2} if stages == 2 else None)
 
 
 def randomk(ratio: float = 0.01, warmup: int = 100, ramp: int = 0, feedback: str = "none", seed: int = 0) -> Any:
@@ -90,9 +98,11 @@ def _auto(**kwargs: Any) -> Any:
 STEADY = ({"warmup": 0, "ramp": 0}, {"warmup": 0}, {"start_iter": 2})
 
 
-def steady(spec: str) -> str:
+def steady(spec: str, keep_given: bool = False) -> str:
     """``spec`` with its warm-up shortened to nothing where its factory takes such a parameter:
-    what the benchmarks time and the tests check (the method itself, from the first step)."""
+    what the benchmarks time and the tests check (the method itself, from the first step).
+    ``keep_given``: only where ``spec`` does not set the parameter itself (an optimizer that runs
+    its own warm-up before the method, e.g. ``OneBitAdam(compressor="topk:stages=2")``)."""
     from ..registry import make, parse_spec
 
     name, given = parse_spec(spec)
@@ -101,6 +111,6 @@ def steady(spec: str) -> str:
             make(name, **{**given, **overrides})
         except ValueError:
             continue
-        items = {**given, **overrides}
+        items = {**overrides, **given} if keep_given else {**given, **overrides}
         return name + (":" + ",".join(f"{k}={v!r}" for k, v in items.items()) if items else "")
     return spec

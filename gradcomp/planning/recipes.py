@@ -97,11 +97,12 @@ def codec_recipe(name: str, codec_factory: Any, warmup: int, feedback: str, show
 
 
 def sparse_recipe(name: str, codec_factory: Any, ratio: float, warmup: int, ramp: int, feedback: str,
-                  **codec_args: Any) -> Recipe:
-    """Warm-up, then the sparsity ramp down to ``ratio`` over ``ramp`` steps, ``feedback`` throughout."""
+                  extra: dict[str, Any] | None = None, **codec_args: Any) -> Recipe:
+    """Warm-up, then the sparsity ramp down to ``ratio`` over ``ramp`` steps, ``feedback`` throughout;
+    ``extra``: parameters of the recipe that chose ``codec_factory`` (shown, not passed to it)."""
     ratio = check_float(f"{name} ratio", ratio, above=0, maximum=1)
     ramp = check_int(f"{name} ramp", ramp, 0)
     stages = [(s, with_feedback(codec_factory(ratio=f, **codec_args), feedback))
               for s, f in sparsity_ramp(ratio, ramp)]
     return warmed(name, {"ratio": ratio, "warmup": warmup, "ramp": ramp, "feedback": feedback,
-                         **codec_args}, warmup, stages)
+                         **codec_args, **(extra or {})}, warmup, stages)
