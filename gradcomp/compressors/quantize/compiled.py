@@ -95,6 +95,24 @@ def _wide_impl(v, bf16):
     return None
 
 
+def _values(gs, xb, m, bf16):
+    """The ``m`` values of ``gs`` as the 1-bit kernels compute with them: ``gs`` itself where it
+    holds them already (float32 or float64 of ``xb``'s dtype: no copy), else widened into ``xb``
+    (half precision, its uint16 bits) and ``xb``."""
+
+
+@overload(_values, inline="always")
+def _values_impl(gs, xb, m, bf16):
+    if gs.dtype == xb.dtype:
+        return lambda gs, xb, m, bf16: gs
+
+    def widen(gs, xb, m, bf16):
+        for i in range(m):
+            xb[i] = _wide(gs[i], bf16)
+        return xb
+    return widen
+
+
 @njit(inline="always")
 def _order_key64(b):
     """``_order_key`` of float64 bits (as int64)."""
@@ -719,40 +737,71 @@ def _element(context, builder, aty, value, index, vector):
     return builder.bitcast(builder.gep(data, [index]), vector.as_pointer())
 
 
+def _abs_lanes_codegen(context, builder, aty, xs, starts, groups):
+    """The float64 eight-lane sums of ``|x|`` of ``groups`` groups of 8 from each index in
+    ``starts``, side by side in one loop (one vector of eight float64 lanes per start: lane k adds
+    values 8j + k in order, what eight scalar sums do in that order), each reduced in lane order
+    ``((a0 + a1) + a2) ... + a7``."""
+    v8d = ir.VectorType(ir.DoubleType(), 8)
+    src = _float_vector(aty.dtype, 8)
+    fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8d, [v8d]), "llvm.fabs.v8f64")
+    sums = [cgutils.alloca_once_value(builder, ir.Constant(v8d, [0.0] * 8)) for _ in starts]
+    align = 8 if aty.dtype == types.float64 else 4
+    with cgutils.for_range(builder, groups) as loop:
+        base = builder.mul(loop.index, ir.Constant(loop.index.type, 8))
+        for start, acc in zip(starts, sums):
+            v = builder.load(_element(context, builder, aty, xs, builder.add(start, base), src), align=align)
+            wide = v if aty.dtype == types.float64 else builder.fpext(v, v8d)
+            builder.store(builder.fadd(builder.load(acc), builder.call(fabs, [wide])), acc)
+    i32 = ir.IntType(32)
+    totals = []
+    for acc in sums:
+        a = builder.load(acc)
+        total = builder.extract_element(a, ir.Constant(i32, 0))
+        for k in range(1, 8):
+            total = builder.fadd(total, builder.extract_element(a, ir.Constant(i32, k)))
+        totals.append(total)
+    return totals
+
+
 @intrinsic
 def _abs_lane_total(typingctx, xs, groups):
     """The float64 sum of ``|xs|`` over the first ``8 * groups`` values (float32 or float64) in
     a fixed order: eight lanes, lane k adding values 8j + k in order, then the lanes in order
-    (``((a0 + a1) + a2) ... + a7``). Two vectors of four float64 lanes: the same additions, in
+    (``((a0 + a1) + a2) ... + a7``). One vector of eight float64 lanes: the same additions, in
     the same order, as eight scalar sums (which LLVM leaves scalar)."""
     if not _contiguous_floats(xs):
         return None
 
     def codegen(context, builder, signature, args):
-        aty = signature.args[0]
-        v4d = ir.VectorType(ir.DoubleType(), 4)
-        src = _float_vector(aty.dtype, 4)
-        fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v4d, [v4d]), "llvm.fabs.v4f64")
-        zero = ir.Constant(v4d, [0.0] * 4)
-        lo = cgutils.alloca_once_value(builder, zero)
-        hi = cgutils.alloca_once_value(builder, zero)
-        align = 8 if aty.dtype == types.float64 else 4
-        with cgutils.for_range(builder, args[1]) as loop:
-            base = builder.mul(loop.index, ir.Constant(loop.index.type, 8))
-            four = builder.add(base, ir.Constant(base.type, 4))
-            halves = []
-            for at in (base, four):
-                v = builder.load(_element(context, builder, aty, args[0], at, src), align=align)
-                halves.append(v if aty.dtype == types.float64 else builder.fpext(v, v4d))
-            builder.store(builder.fadd(builder.load(lo), builder.call(fabs, [halves[0]])), lo)
-            builder.store(builder.fadd(builder.load(hi), builder.call(fabs, [halves[1]])), hi)
-        a, b = builder.load(lo), builder.load(hi)
-        i32 = ir.IntType(32)
-        total = builder.extract_element(a, ir.Constant(i32, 0))
-        for k in range(1, 8):
-            total = builder.fadd(total, builder.extract_element(a if k < 4 else b, ir.Constant(i32, k % 4)))
-        return total
+        zero = ir.Constant(args[1].type, 0)
+        return _abs_lanes_codegen(context, builder, signature.args[0], args[0], [zero], args[1])[0]
     return types.float64(xs, types.intp), codegen
+
+
+#: chunks whose mean magnitudes ``_abs_lane_totals`` sums at once
+TOTALS_AT_ONCE = 4
+
+
+@intrinsic
+def _abs_lane_totals(typingctx, xs, stride, groups, out):
+    """``out[k]`` = ``_abs_lane_total`` of the ``8 * groups`` values of ``xs`` from ``k * stride``,
+    for ``k < TOTALS_AT_ONCE``: the same additions in the same order per chunk, the chunks' sums
+    interleaved in one loop. One chunk's sum is a chain of dependent additions (each waits for
+    the last: the float64 add's latency, not the memory, bounds it); four chunks' chains run side
+    by side."""
+    if not (_contiguous_floats(xs) and isinstance(out, types.Array) and out.dtype == types.float64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        stride = args[1]
+        starts = [builder.mul(stride, ir.Constant(stride.type, k)) for k in range(TOTALS_AT_ONCE)]
+        totals = _abs_lanes_codegen(context, builder, signature.args[0], args[0], starts, args[2])
+        odata = context.make_array(signature.args[3])(context, builder, args[3]).data
+        for k, total in enumerate(totals):
+            builder.store(total, builder.gep(odata, [ir.Constant(ir.IntType(64), k)]))
+        return context.get_dummy_value()
+    return types.none(xs, stride, groups, out), codegen
 
 
 @intrinsic
@@ -813,13 +862,30 @@ def _from_signs(typingctx, out, bits, groups, scale, add):
 
 
 @njit(inline="always")
-def _onebit_chunk(xs, n, es, feedback, bs):
-    """Encode the ``n`` values of ``xs`` (a chunk, in the L1 cache; ``n`` a multiple of 8): its
-    mean magnitude (float64, eight lanes: lane k takes values 8j + k in order, then the lanes in
-    order, as ``onebit`` does in NumPy), its signs packed into ``bs`` (value 8j + k is bit k of
-    byte j, 1 = not negative), and with ``feedback`` ``es = xs - scale * sign``. Returns the
-    scale."""
-    scale = np.float32(_abs_lane_total(xs, n // 8) / n)
+def _onebit_totals(xs, m, width, totals):
+    """``totals[j]`` = the float64 sum of ``|x|`` of chunk j of ``xs[:m]`` (chunks of ``width``
+    values, the last one possibly shorter; every length a multiple of 8) in the eight-lane order
+    of ``_abs_lane_total``: four full chunks at once (``_abs_lane_totals``), else one by one.
+    Returns the number of chunks."""
+    k = -(-m // width)
+    if k == TOTALS_AT_ONCE and m == TOTALS_AT_ONCE * width:
+        _abs_lane_totals(xs, width, width // 8, totals)
+    else:
+        for j in range(k):
+            lo = j * width
+            n = min(width, m - lo)
+            totals[j] = _abs_lane_total(xs[lo:lo + n], n // 8)
+    return k
+
+
+@njit(inline="always")
+def _onebit_chunk(xs, n, total, es, feedback, bs):
+    """Encode the ``n`` values of ``xs`` (a chunk, in the L1 cache; ``n`` a multiple of 8) whose
+    magnitudes sum to ``total`` (float64, eight lanes: lane k takes values 8j + k in order, then
+    the lanes in order, as ``onebit`` does in NumPy; ``_onebit_totals``): its mean magnitude,
+    its signs packed into ``bs`` (value 8j + k is bit k of byte j, 1 = not negative), and with
+    ``feedback`` ``es = xs - scale * sign``. Returns the scale."""
+    scale = np.float32(total / n)
     _sign_bits(xs, n // 8, bs)
     if feedback:
         neg = -scale
@@ -832,27 +898,36 @@ def _onebit_chunk(xs, n, es, feedback, bs):
 def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp, bf16):
     """Sign bits and a mean-magnitude scale per chunk (``_onebit_chunk``); with ``feedback``,
     ``x = g + e`` first and ``e = x - scale * sign`` after. ``width`` and every chunk's length
-    are multiples of 8; ``tmp`` (the values' dtype) holds ``width`` values; ``g`` may be half
-    precision (uint16 bits, ``bf16`` saying which), widened to float32 exactly.
-    Returns how many chunks have a non-finite scale: only those can leave a non-finite residual
-    (elsewhere ``|e| <= max(|x|, scale)``)."""
+    are multiples of 8; ``tmp`` (the values' dtype) holds ``TOTALS_AT_ONCE * width`` values (a
+    block of chunks, whose sums run side by side: ``_onebit_totals``), or ``width`` (one chunk
+    at a time); ``g`` may be half precision (uint16 bits, ``bf16`` saying which), widened to
+    float32 exactly. Returns how many chunks have a non-finite scale: only those can leave a
+    non-finite residual (elsewhere ``|e| <= max(|x|, scale)``)."""
     bad = 0
-    for c in range(scales.shape[0]):
-        start = c * width
-        gs = g[start:start + width]
-        n = gs.shape[0]
-        xs = tmp[:n]
-        es = e[start:start + n]
+    chunks = scales.shape[0]
+    size = g.shape[0]
+    block = min(TOTALS_AT_ONCE, tmp.shape[0] // width)
+    totals = np.zeros(TOTALS_AT_ONCE, np.float64)
+    for c0 in range(0, chunks, block):
+        start = c0 * width
+        m = min(block * width, size - start)
+        gs = g[start:start + m]
+        eb = e[start:start + m]
         if feedback:
-            for i in range(n):
-                xs[i] = _wide(gs[i], bf16) + es[i]
+            xb = tmp[:m]
+            for i in range(m):
+                xb[i] = _wide(gs[i], bf16) + eb[i]
         else:
-            for i in range(n):
-                xs[i] = _wide(gs[i], bf16)
-        scale = _onebit_chunk(xs, n, es, feedback, bits[start // 8:(start + n) // 8])
-        scales[c] = scale
-        if not np.isfinite(scale):
-            bad += 1
+            xb = _values(gs, tmp[:m], m, bf16)
+        k = _onebit_totals(xb, m, width, totals)
+        for j in range(k):
+            lo = j * width
+            n = min(width, m - lo)
+            at = start + lo
+            scale = _onebit_chunk(xb[lo:lo + n], n, totals[j], eb[lo:lo + n], feedback, bits[at // 8:(at + n) // 8])
+            scales[c0 + j] = scale
+            if not np.isfinite(scale):
+                bad += 1
     return bad
 
 
@@ -868,36 +943,48 @@ def _onebit_add(scale, bs, o, add):
 
 @_kernel
 def onebit_owner_chunks(rows, row_scales, chunks, width, n, div, feedback, e, scales, bits, tmp):
-    """The slice owner's stage in one pass per chunk: the ``rows`` (one message per rank: float32
-    scales of ``chunks`` chunks, ``row_scales`` the same bytes as float32, then the sign bits of
-    ``n`` values) decoded and summed in rank order from zero, divided by the number of rows, with
-    ``feedback`` ``e`` added (``div``: the number of rows in ``tmp``'s dtype), encoded into
-    ``scales`` and ``bits`` and ``e`` left with the error: the operations of decoding each row into a zeroed slice, dividing and
-    ``onebit_encode_chunks``, in the same order, without the slice-sized sum. Returns the count of
-    non-finite scales, as that kernel."""
+    """The slice owner's stage in one pass per block of chunks: the ``rows`` (one message per
+    rank: float32 scales of ``chunks`` chunks, ``row_scales`` the same bytes as float32, then the
+    sign bits of ``n`` values) decoded and summed in rank order from zero, divided by the number
+    of rows, with ``feedback`` ``e`` added (``div``: the number of rows in ``tmp``'s dtype),
+    encoded into ``scales`` and ``bits`` and ``e`` left with the error: the operations of
+    decoding each row into a zeroed slice, dividing and ``onebit_encode_chunks``, in the same
+    order, without the slice-sized sum. ``tmp`` as in that kernel (a block of chunks). Returns
+    the count of non-finite scales, as that kernel."""
     size = rows.shape[0]
     zero = np.zeros(1, tmp.dtype)[0]
     base = 4 * chunks
     bad = 0
-    for c in range(chunks):
-        start = c * width
-        m = min(width, n - start)
-        xs = tmp[:m]
+    block = min(TOTALS_AT_ONCE, tmp.shape[0] // width)
+    totals = np.zeros(TOTALS_AT_ONCE, np.float64)
+    for c0 in range(0, chunks, block):
+        start = c0 * width
+        m = min(block * width, n - start)
+        xb = tmp[:m]
         for i in range(m):
-            xs[i] = zero
-        for r in range(size):
-            _onebit_add(row_scales[r, c], rows[r, base + start // 8:base + (start + m) // 8], xs, True)
+            xb[i] = zero
+        for j in range(-(-m // width)):
+            lo = j * width
+            cn = min(width, m - lo)
+            at = start + lo
+            for r in range(size):
+                _onebit_add(row_scales[r, c0 + j], rows[r, base + at // 8:base + (at + cn) // 8], xb[lo:lo + cn], True)
         if size > 1:
             for i in range(m):
-                xs[i] = xs[i] / div
-        es = e[start:start + m]
+                xb[i] = xb[i] / div
+        eb = e[start:start + m]
         if feedback:
             for i in range(m):
-                xs[i] = xs[i] + es[i]
-        scale = _onebit_chunk(xs, m, es, feedback, bits[start // 8:(start + m) // 8])
-        scales[c] = scale
-        if not np.isfinite(scale):
-            bad += 1
+                xb[i] = xb[i] + eb[i]
+        k = _onebit_totals(xb, m, width, totals)
+        for j in range(k):
+            lo = j * width
+            cn = min(width, m - lo)
+            at = start + lo
+            scale = _onebit_chunk(xb[lo:lo + cn], cn, totals[j], eb[lo:lo + cn], feedback, bits[at // 8:(at + cn) // 8])
+            scales[c0 + j] = scale
+            if not np.isfinite(scale):
+                bad += 1
     return bad
 
 

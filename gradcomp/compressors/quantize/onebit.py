@@ -21,6 +21,7 @@ from ..codec import Codec
 from .kernels import _compiled, _half_kind, chunk_count
 
 CHUNK = 512
+_BLOCK_CHUNKS = 4  # = compiled.TOTALS_AT_ONCE (that module imports only with numba)
 
 
 class OneBit(Codec):
@@ -107,8 +108,9 @@ class OneBit(Codec):
         return True
 
     def _chunk(self, workspace: Workspace, like: Array, dtype: DTypeLike) -> Array:
-        """One chunk of values of ``dtype``, for the compiled kernels."""
-        return workspace.array(self, "tmp", CHUNK, dtype, like=like)
+        """A block of chunks of values of ``dtype``, for the compiled kernels (whose chunks'
+        sums run side by side: ``compiled.TOTALS_AT_ONCE``; in the L1 cache)."""
+        return workspace.array(self, "tmp", _BLOCK_CHUNKS * CHUNK, dtype, like=like)
 
     def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         n = out.shape[0]
