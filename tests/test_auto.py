@@ -42,6 +42,9 @@ def rank_auto(table: str | None):
         assert np.allclose(o, e, atol=0.05 * np.abs(e).max()), "auto's means are not the mean"
     if table:  # the table's numbers, not a timing
         assert stats["compute_s_per_byte"] == {"allreduce": 1e-6, "int8": 0.0}
+        assert stats["local_stage_share"] == {"allreduce": 0.5, "int8": 0.0}
+    else:  # int8 encodes in its local stage: a share of its compute, timed
+        assert 0 < stats["local_stage_share"]["int8"] < 1, stats["local_stage_share"]
     # the choice is state: saved, restored into a fresh auto, kept
     saved = reducer.state_dict()
     fresh = gc.make(spec)
@@ -59,8 +62,25 @@ def test_auto_agrees_reduces_and_checkpoints(tmp_path, with_table):
     if with_table:
         table = str(tmp_path / "table.json")
         with open(table, "w") as f:
-            json.dump({"allreduce": 1e-6, "int8": 0.0}, f)  # fp32 made costly: int8 must win
+            json.dump({"allreduce": [1e-6, 0.5], "int8": 0.0}, f)  # fp32 made costly: int8 must win
     out = run_ranks(2, "tests.test_auto:rank_auto", table, timeout=180)
     assert out.count(": ok") == 2, out
     if with_table:
         assert '"int8"' in out and '"allreduce"' not in out, out
+
+
+def test_pipeline_model():
+    """``cost.pipelined``: a bucket's local stage overlaps the previous bucket's exchange, at most
+    ``depth`` buckets ahead, and the step is never below all the compute."""
+    from gradcomp.planning.cost import pipelined
+
+    assert pipelined([]) == 0
+    assert pipelined([(0.0, 0.0, 1.0)] * 5) == pytest.approx(5.0)        # nothing local: the sum
+    # encode 0.25 of 2 s, 1 s of compute: the first encode, then the rest of each, back to back
+    assert pipelined([(0.25, 1.0, 2.0)] * 5) == pytest.approx(0.25 + 5 * 1.75)
+    # compute-bound: both threads share the cores, so the compute is the floor
+    assert pipelined([(0.5, 2.0, 2.5)] * 4) == pytest.approx(8.5)
+    assert pipelined([(1.0, 3.0, 3.1)] * 4) == pytest.approx(12.0)
+    # a long local stage waits for the bucket depth + 1 before it to finish
+    assert pipelined([(1.0, 1.0, 1.0), (0.0, 0.0, 5.0), (1.0, 1.0, 1.0)], depth=0) == pytest.approx(7.0)
+    assert pipelined([(1.0, 1.0, 1.0), (0.0, 0.0, 5.0), (1.0, 1.0, 1.0)], depth=1) == pytest.approx(6.0)

@@ -75,6 +75,7 @@ from ..bucket import group
 from ..comm import wire_bytes
 from .methods import Method, select
 from .paths import PATHS, DDPPath, ReducerPath, _Case
+from ..planning.cost import pipelined
 from .shapes import heavy_tailed, model_shapes, numel
 
 
@@ -330,7 +331,7 @@ def _summary(case: _Case, steps: int) -> dict[str, Any]:
         choices = case.compressor.stats().get("choices")
         if choices:  # auto: what it chose per bucket, and the step its cost model predicted
             row["choices"] = {str(c["bucket"]): c["chosen"] for c in choices}
-            row["predicted_s"] = sum(c["predicted_s"][c["chosen"]] for c in choices)
+            row["predicted_s"] = pipelined([c["stages_s"][c["chosen"]] for c in choices])
     return row
 
 

@@ -8,14 +8,17 @@ what the method's compute costs here. ``Auto`` measures all three once:
   communicator; every rank's times are gathered and the slowest taken, so every rank fits the
   same latency and bandwidth (the alpha-beta model of ``cost``);
 * **the compute**: each candidate's whole reduction of a 4 MiB bucket on a one-rank communicator
-  (the kernel cost without a peer), timed on rank 0 while the others wait; or a table loaded from a JSON file
-  (``table=``: ``{"int8": seconds per float32 byte, ...}``, e.g. from ``gradcomp.bench.kernels``);
+  (the kernel cost without a peer), and the share of it in its local stage, timed on rank 0
+  while the others wait; or a table loaded from a JSON file (``table=``: ``{"int8": seconds per
+  float32 byte, ...}``, or ``[seconds, share]`` pairs; e.g. from ``gradcomp.bench.kernels``);
 * **the topology**: ``MPICommunicator.topology`` (how many ranks share each host's link and cores).
 
 (measured at the first bucket's ordered stage, after every rank agreed on the configuration). For
 each bucket layout it then predicts every candidate's time with ``cost.Model`` and takes the
-fastest; ties within 2% go to the earlier candidate (less compressed: ``allowed`` is in order of
-increasing compression). The choice depends only on agreed inputs, so every rank makes the same
+fastest in the reducer's pipeline (``cost.pipelined``: a candidate's local stage, its encode,
+overlaps the previous bucket's exchange, so it is ranked by its time per bucket in a run of
+buckets like this one, not by its seconds alone); ties within 2% go to the earlier candidate
+(less compressed: ``allowed`` is in order of increasing compression). The choice depends only on agreed inputs, so every rank makes the same
 one; it is part of what ranks agree on before each bucket (its state), it is checkpointed, and it
 is kept: ``replan()`` (on every rank) or a change of layout (DDP's bucket rebuild) chooses again.
 Residuals move with their tensors when a tensor's method changes (``Schedule``'s hand-over).
@@ -49,6 +52,10 @@ PROBE_SIZES = (1024, 65536, 1048576)
 PROBE_REPEATS = 3
 #: a candidate wins only by more than this fraction (else the earlier, less compressed one)
 TIE = 0.02
+#: candidates are ranked by their time per bucket in a pipeline of this many buckets like it
+#: (``cost.pipelined``): a local stage that overlaps the previous bucket's exchange is worth less
+#: than its seconds
+PACED_BUCKETS = 4
 
 
 #: measurements per communicator (see ``Auto.measure``)
@@ -106,16 +113,18 @@ class Auto(Compressor):
             return known[key]
         link = _probe(comm, max(numel, PROBE_SIZES[-1]))
         if self.table:
-            compute = _load_table(self.table)
+            compute, shares = _load_table(self.table)
         else:
-            compute = _time_candidates(self.allowed) if comm.rank == 0 else {}
+            compute, shares = _time_candidates(self.allowed) if comm.rank == 0 else ({}, {})
         names = list(self.allowed)
-        worst = comm.allgather(np.array([compute.get(n, 0.0) for n in names]))
-        compute = {n: float(v) for n, v in zip(names, np.max(worst, axis=0))}
+        worst = np.max(comm.allgather(np.array([[compute.get(n, 0.0) for n in names],
+                                                [shares.get(n, 0.0) for n in names]])), axis=0)
+        compute = {n: float(v) for n, v in zip(names, worst[0])}
+        shares = {n: float(v) for n, v in zip(names, worst[1])}
         topo = getattr(comm, "topology", None)
         hosts, per_host = (topo.hosts, topo.local_size) if topo is not None else (comm.size, 1)
-        known[key] = {"link": link, "compute": compute, "hosts": hosts, "per_host": per_host,
-                      "contention": _contention(comm)}
+        known[key] = {"link": link, "compute": compute, "prepare_share": shares, "hosts": hosts,
+                      "per_host": per_host, "contention": _contention(comm)}
         return known[key]
 
     def replan(self) -> None:
@@ -137,19 +146,22 @@ class Auto(Compressor):
         hosts, per_host = m["hosts"], m["per_host"]
         # cores_per_host such that per_host / cores_per_host is how many ranks share a core here
         cluster = cost.Cluster(hosts, per_host, m["link"], cores_per_host=per_host / m["contention"])
-        model = cost.Model(m["compute"])
-        times = {}
+        model = cost.Model(m["compute"], prepare_share=m["prepare_share"])
+        stages, times, paced = {}, {}, {}
         for name, comp in zip(self.allowed, self.candidates):
             t = cost.traffic(comp, bucket.shapes, comm.size)
-            times[name] = model.step(name, t, bucket.numel, 1, cluster, hierarchical=False)
+            stages[name] = model.stages(name, t, bucket.numel, cluster, hierarchical=False)
+            times[name] = stages[name][2]
+            paced[name] = cost.pipelined([stages[name]] * PACED_BUCKETS) / PACED_BUCKETS
         best = 0
         for i, name in enumerate(self.allowed):
-            if times[name] < times[self.allowed[best]] * (1 - TIE):
+            if paced[name] < paced[self.allowed[best]] * (1 - TIE):
                 best = i
         self._choices[key] = best
         self._why[key] = {"bucket": bucket.index, "numel": bucket.numel, "chosen": self.allowed[best],
-                          "predicted_s": times,
-                          "why": f"fastest predicted on a link of {m['link'].beta * 8 / 1e9:.3g} Gbit/s, "
+                          "predicted_s": times, "pipelined_s": paced, "stages_s": stages,
+                          "why": f"fastest predicted in the pipeline on a link of "
+                                 f"{m['link'].beta * 8 / 1e9:.3g} Gbit/s, "
                                  f"{m['link'].alpha * 1e6:.0f} us latency, {comm.size} ranks"}
         return best
 
@@ -211,6 +223,7 @@ class Auto(Compressor):
             link = self._measured["link"]
             s["link"] = {"alpha_s": link.alpha, "beta_bytes_per_s": link.beta}
             s["compute_s_per_byte"] = dict(self._measured["compute"])
+            s["local_stage_share"] = dict(self._measured["prepare_share"])
         return s
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -301,8 +314,10 @@ def _probe(comm: Communicator, largest: int = PROBE_SIZES[-1]) -> cost.Link:
     return cost.Link(max(alpha, 0.0), 1.0 / inv_beta if inv_beta > 0 else float("inf"))
 
 
-def _time_candidates(names: Sequence[str], numel: int = 1 << 20, repeats: int = 3) -> dict[str, float]:
-    """Seconds per float32 byte of each method's whole reduction of one bucket on one rank."""
+def _time_candidates(names: Sequence[str], numel: int = 1 << 20, repeats: int = 3
+                     ) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds per float32 byte of each method's whole reduction of one bucket on one rank, and
+    the share of it in the local stage (``prepare``, which the pipeline overlaps)."""
     from mpi4py import MPI
 
     from ..comm.mpi import MPICommunicator
@@ -311,25 +326,43 @@ def _time_candidates(names: Sequence[str], numel: int = 1 << 20, repeats: int = 
 
     alone = MPICommunicator(MPI.COMM_SELF, blas_threads=None)
     g = np.random.default_rng(0).standard_t(3, numel).astype(np.float32)
-    out = {}
+    out, shares = {}, {}
     try:
         for name in names:
             comp = make(steady(name))
-            best = float("inf")
+            best, local, rest = float("inf"), float("inf"), float("inf")
             for _ in range(repeats + 3):
                 bucket = Bucket(g.copy(), 0, scratch=True)
                 start = time.perf_counter()
                 comp.reduce(bucket, alone).result()
                 best = min(best, time.perf_counter() - start)
+                bucket = Bucket(g.copy(), 0, scratch=True)  # the two stages, timed apart
+                start = time.perf_counter()
+                prepared = comp.prepare(bucket, alone, alone.workspace)
+                middle = time.perf_counter()
+                run_stage(comp, bucket, alone, prepared)
+                local, rest = min(local, middle - start), min(rest, time.perf_counter() - middle)
             out[name] = best / (4 * numel)
+            shares[name] = local / (local + rest) if local + rest > 0 else 0.0
     finally:
         alone.close()
-    return out
+    return out, shares
 
 
-def _load_table(path: str) -> dict[str, float]:
+def _load_table(path: str) -> tuple[dict[str, float], dict[str, float]]:
+    """A compute table: method -> seconds per float32 byte, or ``[seconds per byte, share of
+    them in the local stage]``."""
     with open(path) as f:
         data = json.load(f)
-    if not isinstance(data, dict) or not all(isinstance(v, (int, float)) for v in data.values()):
-        raise ValueError(f"auto: {path} must hold a JSON object of method -> seconds per float32 byte")
-    return {str(k): float(v) for k, v in data.items()}
+
+    def entry(v: Any) -> bool:
+        number = (int, float)
+        return isinstance(v, number) or (isinstance(v, list) and len(v) == 2
+                                         and all(isinstance(x, number) for x in v) and 0 <= v[1] <= 1)
+
+    if not isinstance(data, dict) or not all(entry(v) for v in data.values()):
+        raise ValueError(f"auto: {path} must hold a JSON object of method -> seconds per float32 byte "
+                         "(or [seconds per byte, local-stage share from 0 to 1])")
+    compute = {str(k): float(v[0] if isinstance(v, list) else v) for k, v in data.items()}
+    shares = {str(k): float(v[1]) for k, v in data.items() if isinstance(v, list)}
+    return compute, shares

@@ -207,10 +207,13 @@ def messages(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
 class Model:
     """Link constants and each method's compute (seconds per byte of float32 gradient, one rank
     on its own core: worker and owner stages together). ``local``: the link inside a host, where
-    a fit measured it (else the cluster's)."""
+    a fit measured it (else the cluster's). ``prepare_share``: how much of each method's compute
+    is its local stage, which overlaps the previous bucket's exchange (``pipelined``)."""
     compute: dict[str, float]
     local_pass: float = 0.0  # seconds per byte of one memory pass (hierarchical's local stages)
     local: Link | None = None
+    #: the fraction of each method's compute in its local stage (``pipelined``; 0: none known)
+    prepare_share: dict[str, float] = field(default_factory=dict)
 
     def step(self, method: str, t: Traffic, numel: int, buckets: int, cluster: Cluster,
              hierarchical: bool) -> float:
@@ -235,6 +238,35 @@ class Model:
                 hierarchical: bool) -> float:
         """Predicted seconds per step of buckets given as ``(traffic, numel)`` each."""
         return sum(self.step(method, t, n, 1, cluster, hierarchical) for t, n in parts)
+
+    def stages(self, method: str, t: Traffic, numel: int, cluster: Cluster, hierarchical: bool
+               ) -> tuple[float, float, float]:
+        """One bucket's ``(local, cpu, total)`` seconds, flat: ``local`` is the compute of its
+        local stage (the encode, on the pipeline's compute thread: ``prepare_share`` of the
+        compute), ``cpu`` all its compute, ``total`` as ``step``."""
+        total = self.step(method, t, numel, 1, cluster, hierarchical)
+        cpu = self.compute.get(method, 0.0) * numel * 4 * cluster.contention()
+        if hierarchical and cluster.per_host > 1 and cluster.hosts > 1:
+            cpu /= cluster.per_host
+        return self.prepare_share.get(method, 0.0) * cpu, cpu, total
+
+
+def pipelined(buckets: Sequence[tuple[float, float, float]], depth: int = 1) -> float:
+    """Seconds per step of buckets, in order, each ``(local, cpu, total)`` (``Model.stages``),
+    through the reducer's pipeline: bucket k's local stage runs on the compute thread while the
+    wire thread finishes bucket k-1 (its collectives and the rest of its compute), at most
+    ``depth`` buckets ahead. A two-machine flow shop (bucket k's local stage starts once bucket
+    k-1's has ended and bucket k-depth-1 is finished; its rest once its local stage and bucket
+    k-1 have ended) -- but both threads share the rank's cores, so the step is never below all
+    the compute, ``sum(cpu)``. With ``local = 0`` (no local stage, or a table without shares)
+    it is the plain sum of the totals."""
+    local_end = 0.0
+    ends: list[float] = []
+    for k, (local, _, total) in enumerate(buckets):
+        start = max(local_end, ends[k - depth - 1] if k - depth - 1 >= 0 else 0.0)
+        local_end = start + local
+        ends.append(max(ends[-1] if ends else 0.0, local_end) + total - local)
+    return max(ends[-1] if ends else 0.0, sum(cpu for _, cpu, _ in buckets))
 
 
 def _terms(r: Mapping[str, Any], methods: Sequence[str]) -> list[float]:
