@@ -137,6 +137,25 @@ if njit is not None:
             s33 += v * qd
         return (s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33)
 
+    @njit(inline="always", boundscheck=False)
+    def _scaled_rows_4x4(acc, k, p, at, r, x0, x1, x2, x3, m):
+        """``acc[k + b] += (c0 x0 + c1 x1) + (c2 x2 + c3 x3)`` for b < 4, ``c`` the four rows'
+        entries of P's column k + b (row a's from ``p[at + a * r + k + b]``), in one loop over
+        the columns: each value of the rows is loaded once for the four sums (a loop per b would
+        re-read the rows, and the memory would idle while it does). The same operations on each
+        sum as one loop per b."""
+        a0, a1, a2, a3 = acc[k], acc[k + 1], acc[k + 2], acc[k + 3]
+        c00, c01, c02, c03 = p[at + k], p[at + r + k], p[at + 2 * r + k], p[at + 3 * r + k]
+        c10, c11, c12, c13 = p[at + k + 1], p[at + r + k + 1], p[at + 2 * r + k + 1], p[at + 3 * r + k + 1]
+        c20, c21, c22, c23 = p[at + k + 2], p[at + r + k + 2], p[at + 2 * r + k + 2], p[at + 3 * r + k + 2]
+        c30, c31, c32, c33 = p[at + k + 3], p[at + r + k + 3], p[at + 2 * r + k + 3], p[at + 3 * r + k + 3]
+        for j in range(m):
+            v0, v1, v2, v3 = x0[j], x1[j], x2[j], x3[j]
+            a0[j] += (c00 * v0 + c01 * v1) + (c02 * v2 + c03 * v3)
+            a1[j] += (c10 * v0 + c11 * v1) + (c12 * v2 + c13 * v3)
+            a2[j] += (c20 * v0 + c21 * v1) + (c22 * v2 + c23 * v3)
+            a3[j] += (c30 * v0 + c31 * v1) + (c32 * v2 + c33 * v3)
+
     @_sums
     def _project(x, g, add, q, p, table, wide):
         """``x += g`` where ``add``, then ``P = X Q``, matrix by matrix."""
@@ -191,7 +210,11 @@ if njit is not None:
                 step = _rows_at(x, g, add, off, i, n, m, step)
                 if step == 4:
                     x0, x1, x2, x3 = _four_rows(x, off + i * m, m)
-                    for k in range(r):
+                    k = 0
+                    while k + 4 <= r:
+                        _scaled_rows_4x4(acc, k, p, po + i * r, r, x0, x1, x2, x3, m)
+                        k += 4
+                    while k < r:
                         a = acc[k]
                         c0 = p[po + i * r + k]
                         c1 = p[po + (i + 1) * r + k]
@@ -199,6 +222,7 @@ if njit is not None:
                         c3 = p[po + (i + 3) * r + k]
                         for j in range(m):
                             a[j] += (c0 * x0[j] + c1 * x1[j]) + (c2 * x2[j] + c3 * x3[j])
+                        k += 1
                 else:
                     row = x[off + i * m: off + (i + 1) * m]
                     for k in range(r):
