@@ -39,6 +39,17 @@ except ImportError:  # pragma: no cover - exercised by GRADCOMP_JIT=0 instead
 
 _ok = None
 
+#: an output array of at least this many bytes is written around the caches (``stream``):
+#: it is larger than a core's share of the last-level cache, so it would be evicted before
+#: anything reads it, and a plain store first reads every line it writes (twice the traffic)
+STREAM_BYTES = 4 << 20
+
+
+def stream(out) -> bool:
+    """Whether a kernel writing all of ``out`` should do it with ``_stream`` (``STREAM_BYTES``)."""
+    return out.nbytes >= STREAM_BYTES
+
+
 
 def available() -> bool:
     """True when the compiled kernels can be used (numba present, not disabled, self-check passed)."""
@@ -196,6 +207,58 @@ if njit is not None:
             ctpop = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64]), "llvm.ctpop.i64")
             return builder.call(ctpop, [args[0]])
         return types.int64(types.uint64), codegen
+
+    @intrinsic
+    def _stream(typingctx, dst, start, src, n):
+        """``dst[start:start + n] = src[:n]`` (both contiguous 1-d, one float or integer dtype;
+        ``src`` a chunk in the L1 cache) with non-temporal stores of 16 bytes where ``dst`` is
+        16-byte aligned there (NumPy's arrays are, and so is every chunk of a multiple of 16
+        bytes), plain stores for the rest: the store buffers combine consecutive stores into
+        whole lines, which go to memory without being read first (a plain store reads every line
+        it writes). Stores of whole 64-byte lines would need 64-byte alignment, which an array
+        offset by 16 bytes only gets part of the way through each chunk, and mixing both kinds of
+        store on one line is slower than either. The caller ends the kernel with
+        ``_store_fence``."""
+        if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == 1
+                and src.ndim == 1 and dst.dtype == src.dtype and dst.layout == "C" and src.layout == "C"):
+            return None
+
+        def codegen(context, builder, signature, args):
+            dty, sty = signature.args[0], signature.args[2]
+            elem = context.get_data_type(dty.dtype)
+            size = context.get_abi_sizeof(elem)
+            lanes = 16 // size
+            vec = ir.VectorType(elem, lanes)
+            i64 = ir.IntType(64)
+            dd = context.make_array(dty)(context, builder, args[0]).data
+            sd = context.make_array(sty)(context, builder, args[2]).data
+            start = builder.sext(args[1], i64) if args[1].type.width < 64 else args[1]
+            n = builder.sext(args[3], i64) if args[3].type.width < 64 else args[3]
+            base = builder.gep(dd, [start])
+            aligned = builder.icmp_unsigned("==", builder.and_(builder.ptrtoint(base, i64), ir.Constant(i64, 15)),
+                                            ir.Constant(i64, 0))
+            groups = builder.select(aligned, builder.udiv(n, ir.Constant(i64, lanes)), ir.Constant(i64, 0))
+            body_end = builder.mul(groups, ir.Constant(i64, lanes))
+            nt = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+            with cgutils.for_range(builder, groups) as loop:
+                at = builder.mul(loop.index, ir.Constant(i64, lanes))
+                v = builder.load(builder.bitcast(builder.gep(sd, [at]), vec.as_pointer()), align=size)
+                store = builder.store(v, builder.bitcast(builder.gep(base, [at]), vec.as_pointer()), align=16)
+                store.set_metadata("nontemporal", nt)
+            with cgutils.for_range(builder, builder.sub(n, body_end)) as loop:
+                at = builder.add(body_end, loop.index)
+                builder.store(builder.load(builder.gep(sd, [at])), builder.gep(base, [at]))
+            return context.get_dummy_value()
+        return types.none(dst, start, src, n), codegen
+
+    @intrinsic
+    def _store_fence(typingctx):
+        """A full fence after a kernel's ``_stream`` stores: non-temporal stores are weakly
+        ordered, and whoever reads the output next (another thread, MPI) must see them."""
+        def codegen(context, builder, signature, args):
+            builder.fence("seq_cst")
+            return context.get_dummy_value()
+        return types.none(), codegen
 
     _ABS64 = np.int64(0x7FFFFFFFFFFFFFFF)
 

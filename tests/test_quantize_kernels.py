@@ -312,3 +312,46 @@ def rank_codecs_compiled_and_numpy_bits():
 def test_codecs_compiled_and_numpy_give_the_same_bits_on_three_ranks():
     """The same at 3 ranks: the owners average three messages (divided), slices have tails."""
     run_ranks(3, "tests.test_quantize_kernels:rank_codecs_compiled_and_numpy_bits", timeout=900)
+
+
+@pytest.mark.skipif(not COMPILED, reason="numba kernels unavailable")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_streamed_decode_gives_the_same_bits(dtype):
+    """The kernels that write a large output around the caches (``jit.stream``) give the bits of
+    the plain ones: several rows (divided), a row with a NaN offset, one with an infinite scale,
+    an odd tail, outputs aligned to 16 bytes and not (the plain stores)."""
+    from gradcomp.compressors.quantize import compiled
+
+    rng = np.random.default_rng(21)
+    for n in (512 * 7, 512 * 5 + 37, 130):
+        chunks = chunk_count(n, 512)
+        for size in (1, 3):
+            rows = rng.integers(0, 256, (size, 8 * chunks + n), dtype=np.uint8)
+            params = rng.standard_normal((size, 2, chunks)).astype(np.float32)
+            params[:, 1] = np.abs(params[:, 1]) * 1e-2
+            if chunks > 2:
+                params[size - 1, 0, 1] = np.nan
+                params[0, 1, 2] = np.inf
+            want = np.empty(n, dtype)
+            compiled.dequantize_rows_chunks(rows, params, 8 * chunks, 512, want, want.dtype.type(size))
+            for shift in (0, 1):
+                space = np.empty(n + 1, dtype)
+                got = space[shift:shift + n]
+                compiled.dequantize_rows_chunks_streamed(rows, params, 8 * chunks, 512, got,
+                                                         got.dtype.type(size), np.empty(512, dtype))
+                assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (n, size, shift)
+
+
+@pytest.mark.skipif(not COMPILED, reason="numba kernels unavailable")
+@pytest.mark.parametrize("name", ["quantize-channel", "onebit", "onebit-noef", "int8"])
+def test_codecs_streaming_every_output_give_the_same_bits(name, monkeypatch):
+    """With every output streamed (``jit.STREAM_BYTES`` 0), the codecs against NumPy's steps."""
+    import gradcomp as gc
+
+    monkeypatch.setattr(jit, "STREAM_BYTES", 0)
+    comm = gc.MPICommunicator(pipeline_depth=0)
+    try:
+        for dtype in ("float32", "float64"):
+            _codec_bits(name, dtype, comm, 512 * 9 + 130)
+    finally:
+        comm.close()

@@ -13,9 +13,13 @@ import numpy as np
 
 from ...arrays import Array, DTypeLike
 from ...comm import Workspace
+from ...jit import stream
 from ...params import check_int
 from ..codec import Codec
 from .kernels import _compiled, chunk_count, dequantize, quantize
+
+#: the longest chunk decoded through a chunk-sized buffer to be streamed (``jit.stream``)
+_STREAM_CHUNK = 1 << 14
 
 
 class QuantizePerChannel(Codec):
@@ -67,7 +71,11 @@ class QuantizePerChannel(Codec):
         params = workspace.array(self, "row-params", size * 2 * chunks, np.float32, like=out).reshape(size, 2, chunks)
         for r in range(size):
             params[r] = rows[r, :8 * chunks].view(np.float32).reshape(2, chunks)
-        jit.dequantize_rows_chunks(rows, params, 8 * chunks, width, out, out.dtype.type(size))
+        if stream(out) and width <= _STREAM_CHUNK:  # (per tensor: one chunk, the whole bucket)
+            tmp = workspace.array(self, "chunk", width, out.dtype, like=out)
+            jit.dequantize_rows_chunks_streamed(rows, params, 8 * chunks, width, out, out.dtype.type(size), tmp)
+        else:
+            jit.dequantize_rows_chunks(rows, params, 8 * chunks, width, out, out.dtype.type(size))
         return True
 
     def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray:

@@ -23,7 +23,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ...jit import _bf16_decode, _f16_decode, _f32_bits, _f32_from_bits, _f64_from_bits
+from ...jit import _bf16_decode, _f16_decode, _f32_bits, _f32_from_bits, _f64_from_bits, _store_fence, _stream
 
 _kernel = njit(cache=True, boundscheck=False, nogil=True)
 
@@ -399,6 +399,42 @@ def dequantize_rows_chunks(rows, row_params, base, width, acc, div):
         if size > 1:
             for i in range(n):
                 a[i] = a[i] / div
+
+
+@_kernel
+def dequantize_rows_chunks_streamed(rows, row_params, base, width, acc, div, tmp):
+    """``dequantize_rows_chunks`` a chunk at a time in ``tmp`` (``width`` values, in the L1
+    cache), written to ``acc`` with ``_stream``: for a large ``acc``, whose lines are then not
+    read before they are written. A row whose parameters are not finite makes the chunk NaN
+    there (every later row adds to that NaN, which keeps its bits): here every row is decoded
+    and the chunk overwritten after, since a branch around the loops (as there) keeps LLVM from
+    vectorizing them in this kernel."""
+    size = rows.shape[0]
+    zero = np.zeros(1, acc.dtype)[0]
+    for c in range(row_params.shape[2]):
+        start = c * width
+        n = min(width, acc.shape[0] - start)
+        lo = row_params[0, 0, c]
+        scale = row_params[0, 1, c]
+        good = np.isfinite(lo) and np.isfinite(scale)
+        cs = rows[0, base + start:base + start + n]
+        for i in range(n):
+            tmp[i] = (zero + np.float32(cs[i]) * scale) + lo
+        for r in range(1, size):
+            lo = row_params[r, 0, c]
+            scale = row_params[r, 1, c]
+            good = good and np.isfinite(lo) and np.isfinite(scale)
+            cs = rows[r, base + start:base + start + n]
+            for i in range(n):
+                tmp[i] = (tmp[i] + np.float32(cs[i]) * scale) + lo
+        if size > 1:
+            for i in range(n):
+                tmp[i] = tmp[i] / div
+        if not good:
+            for i in range(n):
+                tmp[i] = np.nan
+        _stream(acc, start, tmp, n)
+    _store_fence()
 
 
 @njit(inline="always")
