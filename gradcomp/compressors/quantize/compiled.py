@@ -1032,3 +1032,22 @@ def onebit_decode_chunks(scales, bits, out, width, add):
         start = c * width
         o = out[start:start + width]
         _onebit_add(scales[c], bits[start // 8:(start + o.shape[0]) // 8], o, add)
+
+
+
+@_kernel
+def onebit_decode_chunks_streamed(scales, bits, out, width, tmp):
+    """``out = scale * sign`` per chunk as ``onebit_decode_chunks`` writes it, each chunk made in
+    ``tmp`` (``width`` values, in the L1 cache) and stored with ``_stream``: for a large
+    ``out``, whose lines are then not read before they are written."""
+    size = out.shape[0]
+    for c in range(scales.shape[0]):
+        start = c * width
+        n = min(width, size - start)
+        scale = scales[c]
+        _from_signs(tmp, bits[start // 8:(start + n) // 8], n // 8, scale, False)
+        if np.isnan(scale):  # after, not around it (see dequantize_rows_chunks_streamed)
+            for i in range(n):
+                tmp[i] = np.nan
+        _stream(out, start, tmp, n)
+    _store_fence()

@@ -17,6 +17,7 @@ import numpy as np
 
 from ...arrays import Array, ArrayModule, DTypeLike, array_module, zero_non_finite
 from ...comm import Workspace
+from ...jit import stream
 from ..codec import Codec
 from .kernels import _compiled, _half_kind, chunk_count
 
@@ -119,7 +120,10 @@ class OneBit(Codec):
             return
         jit = self._jit(out, scales, bits)
         if jit is not None:
-            jit.onebit_decode_chunks(scales, bits, out, CHUNK, add)
+            if not add and stream(out):
+                jit.onebit_decode_chunks_streamed(scales, bits, out, CHUNK, self._chunk(workspace, out, out.dtype))
+            else:
+                jit.onebit_decode_chunks(scales, bits, out, CHUNK, add)
             return
         xp = array_module(out)
         signs = workspace.array(self, "signs", n, out.dtype, like=out)
