@@ -353,6 +353,27 @@ if njit is not None:
                 t += 1
 
     @_kernel
+    def scatter_into_streamed(out, index, values, tmp):
+        """``scatter_into`` without ``add``, a block of ``len(tmp)`` values at a time made in
+        ``tmp`` (in the L1 cache: zeros, then the values' ``0 + v``) and stored with ``_stream``:
+        for a large ``out``, whose lines are then not read before they are written."""
+        n = out.shape[0]
+        k = index.shape[0]
+        block = tmp.shape[0]
+        zero = np.zeros(1, out.dtype)[0]
+        t = 0
+        for b0 in range(0, n, block):
+            b1 = min(b0 + block, n)
+            for i in range(block):
+                tmp[i] = zero
+            while t < k and index[t] < b1:
+                j = index[t] - b0
+                tmp[j] = tmp[j] + values[t]
+                t += 1
+            _stream(out, b0, tmp, b1 - b0)
+        _store_fence()
+
+    @_kernel
     def topk_sample(g, e, feedback, stride, sample):
         """``sample[i] = |g + e|`` (or ``|g|``) at position ``i * stride``."""
         for i in range(sample.shape[0]):
@@ -391,10 +412,10 @@ if njit is not None:
         return types.none(g, e, start, groups, threshold, feedback, masks), codegen
 
     @_kernel
-    def topk_candidates(g, e, feedback, threshold, cand, mags, masks):
+    def topk_candidates(g, e, feedback, threshold, cand, mags, vals, masks):
         """top-k's selection pass over float32 ``g``: ``e = g + e`` where ``feedback``, and the
-        positions (ascending) and magnitudes of the values whose magnitude is not below
-        ``threshold`` (NaN included) into ``cand`` and ``mags``, as many as fit; returns how many
+        positions (ascending), magnitudes and values of the values whose magnitude is not below
+        ``threshold`` (NaN included) into ``cand``, ``mags`` and ``vals``, as many as fit; returns how many
         there are. Eight values compared at once (``_not_below``) a block of ``8 * len(masks)``
         at a time, the few set bits then read out."""
         n = g.shape[0]
@@ -412,8 +433,10 @@ if njit is not None:
                     bits &= bits - np.uint8(1)
                     i = b0 + 8 * j + k
                     if count < cap:
+                        v = src[i]
                         cand[count] = i
-                        mags[count] = abs(src[i])
+                        mags[count] = abs(v)
+                        vals[count] = v
                     count += 1
         for i in range(n - n % 8, n):
             if feedback:
@@ -426,8 +449,29 @@ if njit is not None:
                 if count < cap:
                     cand[count] = i
                     mags[count] = m
+                    vals[count] = v
                 count += 1
         return count
+
+    @_kernel
+    def topk_take(cand, vals, picked, index, values, e, feedback):
+        """The picked candidates (``picked[j]``: candidate j is among the top k; ``cand``
+        ascending) into ``index`` and ``values`` in order, from the candidates' own values
+        (``vals``, as ``topk_candidates`` read them: no gather from the bucket); with
+        ``feedback``, ``e`` zeroed at them and at every other candidate that is NaN or Inf (the
+        only places a non-finite value can be). Returns how many were taken."""
+        t = 0
+        for j in range(picked.shape[0]):
+            v = vals[j]
+            if picked[j]:
+                index[t] = cand[j]
+                values[t] = v
+                t += 1
+                if feedback:
+                    e[cand[j]] = 0
+            elif feedback and not np.isfinite(v):
+                e[cand[j]] = 0
+        return t
 
     @_kernel
     def floyd_bits(stream, n, k, j, used, bitmap):

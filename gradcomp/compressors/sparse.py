@@ -15,6 +15,7 @@ import numpy as np
 from ..arrays import Array, DTypeLike, add_into, array_module, compiled_kernels, zero_non_finite
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
+from ..jit import stream
 from ..params import check_float, check_int
 from ..state import reject_leftovers, take_int
 from .codec import Codec
@@ -123,27 +124,25 @@ class TopK(Codec):
         cap = min(n // 8, 4 * k + 4096)
         cand = workspace.array(self, "candidates", cap, np.int64, like=x)
         mags = workspace.array(self, "candidate-magnitudes", cap, np.float32, like=x)
+        vals = workspace.array(self, "candidate-values", cap, np.float32, like=x)
         masks = workspace.array(self, "masks", _BLOCK // 8, np.uint8, like=x)
-        count = jit.topk_candidates(x, e, feedback, threshold, cand, mags, masks)  # (the residual is added now)
+        count = jit.topk_candidates(x, e, feedback, threshold, cand, mags, vals, masks)  # (the residual is added now)
         if k <= count <= cap:
-            chosen = cand[:count]
             picked = workspace.array(self, "picked", count, np.bool_, like=x)
             picked[...] = False
             picked[np.argpartition(mags[:count], count - k)[count - k:]] = True
-            top = chosen[picked]  # ascending, as the candidates (what sorting the selection gives)
-        else:  # a missed tail, ties at the estimate, or more candidates than kept: _top decides
-            top = self._top(e, k, workspace)
+            # the picked positions ascending (as the candidates: what sorting the selection gives)
+            # and their values from the candidates' own; the residual zeroed there, and at the
+            # other candidates' NaN and Inf (every one is a candidate: never below a threshold)
+            jit.topk_take(cand[:count], vals[:count], picked, index, values, e, feedback)
+            return True
+        # a missed tail, ties at the estimate, or more candidates than kept: _top decides
+        top = self._top(e, k, workspace)
         index[...] = top
         values[...] = e[top]
         if feedback:
             e[top] = 0
-            if k <= count <= cap:  # every NaN and Inf is a candidate (never below a threshold)
-                rest = e[chosen]
-                lost = ~np.isfinite(rest)
-                if lost.any():
-                    e[chosen[lost]] = 0
-            else:
-                zero_non_finite(e)
+            zero_non_finite(e)
         return True
 
     def _top(self, x: Array, k: int, workspace: Workspace) -> Array:
@@ -347,7 +346,10 @@ def _scatter(out: Array, index: Array, values: Array, add: bool) -> bool:
     n = out.shape[0]
     if index.shape[0] and not (int(index[0]) >= 0 and int(index[-1]) < n and bool((index[1:] > index[:-1]).all())):
         return False
-    jit.scatter_into(out, index, values, _BLOCK, add)
+    if not add and stream(out):
+        jit.scatter_into_streamed(out, index, values, np.empty(_BLOCK, out.dtype))
+    else:
+        jit.scatter_into(out, index, values, _BLOCK, add)
     return True
 
 
