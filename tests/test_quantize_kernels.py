@@ -355,3 +355,40 @@ def test_codecs_streaming_every_output_give_the_same_bits(name, monkeypatch):
             _codec_bits(name, dtype, comm, 512 * 9 + 130)
     finally:
         comm.close()
+
+
+@pytest.mark.skipif(not COMPILED, reason="numba kernels unavailable")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_onebit_kernels_on_odd_byte_counts(dtype):
+    """1-bit encode, decode (written, added, streamed) and the owner's stage on lengths whose last
+    chunk holds an odd number of bytes of signs (the kernels take two bytes at a time), against
+    NumPy's encode and decode."""
+    from unittest import mock
+
+    from gradcomp.compressors.quantize import compiled, onebit
+    from gradcomp.comm.pipeline import Workspace
+
+    codec = onebit.OneBit()
+    rng = np.random.default_rng(12)
+    for n in (512 * 3 + 24, 8, 512 + 8 * 13):
+        x = rng.standard_t(3, n).astype(dtype)
+        x[1] = -0.0
+        fast = np.empty(codec.message_size(n), np.uint8)
+        slow = np.empty_like(fast)
+        codec.encode(x, fast, Workspace())
+        with mock.patch.object(onebit, "_compiled", lambda *a: None):
+            codec.encode(x, slow, Workspace())
+        assert np.array_equal(fast, slow), n
+        for add in (False, True):
+            base = rng.standard_normal(n).astype(dtype)
+            got, want = base.copy(), base.copy()
+            codec.decode(fast, got, Workspace(), add=add)
+            with mock.patch.object(onebit, "_compiled", lambda *a: None):
+                codec.decode(fast, want, Workspace(), add=add)
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (n, add)
+        chunks = chunk_count(n, 512)
+        streamed = np.empty(n, dtype)
+        compiled.onebit_decode_chunks_streamed(fast[:4 * chunks].view(np.float32), fast[4 * chunks:], streamed, 512,
+                                               np.empty(512, dtype))
+        codec.decode(fast, want, Workspace())
+        assert np.array_equal(streamed.view(np.uint8), want.view(np.uint8)), n

@@ -840,24 +840,37 @@ def _abs_lane_totals(typingctx, xs, stride, groups, out):
     return types.none(xs, stride, groups, out), codegen
 
 
+def _bytes_of(builder, groups):
+    """(pairs, odd): ``groups`` bytes as pairs of bytes (16 values) and whether one is left."""
+    one = ir.Constant(groups.type, 1)
+    return builder.lshr(groups, one), builder.and_(groups, one)
+
+
 @intrinsic
 def _sign_bits(typingctx, xs, groups, out):
     """Byte j of ``out`` (uint8) = the signs of ``xs[8j:8j + 8]``, bit k for value 8j + k, 1 = not
-    negative (``x >= 0``: NaN is 0): eight compares, one byte, per group."""
+    negative (``x >= 0``: NaN is 0): sixteen compares and two bytes at a time (a 16-bit store,
+    little-endian: the first eight values in the first byte), eight for an odd last byte."""
     if not (_contiguous_floats(xs) and isinstance(out, types.Array) and out.dtype == types.uint8):
         return None
 
     def codegen(context, builder, signature, args):
         aty, oty = signature.args[0], signature.args[2]
-        v8 = _float_vector(aty.dtype, 8)
-        zero = ir.Constant(v8, [0.0] * 8)
         align = 8 if aty.dtype == types.float64 else 4
         odata = context.make_array(oty)(context, builder, args[2]).data
-        with cgutils.for_range(builder, args[1]) as loop:
-            base = builder.mul(loop.index, ir.Constant(loop.index.type, 8))
-            v = builder.load(_element(context, builder, aty, args[0], base, v8), align=align)
-            byte = builder.bitcast(builder.fcmp_ordered(">=", v, zero), ir.IntType(8))
-            builder.store(byte, builder.gep(odata, [loop.index]))
+        pairs, odd = _bytes_of(builder, args[1])
+
+        def signs(lanes, byte_index):
+            vec = _float_vector(aty.dtype, lanes)
+            v = builder.load(_element(context, builder, aty, args[0], builder.mul(byte_index, ir.Constant(byte_index.type, 8)),
+                                      vec), align=align)
+            mask = builder.bitcast(builder.fcmp_ordered(">=", v, ir.Constant(vec, [0.0] * lanes)), ir.IntType(lanes))
+            ptr = builder.bitcast(builder.gep(odata, [byte_index]), ir.IntType(lanes).as_pointer())
+            builder.store(mask, ptr, align=1)
+        with cgutils.for_range(builder, pairs) as loop:
+            signs(16, builder.mul(loop.index, ir.Constant(loop.index.type, 2)))
+        with builder.if_then(builder.icmp_unsigned("!=", odd, ir.Constant(odd.type, 0))):
+            signs(8, builder.sub(args[1], ir.Constant(args[1].type, 1)))
         return context.get_dummy_value()
     return types.none(xs, groups, out), codegen
 
@@ -866,35 +879,62 @@ def _sign_bits(typingctx, xs, groups, out):
 def _from_signs(typingctx, out, bits, groups, scale, add):
     """``out[8j + k] (+)= scale`` where bit k of ``bits[j]`` is set, else ``-scale`` (``scale``
     float32, widened to ``out``'s dtype; adding as ``out + value``): a select of two vectors per
-    byte."""
+    two bytes (eight values for an odd last byte). ``add``: 0 (or False) writes, 1 (or True)
+    adds, 2 writes ``0 + value`` (what adding to zeros gives, -0 included, without the zeros)."""
     if not (_contiguous_floats(out) and isinstance(bits, types.Array) and bits.dtype == types.uint8):
         return None
 
     def codegen(context, builder, signature, args):
         oty, bty = signature.args[0], signature.args[1]
-        v8 = _float_vector(oty.dtype, 8)
         s = args[3]
         if oty.dtype == types.float64:
             s = builder.fpext(s, ir.DoubleType())
-        pos = cgutils.alloca_once_value(builder, ir.Constant(v8, ir.Undefined))
-        vec = builder.load(pos)
-        for k in range(8):
-            vec = builder.insert_element(vec, s, ir.Constant(ir.IntType(32), k))
-        neg = builder.fneg(vec)
         align = 8 if oty.dtype == types.float64 else 4
         bdata = context.make_array(bty)(context, builder, args[1]).data
-        adding = builder.icmp_unsigned("!=", args[4], ir.Constant(args[4].type, 0))
-        with cgutils.for_range(builder, args[2]) as loop:
-            mask = builder.bitcast(builder.load(builder.gep(bdata, [loop.index])), ir.VectorType(ir.IntType(1), 8))
-            value = builder.select(mask, vec, neg)
-            ptr = _element(context, builder, oty, args[0], builder.mul(loop.index, ir.Constant(loop.index.type, 8)), v8)
-            with builder.if_else(adding) as (then, otherwise):
-                with then:
-                    builder.store(builder.fadd(builder.load(ptr, align=align), value), ptr, align=align)
-                with otherwise:
-                    builder.store(value, ptr, align=align)
+        i64 = ir.IntType(64)
+        mode = builder.zext(args[4], i64) if args[4].type.width < 64 else args[4]
+        pairs, odd = _bytes_of(builder, args[2])
+
+        def splat(lanes):
+            vec = _float_vector(oty.dtype, lanes)
+            v = ir.Constant(vec, ir.Undefined)
+            for k in range(lanes):
+                v = builder.insert_element(v, s, ir.Constant(ir.IntType(32), k))
+            return v, builder.fneg(v), ir.Constant(vec, [0.0] * lanes)
+
+        def put(lanes, byte_index, how, vectors):
+            pos, neg, zero = vectors
+            vec = _float_vector(oty.dtype, lanes)
+            bp = builder.bitcast(builder.gep(bdata, [byte_index]), ir.IntType(lanes).as_pointer())
+            mask = builder.bitcast(builder.load(bp, align=1), ir.VectorType(ir.IntType(1), lanes))
+            value = builder.select(mask, pos, neg)
+            ptr = _element(context, builder, oty, args[0], builder.mul(byte_index, ir.Constant(byte_index.type, 8)), vec)
+            if how == 1:
+                value = builder.fadd(builder.load(ptr, align=align), value)
+            elif how == 2:
+                value = builder.fadd(zero, value)
+            builder.store(value, ptr, align=align)
+
+        wide, narrow = splat(16), splat(8)
+        with builder.if_else(builder.icmp_unsigned("==", mode, ir.Constant(i64, 1))) as (adding, other):
+            with adding:
+                _sign_loops(builder, pairs, odd, args[2], put, 1, wide, narrow)
+            with other:
+                with builder.if_else(builder.icmp_unsigned("==", mode, ir.Constant(i64, 2))) as (zeros, plain):
+                    with zeros:
+                        _sign_loops(builder, pairs, odd, args[2], put, 2, wide, narrow)
+                    with plain:
+                        _sign_loops(builder, pairs, odd, args[2], put, 0, wide, narrow)
         return context.get_dummy_value()
     return types.none(out, bits, groups, scale, add), codegen
+
+
+def _sign_loops(builder, pairs, odd, groups, put, how, wide, narrow):
+    """``put`` over the byte pairs, then the odd last byte (``_from_signs``)."""
+    with cgutils.for_range(builder, pairs) as loop:
+        put(16, builder.mul(loop.index, ir.Constant(loop.index.type, 2)), how, wide)
+    with builder.if_then(builder.icmp_unsigned("!=", odd, ir.Constant(odd.type, 0))):
+        put(8, builder.sub(groups, ir.Constant(groups.type, 1)), how, narrow)
 
 
 @njit(inline="always")
@@ -969,7 +1009,7 @@ def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp, bf16):
 
 @njit(inline="always")
 def _onebit_add(scale, bs, o, add):
-    """``o (+)= scale * sign`` for one chunk (``_from_signs``); a NaN scale makes it one
+    """``o (+)= scale * sign`` for one chunk (``_from_signs``, ``add`` its mode); a NaN scale makes it one
     canonical NaN (a NaN product's sign is not portable)."""
     if np.isnan(scale):
         o[:] = np.nan
@@ -988,7 +1028,6 @@ def onebit_owner_chunks(rows, row_scales, chunks, width, n, div, feedback, e, sc
     order, without the slice-sized sum. ``tmp`` as in that kernel (a block of chunks). Returns
     the count of non-finite scales, as that kernel."""
     size = rows.shape[0]
-    zero = np.zeros(1, tmp.dtype)[0]
     base = 4 * chunks
     bad = 0
     block = min(TOTALS_AT_ONCE, tmp.shape[0] // width)
@@ -997,14 +1036,13 @@ def onebit_owner_chunks(rows, row_scales, chunks, width, n, div, feedback, e, sc
         start = c0 * width
         m = min(block * width, n - start)
         xb = tmp[:m]
-        for i in range(m):
-            xb[i] = zero
         for j in range(-(-m // width)):
             lo = j * width
             cn = min(width, m - lo)
             at = start + lo
-            for r in range(size):
-                _onebit_add(row_scales[r, c0 + j], rows[r, base + at // 8:base + (at + cn) // 8], xb[lo:lo + cn], True)
+            for r in range(size):  # into zeros: the first row written as 0 + value (mode 2)
+                _onebit_add(row_scales[r, c0 + j], rows[r, base + at // 8:base + (at + cn) // 8], xb[lo:lo + cn],
+                            2 if r == 0 else 1)
         if size > 1:
             for i in range(m):
                 xb[i] = xb[i] / div
