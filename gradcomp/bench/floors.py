@@ -162,6 +162,32 @@ def topk(n: int, itemsize: int, k: int, ranks: int, feedback: bool, sample: int 
     return t
 
 
+def reduced_topk(n: int, itemsize: int, k: int, ranks: int, feedback: bool, owner_feedback: bool,
+                 sample: int = 1 << 16) -> Traffic:
+    """top-k in two stages (``k`` values in all, ``k / ranks`` a slice): each rank selects as
+    top-k does, slice by slice; the alltoall moves the slices' messages to their owners; the owner
+    zeroes its slice, adds the ``ranks`` messages' values (their lines), adds its residual and
+    selects the slice's top ``k / ranks`` (a pass over the slice, in cache after the adds, its
+    residual zeroed where sent); the allgather returns every slice's message and every rank
+    writes the bucket from them as top-k's decode does."""
+    b, s = n * itemsize, n * itemsize / ranks
+    message = 8 * k
+    t = _pass("threshold sample", min(sample, n) * LINE * (2 if feedback else 1))
+    t += _pass("gradient: select", b)
+    if feedback:
+        t += _pass("residual: add, select", b, b)
+        zeroed = _lines(k, b)
+        t += _pass("residual zeroed where sent", zeroed, zeroed)
+    t += _pass("message", 0, message) + _pass("alltoall", message, message)
+    t += _pass("owner: zero the slice, add the ranks' values", message, s)
+    if owner_feedback:
+        t += _pass("owner residual: add, select", s, s)
+    t += _pass("owner: message", 0, message / ranks) + _pass("allgather", message / ranks, message)
+    touched = _lines(k, b)
+    t += _pass("zero the bucket", 0, b) + _pass("add the values at their positions", message + touched, touched)
+    return t
+
+
 def randomk(n: int, itemsize: int, k: int, ranks: int, feedback: bool) -> Traffic:
     """random-k: the coordinates are known before the data moves, so one pass reads the gradient
     (and the residual, written back zero where sent), checks it for NaN and Inf (the flag that
@@ -219,10 +245,10 @@ def floor(compressor: Any, numel: int, dtype: Any = np.float32, ranks: int = 1,
     ``dtype`` (with the tensor ``shapes``, which PowerSGD needs; default one vector), per rank at
     ``ranks`` ranks. None for a compressor this model does not know (a recipe or schedule: ask it
     for the stage it runs)."""
-    from ..compressors import BF16, FP16, Allreduce
+    from ..compressors import BF16, FP16, Allgather, Allreduce
     from ..compressors.feedback import ErrorFeedback
     from ..compressors.quantize import OneBit, QuantizedAllreduce, QuantizePerChannel, QuantizePerTensor
-    from ..compressors.sparse import RandomK, TopK, _k
+    from ..compressors.sparse import RandomK, ReducedTopK, TopK, _k
     from ..powersgd import PowerSGD
 
     item = np.dtype(dtype).itemsize
@@ -232,6 +258,8 @@ def floor(compressor: Any, numel: int, dtype: Any = np.float32, ranks: int = 1,
         return None if inner is None else cast(numel, item, 2, inner)
     if isinstance(compressor, Allreduce):
         return allreduce(numel, item, ranks)
+    if isinstance(compressor, Allgather):  # the bucket itself is the message
+        return allgather_codec(numel, item, numel * item, ranks)
     if isinstance(compressor, PowerSGD):
         if getattr(compressor, "batched", False):
             return None
@@ -251,6 +279,9 @@ def floor(compressor: Any, numel: int, dtype: Any = np.float32, ranks: int = 1,
         return per_tensor(numel, item, codec.message_size(numel), ranks)
     if isinstance(codec, QuantizePerChannel) and not feedback:
         return allgather_codec(numel, item, codec.message_size(numel), ranks)
+    if isinstance(codec, ReducedTopK):
+        per_slice = -(-numel // ranks)
+        return reduced_topk(numel, item, ranks * _k(per_slice, codec.ratio), ranks, feedback, owner)
     if isinstance(codec, TopK):
         return topk(numel, item, _k(numel, codec.ratio), ranks, feedback)
     if isinstance(codec, RandomK):
