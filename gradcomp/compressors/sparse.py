@@ -15,7 +15,6 @@ import numpy as np
 from ..arrays import Array, DTypeLike, add_into, array_module, compiled_kernels, zero_non_finite
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
-from ..jit import stream
 from ..params import check_float, check_int
 from ..state import reject_leftovers, take_int
 from .codec import Codec
@@ -346,6 +345,8 @@ def _scatter(out: Array, index: Array, values: Array, add: bool) -> bool:
     n = out.shape[0]
     if index.shape[0] and not (int(index[0]) >= 0 and int(index[-1]) < n and bool((index[1:] > index[:-1]).all())):
         return False
+    from ..jit import stream  # (numba is loaded already: jit is not None)
+
     if not add and stream(out):
         jit.scatter_into_streamed(out, index, values, np.empty(_BLOCK, out.dtype))
     else:

@@ -13,7 +13,6 @@ import numpy as np
 
 from ...arrays import Array, DTypeLike
 from ...comm import Workspace
-from ...jit import stream
 from ...params import check_int
 from ..codec import Codec
 from .kernels import _compiled, chunk_count, dequantize, quantize
@@ -71,6 +70,8 @@ class QuantizePerChannel(Codec):
         params = workspace.array(self, "row-params", size * 2 * chunks, np.float32, like=out).reshape(size, 2, chunks)
         for r in range(size):
             params[r] = rows[r, :8 * chunks].view(np.float32).reshape(2, chunks)
+        from ...jit import stream  # (here numba is loaded already)
+
         if stream(out) and width <= _STREAM_CHUNK:  # (per tensor: one chunk, the whole bucket)
             tmp = workspace.array(self, "chunk", width, out.dtype, like=out)
             jit.dequantize_rows_chunks_streamed(rows, params, 8 * chunks, width, out, out.dtype.type(size), tmp)

@@ -17,7 +17,6 @@ import numpy as np
 
 from ...arrays import Array, ArrayModule, DTypeLike, array_module, zero_non_finite
 from ...comm import Workspace
-from ...jit import stream
 from ..codec import Codec
 from .kernels import _compiled, _half_kind, chunk_count
 
@@ -120,6 +119,8 @@ class OneBit(Codec):
             return
         jit = self._jit(out, scales, bits)
         if jit is not None:
+            from ...jit import stream  # (here numba is loaded already)
+
             if not add and stream(out):
                 jit.onebit_decode_chunks_streamed(scales, bits, out, CHUNK, self._chunk(workspace, out, out.dtype))
             else:
