@@ -188,7 +188,7 @@ def table(workload: str, runs: dict[str, dict[int, dict]]) -> str:
         mean_steady = _mean(steady)
         rows.append([
             method, f"{statistics.mean(finals):.4f}",
-            f"{statistics.mean(rel):+.2f} / {max(rel, key=abs):+.2f}" if rel else "",
+            f"{statistics.mean(rel):+.2f} / {max(rel):+.2f}" if rel else "",  # worst: the highest loss
             f"{statistics.mean(accs):.2f} / {min(accs):.2f}" if accs else "",
             f"{statistics.mean(points):+.2f} / {min(points):+.2f}" if points else "",
             " ".join("-" if x is None else str(x) for x in reach),
