@@ -43,8 +43,10 @@ def rank_auto(table: str | None):
     if table:  # the table's numbers, not a timing
         assert stats["compute_s_per_byte"] == {"allreduce": 1e-6, "int8": 0.0}
         assert stats["local_stage_share"] == {"allreduce": 0.5, "int8": 0.0}
-    else:  # int8 encodes in its local stage: a share of its compute, timed
+    else:  # int8 encodes in its local stage: a share of its compute, timed; and on one host
+        # (both ranks here) there is no link to spare: the first allowed method, exact
         assert 0 < stats["local_stage_share"]["int8"] < 1, stats["local_stage_share"]
+        assert all(c["chosen"] == "allreduce" and "one host" in c["why"] for c in choices), choices
     # the choice is state: saved, restored into a fresh auto, kept
     saved = reducer.state_dict()
     fresh = gc.make(spec)

@@ -7,11 +7,18 @@ what the method's compute costs here. ``Auto`` measures all three once:
 * **the link**: timed allreduces of a few sizes, up to the first bucket's, on the real
   communicator; every rank's times are gathered and the slowest taken, so every rank fits the
   same latency and bandwidth (the alpha-beta model of ``cost``);
-* **the compute**: each candidate's whole reduction of a 4 MiB bucket on a one-rank communicator
-  (the kernel cost without a peer), and the share of it in its local stage, timed on rank 0
+* **the compute**: each candidate's whole reduction of a bucket of the first bucket's size (4 to
+  32 MiB: out of the caches, as real buckets are) on a one-rank communicator (the kernel cost
+  without a peer), and the share of it in its local stage, timed on rank 0
   while the others wait; or a table loaded from a JSON file (``table=``: ``{"int8": seconds per
   float32 byte, ...}``, or ``[seconds, share]`` pairs; e.g. from ``gradcomp.bench.kernels``);
 * **the topology**: ``MPICommunicator.topology`` (how many ranks share each host's link and cores).
+  On one host there is no link to spare: shared memory moves bytes at memory speed, so a
+  method's casts and codes cost about what they save, and fp32 beat every compressed method
+  there (BENCHMARKS.md, sections 1 and 9), while the alpha-beta model, which prices bytes only,
+  predicted a third to a half of the measured step. So a one-host job keeps the first allowed
+  method (``allreduce`` by default) unless a ``table`` says otherwise; ``stats()`` still holds
+  every candidate's prediction.
 
 (measured at the first bucket's ordered stage, after every rank agreed on the configuration). For
 each bucket layout it then predicts every candidate's time with ``cost.Model`` and takes the
@@ -52,6 +59,10 @@ PROBE_SIZES = (1024, 65536, 1048576)
 PROBE_REPEATS = 3
 #: a candidate wins only by more than this fraction (else the earlier, less compressed one)
 TIE = 0.02
+#: the compute is timed on a bucket of the first bucket's size, within these bounds (float32
+#: values): a bucket that fits in the caches would time a memory-bound method (fp16's casts) at
+#: cache speed, several times faster than on a real bucket
+TIMED_MIN, TIMED_MAX = 1 << 20, 1 << 23
 #: candidates are ranked by their time per bucket in a pipeline of this many buckets like it
 #: (``cost.pipelined``): a local stage that overlaps the previous bucket's exchange is worth less
 #: than its seconds
@@ -115,7 +126,8 @@ class Auto(Compressor):
         if self.table:
             compute, shares = _load_table(self.table)
         else:
-            compute, shares = _time_candidates(self.allowed) if comm.rank == 0 else ({}, {})
+            timed = min(max(numel, TIMED_MIN), TIMED_MAX)
+            compute, shares = _time_candidates(self.allowed, timed) if comm.rank == 0 else ({}, {})
         names = list(self.allowed)
         worst = np.max(comm.allgather(np.array([[compute.get(n, 0.0) for n in names],
                                                 [shares.get(n, 0.0) for n in names]])), axis=0)
@@ -153,16 +165,19 @@ class Auto(Compressor):
             stages[name] = model.stages(name, t, bucket.numel, cluster, hierarchical=False)
             times[name] = stages[name][2]
             paced[name] = cost.pipelined([stages[name]] * PACED_BUCKETS) / PACED_BUCKETS
+        one_host = hosts == 1 and comm.size > 1 and not self.table
         best = 0
         for i, name in enumerate(self.allowed):
-            if paced[name] < paced[self.allowed[best]] * (1 - TIE):
+            if not one_host and paced[name] < paced[self.allowed[best]] * (1 - TIE):
                 best = i
         self._choices[key] = best
         self._why[key] = {"bucket": bucket.index, "numel": bucket.numel, "chosen": self.allowed[best],
                           "predicted_s": times, "pipelined_s": paced, "stages_s": stages,
-                          "why": f"fastest predicted in the pipeline on a link of "
-                                 f"{m['link'].beta * 8 / 1e9:.3g} Gbit/s, "
-                                 f"{m['link'].alpha * 1e6:.0f} us latency, {comm.size} ranks"}
+                          "why": (f"one host ({comm.size} ranks): no link to spare, the first allowed "
+                                  "method" if one_host else
+                                  f"fastest predicted in the pipeline on a link of "
+                                  f"{m['link'].beta * 8 / 1e9:.3g} Gbit/s, "
+                                  f"{m['link'].alpha * 1e6:.0f} us latency, {comm.size} ranks")}
         return best
 
     # -- the two stages, routed --------------------------------------------------------------------
