@@ -142,6 +142,19 @@ def per_tensor(n: int, itemsize: int, message: int, ranks: int) -> Traffic:
     return _pass("range of the bucket", n * itemsize) + allgather_codec(n, itemsize, message, ranks)
 
 
+def _select(b: float, n: int, k: int, feedback: bool, sample: int) -> Traffic:
+    """top-k's selection of ``k`` of ``n`` values (``b`` bytes): the threshold's strided sample
+    (each value its own line), one pass over the gradient (and the residual, added and zeroed
+    where sent: k lines), the message of values and int32 positions written."""
+    t = _pass("threshold sample", min(sample, n) * LINE * (2 if feedback else 1))
+    t += _pass("gradient: select", b)
+    if feedback:
+        t += _pass("residual: add, select", b, b)
+        zeroed = _lines(k, b)
+        t += _pass("residual zeroed where sent", zeroed, zeroed)
+    return t + _pass("message", 0, 8 * k)
+
+
 def topk(n: int, itemsize: int, k: int, ranks: int, feedback: bool, sample: int = 1 << 16) -> Traffic:
     """top-k: one pass adds the residual and collects the candidates at or above a threshold
     estimated from ``sample`` strided values (each its own line); the residual is zeroed where
@@ -149,13 +162,7 @@ def topk(n: int, itemsize: int, k: int, ranks: int, feedback: bool, sample: int 
     positions (their lines), divided in place."""
     b = n * itemsize
     message = 8 * k
-    t = _pass("threshold sample", min(sample, n) * LINE * (2 if feedback else 1))
-    t += _pass("gradient: select", b)
-    if feedback:
-        t += _pass("residual: add, select", b, b)
-        zeroed = _lines(k, b)
-        t += _pass("residual zeroed where sent", zeroed, zeroed)
-    t += _pass("message", 0, message) + _pass("allgather", message, ranks * message)
+    t = _select(b, n, k, feedback, sample) + _pass("allgather", message, ranks * message)
     touched = _lines(ranks * k, b)
     t += _pass("zero the bucket", 0, b) + _pass("add the values at their positions",
                                                  ranks * message + touched, touched)
@@ -172,13 +179,7 @@ def reduced_topk(n: int, itemsize: int, k: int, ranks: int, feedback: bool, owne
     writes the bucket from them as top-k's decode does."""
     b, s = n * itemsize, n * itemsize / ranks
     message = 8 * k
-    t = _pass("threshold sample", min(sample, n) * LINE * (2 if feedback else 1))
-    t += _pass("gradient: select", b)
-    if feedback:
-        t += _pass("residual: add, select", b, b)
-        zeroed = _lines(k, b)
-        t += _pass("residual zeroed where sent", zeroed, zeroed)
-    t += _pass("message", 0, message) + _pass("alltoall", message, message)
+    t = _select(b, n, k, feedback, sample) + _pass("alltoall", message, message)
     t += _pass("owner: zero the slice, add the ranks' values", message, s)
     if owner_feedback:
         t += _pass("owner residual: add, select", s, s)

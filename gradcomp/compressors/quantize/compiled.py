@@ -995,15 +995,25 @@ def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp, bf16):
                 xb[i] = _wide(gs[i], bf16) + eb[i]
         else:
             xb = _values(gs, tmp[:m], m, bf16)
-        k = _onebit_totals(xb, m, width, totals)
-        for j in range(k):
-            lo = j * width
-            n = min(width, m - lo)
-            at = start + lo
-            scale = _onebit_chunk(xb[lo:lo + n], n, totals[j], eb[lo:lo + n], feedback, bits[at // 8:(at + n) // 8])
-            scales[c0 + j] = scale
-            if not np.isfinite(scale):
-                bad += 1
+        bad += _onebit_block(xb, m, width, totals, eb, feedback, bits, scales, start, c0)
+    return bad
+
+
+@njit(inline="always")
+def _onebit_block(xb, m, width, totals, eb, feedback, bits, scales, start, c0):
+    """Encode a block of chunks held in ``xb`` (``m`` values, chunk ``c0`` onwards, values
+    ``start`` onwards of the bucket): their magnitude sums side by side, then each chunk's scale,
+    sign bits and residual (``_onebit_chunk``). Returns how many scales are not finite."""
+    bad = 0
+    k = _onebit_totals(xb, m, width, totals)
+    for j in range(k):
+        lo = j * width
+        n = min(width, m - lo)
+        at = start + lo
+        scale = _onebit_chunk(xb[lo:lo + n], n, totals[j], eb[lo:lo + n], feedback, bits[at // 8:(at + n) // 8])
+        scales[c0 + j] = scale
+        if not np.isfinite(scale):
+            bad += 1
     return bad
 
 
@@ -1050,15 +1060,7 @@ def onebit_owner_chunks(rows, row_scales, chunks, width, n, div, feedback, e, sc
         if feedback:
             for i in range(m):
                 xb[i] = xb[i] + eb[i]
-        k = _onebit_totals(xb, m, width, totals)
-        for j in range(k):
-            lo = j * width
-            cn = min(width, m - lo)
-            at = start + lo
-            scale = _onebit_chunk(xb[lo:lo + cn], cn, totals[j], eb[lo:lo + cn], feedback, bits[at // 8:(at + cn) // 8])
-            scales[c0 + j] = scale
-            if not np.isfinite(scale):
-                bad += 1
+        bad += _onebit_block(xb, m, width, totals, eb, feedback, bits, scales, start, c0)
     return bad
 
 
