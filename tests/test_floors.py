@@ -24,8 +24,10 @@ def stage(spec: str):
 def test_every_registered_method_has_a_floor(spec, ranks):
     t = floors.floor(stage(spec), N, np.float32, ranks, [(1024, 1024)])
     assert t is not None, spec
-    assert t.total > 0 or (spec == "allreduce" and ranks == 1), (spec, t)
-    assert t.total == pytest.approx(sum(r + w for _, r, w in t.passes))
+    if spec == "allreduce" and ranks == 1:
+        assert t.total == 0  # a scratch bucket is its own mean
+    else:  # every other method reads the whole gradient at least once and writes the mean back
+        assert t.read >= B and t.write >= B / 2, (spec, ranks, t.read, t.write)
 
 
 def test_floors_counted_by_hand():

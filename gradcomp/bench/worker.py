@@ -73,9 +73,9 @@ import numpy as np
 
 from ..bucket import group
 from ..comm import wire_bytes
+from ..planning.cost import pipelined
 from .methods import Method, select
 from .paths import PATHS, DDPPath, ReducerPath, _Case
-from ..planning.cost import pipelined
 from .shapes import heavy_tailed, model_shapes, numel
 
 

@@ -225,14 +225,18 @@ class Model:
         over = local_link if cluster.hosts == 1 else cluster.network
         wire = over.time(wire_bytes(t, cluster, hier), messages(t, cluster, hier))
         local = 0.0
-        share = 1.0
         if hier:
             L = cluster.per_host
             local = local_link.time(2 * 2 * (L - 1) / L * per * 4, 2 * (L - 1))
             local += 2 * self.local_pass * per * 4
-            share = 1.0 / L
-        compute = self.compute.get(method, 0.0) * per * 4 * share * cluster.contention()
-        return buckets * (wire + local + compute)
+        return buckets * (wire + local + self.cpu(method, per, cluster, hierarchical))
+
+    def cpu(self, method: str, numel: float, cluster: Cluster, hierarchical: bool) -> float:
+        """Seconds of compute for one bucket of ``numel`` float32 values: the method's seconds per
+        byte, slowed by the ranks sharing a core; hierarchical, each rank encodes 1/L of it."""
+        hier = hierarchical and cluster.per_host > 1 and cluster.hosts > 1
+        share = 1.0 / cluster.per_host if hier else 1.0
+        return self.compute.get(method, 0.0) * numel * 4 * share * cluster.contention()
 
     def step_of(self, method: str, parts: Sequence[tuple[Traffic, int]], cluster: Cluster,
                 hierarchical: bool) -> float:
@@ -244,11 +248,8 @@ class Model:
         """One bucket's ``(local, cpu, total)`` seconds, flat: ``local`` is the compute of its
         local stage (the encode, on the pipeline's compute thread: ``prepare_share`` of the
         compute), ``cpu`` all its compute, ``total`` as ``step``."""
-        total = self.step(method, t, numel, 1, cluster, hierarchical)
-        cpu = self.compute.get(method, 0.0) * numel * 4 * cluster.contention()
-        if hierarchical and cluster.per_host > 1 and cluster.hosts > 1:
-            cpu /= cluster.per_host
-        return self.prepare_share.get(method, 0.0) * cpu, cpu, total
+        cpu = self.cpu(method, numel, cluster, hierarchical)
+        return self.prepare_share.get(method, 0.0) * cpu, cpu, self.step(method, t, numel, 1, cluster, hierarchical)
 
 
 def pipelined(buckets: Sequence[tuple[float, float, float]], depth: int = 1) -> float:
