@@ -133,3 +133,25 @@ def rank_unclaimed_state_is_an_error(spec: str):
 @pytest.mark.parametrize("spec", ["topk:warmup=2", "powersgd:start_iter=2"])
 def test_unclaimed_state_is_an_error(spec):
     run_ranks(2, "tests.test_recipes:rank_unclaimed_state_is_an_error", spec)
+
+
+def test_an_optimizer_drops_a_named_codes_warmup_unless_given():
+    """``OneBitAdam(compressor=NAME)`` runs its own exact warm-up first, so the name's warm-up and
+    ramp become 0 (the code from the freeze), unless the name sets them."""
+    from gradcomp.optim import OneBitAdam
+    from gradcomp.planning.names import steady
+
+    assert steady("topk:stages=2,ratio=0.02", keep_given=True) == \
+        "topk:warmup=0,ramp=0,stages=2,ratio=0.02"
+    assert steady("topk:warmup=5", keep_given=True) == "topk:warmup=5,ramp=0"
+    assert steady("topk:warmup=5") == "topk:warmup=0,ramp=0"
+    params = [np.zeros((64, 8), np.float32)]
+    comm = gc.MPICommunicator()
+    try:
+        freeze = OneBitAdam(params, compressor="topk:stages=2,ratio=0.02", comm=comm)
+        assert freeze.momentum_compressor.warmup_steps == 0
+        assert freeze.momentum_compressor.describe().startswith("topk(ratio=0.02, warmup=0")
+        kept = OneBitAdam(params, compressor="topk:warmup=7", comm=comm)
+        assert kept.momentum_compressor.warmup_steps == 7
+    finally:
+        comm.close()
