@@ -42,8 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--compressor", default="allreduce", type=compressor_spec,
                    help="a registry name or name:key=value,... (none: DDP without a hook)")
     p.add_argument("--optimizer", default="adamw",
-                   help="adamw (torch's; gradients averaged by --compressor), or gradcomp's onebitadam or "
-                        "dgc, as name[:key=value,...] (they communicate themselves: --compressor none)")
+                   help="adamw or sgd (torch's; momentum 0.9 for sgd; gradients averaged by --compressor), "
+                        "or gradcomp's onebitadam or dgc, as name[:key=value,...] (they communicate "
+                        "themselves: --compressor none)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--layers", type=int, default=3)
@@ -51,7 +52,10 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3 suits AdamW; momentum "
+                   "SGD and DGC want about 100x more)")
+    p.add_argument("--weight-decay", type=float, help="on matrices; default 0.1 for the Adam family "
+                   "(decoupled), 1e-4 for sgd and dgc (added to the gradient, so it scales with lr)")
     p.add_argument("--warmup", type=int, default=20, help="linear learning-rate warm-up steps")
     p.add_argument("--val-windows", type=int, default=256, help="validation windows (fixed)")
     p.add_argument("--corpus-mb", type=float, default=3.0, help="training text to read, MB")
@@ -152,17 +156,20 @@ def traffic(stats: dict, since: dict) -> tuple[float, float]:
 
 
 def make_optimizer(spec: str, groups, lr: float, model):
-    """torch's AdamW, or one of gradcomp's optimizers (``onebitadam``, ``dgc``) from a spec."""
+    """torch's AdamW or momentum SGD, or one of gradcomp's optimizers (``onebitadam``, ``dgc``) from
+    a spec."""
     from gradcomp.registry import parse_spec
 
     name, options = parse_spec(spec)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9, **options)
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **options)
     if name == "onebitadam":
         return gt.OneBitAdam(groups, lr=lr, betas=(0.9, 0.95), model=model, **options)
     if name == "dgc":
         return gt.DGC(groups, lr=lr, model=model, **options)
-    raise SystemExit(f"unknown optimizer {name!r} (adamw, onebitadam, dgc)")
+    raise SystemExit(f"unknown optimizer {name!r} (adamw, sgd, onebitadam, dgc)")
 
 
 def train(args) -> dict:
@@ -178,7 +185,9 @@ def train(args) -> dict:
     state = None if args.compressor == "none" else gt.register(model, gradcomp.make(args.compressor))
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() != 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
+    sgd_like = args.optimizer.split(":")[0] in ("sgd", "dgc")
+    decay_rate = args.weight_decay if args.weight_decay is not None else (1e-4 if sgd_like else 0.1)
+    groups = [{"params": decay, "weight_decay": decay_rate}, {"params": other, "weight_decay": 0.0}]
     opt = make_optimizer(args.optimizer, groups, args.lr, model)
     # linear warm-up, then cosine decay to a tenth of the peak
     schedule = lambda s: (s + 1) / args.warmup if s < args.warmup else \

@@ -7,6 +7,8 @@
 Workloads (each an example script, one ``mpiexec -n RANKS`` job per method and seed):
 
 * ``lm``: ``examples/torch_lm.py``, a byte-level transformer under AdamW, DDP, validation loss;
+* ``lm-sgd``: the same model under momentum SGD (lr ``LM_SGD_LR``), the home of the DGC path and of
+  PowerSGD's and DGC's own papers; the reference is DDP's allreduce under the same SGD;
 * ``mlp``: ``examples/numpy_mlp.py``, the digits MLP under momentum SGD, NumPy only, test loss;
 * ``cnn``: ``examples/torch_ddp.py``, the digits CNN under momentum SGD, DDP, test loss.
 
@@ -37,10 +39,12 @@ from gradcomp import launcher
 from gradcomp.bench.tables import aligned_table
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = {"lm": "torch_lm.py", "mlp": "numpy_mlp.py", "cnn": "torch_ddp.py"}
-REFERENCE = {"lm": "none", "mlp": "allreduce", "cnn": "none"}
+EXAMPLES = {"lm": "torch_lm.py", "lm-sgd": "torch_lm.py", "mlp": "numpy_mlp.py", "cnn": "torch_ddp.py"}
+REFERENCE = {"lm": "none", "lm-sgd": "none", "mlp": "allreduce", "cnn": "none"}
 OPTIMIZERS = ("onebitadam", "dgc")
-LOSS_NAME = {"lm": "validation loss (nats/byte)", "mlp": "test loss", "cnn": "test loss"}
+LOSS_NAME = {"lm": "validation loss (nats/byte)", "lm-sgd": "validation loss (nats/byte)",
+             "mlp": "test loss", "cnn": "test loss"}
+LM_SGD_LR = 0.3  # the best of 0.1, 0.3 and 1.0 for exact momentum SGD over 1000 steps (BENCHMARKS.md)
 
 
 def parse_args(argv=None):
@@ -69,15 +73,23 @@ def default_methods(workload: str) -> list[str]:
     return names + (["onebitadam", "dgc"] if workload == "lm" else ["dgc"])
 
 
+def workload_args(workload: str, method: str) -> list[str]:
+    """What a workload adds to its example's command line: lm-sgd's optimizer and learning rate."""
+    if workload != "lm-sgd":
+        return []
+    own = method.partition(":")[0] in OPTIMIZERS  # dgc brings its own momentum SGD
+    return ([] if own else ["--optimizer", "sgd"]) + ["--lr", str(LM_SGD_LR)]
+
+
 def command(workload: str, method: str, seed: int, out_json: Path, extra: list[str]) -> list[str]:
     """The example's command line for one run."""
     head = method.partition(":")[0]
     cmd = [str(ROOT / "examples" / EXAMPLES[workload]), "--seed", str(seed), "--json", str(out_json)]
     if head in OPTIMIZERS:
-        cmd += ["--optimizer", method] + (["--compressor", "none"] if workload == "lm" else [])
+        cmd += ["--optimizer", method] + (["--compressor", "none"] if EXAMPLES[workload] == "torch_lm.py" else [])
     else:
         cmd += ["--compressor", method]
-    return cmd + list(extra)
+    return cmd + workload_args(workload, method) + list(extra)
 
 
 def folder_of(workload: str, args) -> Path:

@@ -24,16 +24,18 @@ TINY = ["--steps", "12", "--eval-every", "6", "--layers", "1", "--d-model", "32"
         "--warmup", "3", "--lr", "1e-2"]
 
 
-@pytest.mark.parametrize("name", ["allreduce", "fp16"])
-def test_lm_example_learns_and_ranks_agree(tmp_path, name):
+@pytest.mark.parametrize("name, optimizer", [("allreduce", "adamw"), ("fp16", "adamw"), ("fp16", "sgd")])
+def test_lm_example_learns_and_ranks_agree(tmp_path, name, optimizer):
     out = tmp_path / "lm.json"
+    lr = ["--lr", "0.5"] if optimizer == "sgd" else []  # momentum SGD's step wants a larger rate
     cmd = [mpiexec(), "-n", str(RANKS), sys.executable, "examples/torch_lm.py", "--compressor", name,
-           "--json", str(out), *TINY]
+           "--json", str(out), *TINY, "--optimizer", optimizer, *lr]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     s = json.loads(out.read_text())
     assert s["compressor"] == name and s["ranks"] == RANKS and s["steps"] == 12
+    assert s["config"]["optimizer"] == optimizer
     assert [point[0] for point in s["val_curve"]] == [0, 6, 12]
     first, final = s["val_curve"][0][1], s["final_val_loss"]
     assert abs(first - math.log(256)) < 0.3, first  # small initial weights: close to uniform

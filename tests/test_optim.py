@@ -95,7 +95,7 @@ def test_onebit_adam_freezes_the_variance():
 # ---------------------------------------------------------------------------------------------
 # the kit: replicas, checkpoints, agreement at 1-3 ranks
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("spec", ["dgc:warmup=8", "onebitadam:warmup=6",
+@pytest.mark.parametrize("spec", ["dgc:warmup=8", "dgc:warmup=8,stages=2,ratio=0.05", "onebitadam:warmup=6",
                                   "onebitadam:warmup=4,local_momentum=True,compressor='topk:warmup=0'"])
 def test_optimizers_conform(spec):
     failures = [o for o in run_kit(f"optimizer:{spec}", ranks=(1, 2, 3), timeout=600) if not o.ok]
