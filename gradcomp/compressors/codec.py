@@ -51,7 +51,7 @@ class Codec(Compressor):
     #: the message's dtype; None: the compute dtype
     message_dtype: ClassVar[Any] = np.uint8
     #: two-stage slices hold whole multiples of this many values (the codec's chunk)
-    chunk: ClassVar[int] = 1
+    chunk: int = 1  # a class default; a codec may set its own per instance (QuantizedAllreduce)
     #: whether each chunk is encoded on its own (no parameter spans two chunks): the two-stage
     #: runner may then cut a slice into pieces and overlap one piece's owner stage with the next
     #: piece's transfer, with the same bits as whole slices (``_layout``)

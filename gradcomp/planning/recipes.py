@@ -88,11 +88,12 @@ def sparsity_ramp(ratio: float, steps: int) -> list[tuple[int, float]]:
 
 
 def codec_recipe(name: str, codec_factory: Any, warmup: int, feedback: str, shown: bool = True,
-                 **codec_args: Any) -> Recipe:
+                 extra: dict[str, Any] | None = None, **codec_args: Any) -> Recipe:
     """Warm-up, then one codec with ``feedback``; ``shown``: the codec's arguments are parameters
-    of the recipe (False where the name fixes them: ``int8`` is 8 bits)."""
+    of the recipe (False where the name fixes them: ``int8`` is 8 bits); ``extra``: parameters
+    shown as well (those a user set away from their default)."""
     codec = codec_factory(**codec_args)
-    params = {"warmup": warmup, "feedback": feedback, **(codec_args if shown else {})}
+    params = {"warmup": warmup, "feedback": feedback, **(codec_args if shown else {}), **(extra or {})}
     return warmed(name, params, warmup, [(0, with_feedback(codec, feedback))])
 
 
