@@ -32,7 +32,7 @@ def int4(warmup: int = 0, feedback: str = "both", chunk: int = 512) -> Any:
     """4-bit two-stage codes per ``chunk`` values; error feedback at both stages. A 4-bit step
     spans its chunk's range, which a heavy-tailed gradient's few largest values set: 128-value
     chunks (``int4:chunk=128``) round with 0.6x the error, and on the transformer LM end +0.37%
-    from exact averaging (3 seeds) where 512 ends +1.39% (2 seeds), for 9% more bytes (7.1x fewer
+    from exact averaging where 512 ends +1.14% (3 seeds each), for 9% more bytes (7.1x fewer
     than fp32 instead of 7.6x) and about 1.5x the compute (BENCHMARKS.md, sections 1 and 6)."""
     return codec_recipe("int4", QuantizedAllreduce, warmup, feedback, shown=False,
                         extra={"chunk": chunk} if chunk != 512 else None, bits=4, chunk=chunk)
