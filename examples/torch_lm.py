@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
-from gradcomp.registry import compressor_spec
+from gradcomp.registry import compressor_spec, parse_spec
 import gradcomp.torch as gt
 
 
@@ -158,8 +158,6 @@ def traffic(stats: dict, since: dict) -> tuple[float, float]:
 def make_optimizer(spec: str, groups, lr: float, model):
     """torch's AdamW or momentum SGD, or one of gradcomp's optimizers (``onebitadam``, ``dgc``) from
     a spec."""
-    from gradcomp.registry import parse_spec
-
     name, options = parse_spec(spec)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=0.9, **options)
@@ -185,7 +183,7 @@ def train(args) -> dict:
     state = None if args.compressor == "none" else gt.register(model, gradcomp.make(args.compressor))
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() != 2]
-    sgd_like = args.optimizer.split(":")[0] in ("sgd", "dgc")
+    sgd_like = parse_spec(args.optimizer)[0] in ("sgd", "dgc")
     decay_rate = args.weight_decay if args.weight_decay is not None else (1e-4 if sgd_like else 0.1)
     groups = [{"params": decay, "weight_decay": decay_rate}, {"params": other, "weight_decay": 0.0}]
     opt = make_optimizer(args.optimizer, groups, args.lr, model)

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..compressors import (BF16, FP16, Allgather, Allreduce, OneBit, QuantizedAllreduce,
                            QuantizePerChannel, QuantizePerTensor, RandomK, ReducedTopK, TopK, register)
+from ..compressors.quantize.twostage import CHUNK
 from ..powersgd import PowerSGD
 from ..params import check_choice
 from .recipes import codec_recipe, sparse_recipe
@@ -22,20 +23,24 @@ def _half(wrapper: Any, inner: Any) -> Any:
     return factory
 
 
-def int8(warmup: int = 0, feedback: str = "both", chunk: int = 512) -> Any:
+def _quantized(name: str, bits: int, warmup: int, feedback: str, chunk: int) -> Any:
+    """int8 / int4: the name fixes the bits; a chunk other than the default is shown."""
+    return codec_recipe(name, QuantizedAllreduce, warmup, feedback, shown=False,
+                        extra={"chunk": chunk} if chunk != CHUNK else None, bits=bits, chunk=chunk)
+
+
+def int8(warmup: int = 0, feedback: str = "both", chunk: int = CHUNK) -> Any:
     """8-bit two-stage codes per ``chunk`` values; error feedback at both stages."""
-    return codec_recipe("int8", QuantizedAllreduce, warmup, feedback, shown=False,
-                        extra={"chunk": chunk} if chunk != 512 else None, bits=8, chunk=chunk)
+    return _quantized("int8", 8, warmup, feedback, chunk)
 
 
-def int4(warmup: int = 0, feedback: str = "both", chunk: int = 512) -> Any:
+def int4(warmup: int = 0, feedback: str = "both", chunk: int = CHUNK) -> Any:
     """4-bit two-stage codes per ``chunk`` values; error feedback at both stages. A 4-bit step
     spans its chunk's range, which a heavy-tailed gradient's few largest values set: 128-value
     chunks (``int4:chunk=128``) round with 0.6x the error, and on the transformer LM end +0.37%
     from exact averaging where 512 ends +1.14% (3 seeds each), for 9% more bytes (7.1x fewer
     than fp32 instead of 7.6x) and about 1.5x the compute (BENCHMARKS.md, sections 1 and 6)."""
-    return codec_recipe("int4", QuantizedAllreduce, warmup, feedback, shown=False,
-                        extra={"chunk": chunk} if chunk != 512 else None, bits=4, chunk=chunk)
+    return _quantized("int4", 4, warmup, feedback, chunk)
 
 
 def onebit(warmup: int = 100, feedback: str = "none") -> Any:
