@@ -30,6 +30,10 @@ def rank_auto(table: str | None):
         outs = reducer.step([g.copy() for g in grads])
     stats = comp.stats()
     choices = stats["choices"]
+    # the link probe's bytes are its own, not the method's: allreduce sends what fp32 would
+    assert stats["probe_bytes_sent"] > 0, stats
+    if all(c["chosen"] == "allreduce" for c in choices):
+        assert stats["compression_ratio"] == pytest.approx(1.0), stats
     assert choices and all(set(c["predicted_s"]) == {"allreduce", "int8"} for c in choices), choices
     assert all(c["chosen"] in ("allreduce", "int8") and c["why"] for c in choices)
     # every rank chose the same, and holds the same bits
