@@ -23,13 +23,16 @@ class Communicator(Protocol):
     The blocking collectives never modify their input unless told they may (``overwrite``) and
     return arrays of the input's array module. ``bytes_sent`` counts the bytes this rank put on the
     wire by the bandwidth-optimal algorithm of each collective (``wire_bytes``); ``collectives``
-    counts the collectives started.
+    counts the collectives started. ``probe_bytes_sent`` and ``probe_collectives``: the part of
+    them that measured the link (``auto``'s probe, ``note_probe``), which no method's traffic counts.
     """
 
     rank: int
     size: int
     bytes_sent: float
     collectives: int
+    probe_bytes_sent: float
+    probe_collectives: int
 
     def submit(self, run: Callable[[Any, BaseException | None], Any],
                prepare: Callable[[Workspace], Any] | None = None,
@@ -107,6 +110,19 @@ def pin_blas_threads(threads: int | None) -> None:
     threadpool_limits(limits=threads, user_api="blas")
 
 
+def method_traffic(comm: Communicator) -> tuple[float, int]:
+    """Bytes and collectives ``comm`` has counted for methods: all of them but its probes'."""
+    return (comm.bytes_sent - getattr(comm, "probe_bytes_sent", 0.0),
+            getattr(comm, "collectives", 0) - getattr(comm, "probe_collectives", 0))
+
+
+def note_probe(comm: Communicator, nbytes: float, collectives: int) -> None:
+    """Mark ``nbytes`` and ``collectives`` that ``comm`` just counted as a measurement of the link,
+    not a method's traffic (``method_traffic`` leaves them out)."""
+    comm.probe_bytes_sent = getattr(comm, "probe_bytes_sent", 0.0) + nbytes
+    comm.probe_collectives = getattr(comm, "probe_collectives", 0) + collectives
+
+
 class OrderedCommunicator:
     """The pipeline, the traffic counters and the public forms of each collective.
 
@@ -121,10 +137,14 @@ class OrderedCommunicator:
     size: int
     bytes_sent: float
     collectives: int
+    probe_bytes_sent: float
+    probe_collectives: int
 
     def _start(self, name: str, abort_grace_s: float | None, depth: int) -> None:
         self.bytes_sent = 0.0
         self.collectives = 0
+        self.probe_bytes_sent = 0.0
+        self.probe_collectives = 0
         self._grace = _default_grace() if abort_grace_s is None else float(abort_grace_s)
         self._pipeline = Pipeline(name, self._on_failure, depth)
 

@@ -30,6 +30,7 @@ import numpy as np
 from ..arrays import FLOAT_DTYPES, Array, DTypeLike, is_device_array, synchronize
 from ..bucket import Bucket, buffer_problem
 from ..comm import Communicator, Workspace, default_communicator, wire_bytes
+from ..comm.base import method_traffic
 from .agreement import agree
 from .guard import Guard
 
@@ -150,7 +151,7 @@ class Compressor:
         if guard is not None:
             guard.announce(flags, self.describe())
             norms = guard.gradient_norms(bucket) if watch else []
-        before_bytes, before_calls = comm.bytes_sent, getattr(comm, "collectives", 0)
+        before_bytes, before_calls = method_traffic(comm)
         out = run_stage(self, bucket, comm, prepared)
         if watch and guard is not None:
             guard.measure(bucket, self.residuals(bucket.keys), norms)
@@ -158,8 +159,9 @@ class Compressor:
         s["calls"] += 1
         s["steps"] += int(bucket.is_last)
         s["input_bytes"] += bucket.buffer.nbytes
-        s["bytes_sent"] += comm.bytes_sent - before_bytes
-        s["rounds"] += getattr(comm, "collectives", 0) - before_calls
+        after_bytes, after_calls = method_traffic(comm)
+        s["bytes_sent"] += after_bytes - before_bytes
+        s["rounds"] += after_calls - before_calls
         s["reference_bytes"] += wire_bytes("allreduce", bucket.buffer.nbytes, comm.size)
         return out
 

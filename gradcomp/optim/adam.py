@@ -63,11 +63,13 @@ class OneBitAdam(Optimizer):
     ``warmup``: steps of exact AdamW before the variance freezes (1-bit Adam used 15-25% of
     training; the step-time saving starts after it). A sparse or low-rank code delays the update
     more than 1 bit does and needs the longer warm-up: on BENCHMARKS.md's LM, top 2% ended +0.75%
-    from exact AdamW after 600 of 3000 steps of warm-up, +2.2% after 200. ``compressor``: the momentum's exchange after
-    the warm-up, a gradcomp compressor or a registry name (default ``ErrorFeedback(OneBit())``:
-    1-bit codes with both residuals; a name's own exact warm-up is dropped unless the name sets
-    it, since this warm-up comes first: ``"topk:stages=2,ratio=0.02"`` sparsifies from the freeze). ``lr``, ``weight_decay``: one value or one per parameter; ``step`` may
-    override them for one step (a schedule).
+    from exact AdamW after 600 of 3000 steps of warm-up, +2.2% after 200.
+
+    ``compressor``: the momentum's exchange after the warm-up, a gradcomp compressor or a registry
+    name (default ``ErrorFeedback(OneBit())``: 1-bit codes with both residuals; a name's own exact
+    warm-up is dropped unless the name sets it, since this warm-up comes first:
+    ``"topk:stages=2,ratio=0.02"`` sparsifies from the freeze). ``lr``, ``weight_decay``: one
+    value or one per parameter; ``step`` may override them for one step (a schedule).
     """
 
     def __init__(self, params: Sequence[Array], lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999),

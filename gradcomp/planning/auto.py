@@ -48,6 +48,7 @@ import numpy as np
 from ..arrays import Array
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
+from ..comm.base import note_probe
 from ..compressors.base import Compressor, run_stage
 from ..state import reject_leftovers
 from . import cost
@@ -97,6 +98,7 @@ class Auto(Compressor):
         self._why: dict[str, dict[str, Any]] = {}
         self._last: dict[str, int] = {}          # tensor key -> candidate that reduced it last
         self._measured: dict[str, Any] | None = None
+        self._probe_bytes = 0.0                  # what this auto's measurement sent
 
     def config(self) -> dict[str, Any]:
         return {"allowed": self.allowed, "table": self.table}
@@ -122,7 +124,7 @@ class Auto(Compressor):
         known = _MEASURED.setdefault(comm, {})
         if key in known:
             return known[key]
-        before, rounds = comm.bytes_sent, getattr(comm, "collectives", 0)
+        before, rounds = comm.bytes_sent, getattr(comm, "collectives", 0)  # the measurement's own traffic
         link = _probe(comm, max(numel, PROBE_SIZES[-1]))
         if self.table:
             compute, shares = _load_table(self.table)
@@ -138,17 +140,11 @@ class Auto(Compressor):
         hosts, per_host = (topo.hosts, topo.local_size) if topo is not None else (comm.size, 1)
         known[key] = {"link": link, "compute": compute, "prepare_share": shares, "hosts": hosts,
                       "per_host": per_host, "contention": _contention(comm)}
-        self._uncount(comm.bytes_sent - before, getattr(comm, "collectives", 0) - rounds)
+        # not the method's bytes (a probe of 25 MB messages had read the digits MLP's whole-run
+        # compression as 0.7x), whichever compressor counts the stage: reported apart in stats()
+        self._probe_bytes += comm.bytes_sent - before
+        note_probe(comm, comm.bytes_sent - before, getattr(comm, "collectives", 0) - rounds)
         return known[key]
-
-    def _uncount(self, nbytes: float, rounds: int) -> None:
-        """Move the measurement's traffic (the link probe, the agreed tables) out of the method's:
-        ``reduce`` counts everything the stage sent, and a probe of 25 MB messages would read as
-        the method's bytes (the digits MLP's
-        whole-run compression read 0.7x). ``stats()`` reports it apart, as ``probe_bytes_sent``."""
-        self._stats["bytes_sent"] -= nbytes
-        self._stats["rounds"] -= rounds
-        self._stats["probe_bytes_sent"] = self._stats.get("probe_bytes_sent", 0.0) + nbytes
 
     def replan(self) -> None:
         """Choose again at every layout's next bucket (call on every rank, between steps); the
@@ -245,6 +241,7 @@ class Auto(Compressor):
     def stats(self) -> dict[str, Any]:
         s = super().stats()
         s["choices"] = list(self._why.values())
+        s["probe_bytes_sent"] = self._probe_bytes
         if self._measured is not None:
             link = self._measured["link"]
             s["link"] = {"alpha_s": link.alpha, "beta_bytes_per_s": link.beta}
