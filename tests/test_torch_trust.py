@@ -254,6 +254,17 @@ def test_torchrun_is_one_job(tmp_path):
     assert out.count("of 2 trained 6 steps") == 2, out
 
 
+def test_an_uncaught_exception_in_a_torch_job_keeps_its_traceback(tmp_path):
+    """torch.distributed's excepthook buffers the traceback to print it after the hook it wraps,
+    gradcomp's, which aborts the job first: the traceback was lost, and a user saw only MPI's
+    "Abort(1)". It must reach the job's output, with the guard's reason."""
+    script = tmp_path / "fails.py"
+    script.write_text("import gradcomp.torch as gt\ngt.init_process_group()\nraise LookupError('no shard 7')\n")
+    result = run(2, [str(script)], timeout=60, env={"PYTHONPATH": str(ROOT)})
+    assert not result.hung and result.returncode != 0, result.output
+    assert "LookupError: no shard 7" in result.output and "uncaught LookupError" in result.output, result.output
+
+
 def test_mpi_and_torch_worlds_must_agree(tmp_path):
     script = tmp_path / "mix.py"
     script.write_text("import gradcomp.torch as gt\ngt.init_process_group()\n")

@@ -55,6 +55,21 @@ def end_job(comm, code: int) -> None:
         os._exit(code)
 
 
+def _stderr_that_survives():
+    """Where to write before an abort: ``sys.stderr``, unless a hook around ours swapped it for an
+    in-memory buffer to print later (``torch.distributed``'s excepthook collects the traceback in a
+    ``StringIO`` to prefix it with the rank, and writes it after our hook returns, which an abort
+    never does: every traceback of a torch job under mpiexec was lost). Then what the buffer holds
+    goes to the process's own stderr first, and so does the rest."""
+    err, real = sys.stderr, sys.__stderr__
+    if err is real or real is None or not hasattr(err, "getvalue"):
+        return err
+    real.write(err.getvalue())
+    err.seek(0)
+    err.truncate()
+    return real
+
+
 def guard() -> "JobGuard":
     """The process's JobGuard, created on first use. Collective: every rank must reach it (the
     first ``MPICommunicator()``, or ``gradcomp.torch.init_process_group()`` under mpiexec)."""
@@ -125,8 +140,9 @@ class JobGuard:
         if self._aborting:
             return
         self._aborting = True
-        sys.stderr.write(f"gradcomp: rank {self.rank}: {why}. Ending the job (MPI_Abort).\n")
-        sys.stderr.flush()
+        err = _stderr_that_survives()
+        err.write(f"gradcomp: rank {self.rank}: {why}. Ending the job (MPI_Abort).\n")
+        err.flush()
         sys.stdout.flush()
         # MPI_Abort makes mpiexec kill every rank at once, and output this rank has written but
         # the launcher has not yet forwarded is lost with it (seen under load: a traceback cut
