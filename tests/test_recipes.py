@@ -155,3 +155,20 @@ def test_an_optimizer_drops_a_named_codes_warmup_unless_given():
         assert kept.momentum_compressor.warmup_steps == 7
     finally:
         comm.close()
+
+
+def test_the_guard_inside_an_optimizer_advises_the_optimizer():
+    """An optimizer's exchange warning must not send its user to the optimizer they already use."""
+    import warnings
+
+    from gradcomp.compressors.guard import Guard, RunawayResidual
+
+    texts = {}
+    for method in ("OneBitAdam(warmup=600) exchanging with PowerSGD(rank=4)", "ErrorFeedback(inner=TopK())"):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            Guard().announce([0, 1], method)
+        assert [w.category for w in seen] == [RunawayResidual], seen
+        texts[method.split("(")[0]] = str(seen[0].message)
+    assert "optimizer's exact warm-up" in texts["OneBitAdam"] and "gradcomp.optim" not in texts["OneBitAdam"]
+    assert "gradcomp.optim.OneBitAdam" in texts["ErrorFeedback"] and "rank(s) [1]" in texts["ErrorFeedback"]

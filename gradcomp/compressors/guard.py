@@ -28,6 +28,14 @@ from ..bucket import Bucket
 ADVICE = ("lower the learning rate, lengthen the exact warm-up (warmup=...), or use an optimizer "
           "that compresses its own state (gradcomp.optim.OneBitAdam for Adam, gradcomp.optim.DGC for "
           "momentum SGD)")
+OPTIMIZER_ADVICE = ("lengthen the optimizer's exact warm-up (warmup=...), lower the learning rate, or "
+                    "send a code that delays less (OneBitAdam's default 1-bit momentum)")
+
+
+def advice(method: str) -> str:
+    """What to do, for the method that warned: a gradcomp optimizer's exchange (its description
+    starts with the optimizer's name) is already the optimizer path, so pointing there is no help."""
+    return OPTIMIZER_ADVICE if method.startswith(("OneBitAdam(", "DGC(")) else ADVICE
 
 
 class RunawayResidual(RuntimeWarning):
@@ -86,8 +94,8 @@ class Guard:
         warnings.warn_explicit(
             f"gradcomp: {method}: the error-feedback residual is running away on rank(s) {ranks}"
             + (f" (here: {mine})" if mine else "")
-            + "; training is likely to diverge. The averages are unchanged; to keep training: "
-            + ADVICE + ".", RunawayResidual, "gradcomp", 0)
+            + "; training may diverge. The averages are unchanged; to keep training: "
+            + advice(method) + ".", RunawayResidual, "gradcomp", 0)
 
     def stats(self) -> dict[str, Any]:
         return {"checks": self.checks, "warned": self.warned, "runaway": dict(self.runaway),
