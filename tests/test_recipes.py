@@ -158,17 +158,27 @@ def test_an_optimizer_drops_a_named_codes_warmup_unless_given():
 
 
 def test_the_guard_inside_an_optimizer_advises_the_optimizer():
-    """An optimizer's exchange warning must not send its user to the optimizer they already use."""
+    """An optimizer's exchange warns with the optimizer's advice (the exchange's compressor carries
+    it to the guard), never by sending its user to the optimizer they already use."""
     import warnings
 
     from gradcomp.compressors.guard import Guard, RunawayResidual
+    from gradcomp.optim import DGC, OneBitAdam
 
+    params = [np.zeros((64, 8), np.float32)]
+    comm = gc.MPICommunicator()
+    try:
+        exchanges = {"OneBitAdam": OneBitAdam(params, comm=comm).compressor,
+                     "DGC": DGC(params, comm=comm).compressor, "topk": gc.make("topk")}
+    finally:
+        comm.close()
     texts = {}
-    for method in ("OneBitAdam(warmup=600) exchanging with PowerSGD(rank=4)", "ErrorFeedback(inner=TopK())"):
+    for name, comp in exchanges.items():
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            Guard().announce([0, 1], method)
+            Guard().announce([0, 1], comp.describe(), comp.runaway_advice)
         assert [w.category for w in seen] == [RunawayResidual], seen
-        texts[method.split("(")[0]] = str(seen[0].message)
-    assert "optimizer's exact warm-up" in texts["OneBitAdam"] and "gradcomp.optim" not in texts["OneBitAdam"]
-    assert "gradcomp.optim.OneBitAdam" in texts["ErrorFeedback"] and "rank(s) [1]" in texts["ErrorFeedback"]
+        texts[name] = str(seen[0].message)
+    assert "1-bit momentum" in texts["OneBitAdam"] and "gradcomp.optim" not in texts["OneBitAdam"]
+    assert "larger ratio" in texts["DGC"] and "gradcomp.optim" not in texts["DGC"]
+    assert "gradcomp.optim.OneBitAdam" in texts["topk"] and "rank(s) [1]" in texts["topk"]

@@ -32,7 +32,7 @@ from ..bucket import Bucket, buffer_problem
 from ..comm import Communicator, Workspace, default_communicator, wire_bytes
 from ..comm.base import method_traffic
 from .agreement import agree
-from .guard import Guard
+from .guard import ADVICE, Guard
 
 
 def _on_device(device: Any, fn: Callable[..., Any], *args: Any) -> Any:
@@ -70,6 +70,8 @@ class Compressor:
     #: whether the divergence guard watches this compressor's residuals (``guard``); a wrapper
     #: that reduces through it (``Hierarchical``) watches instead
     watched: bool = True
+    #: what the divergence guard's warning tells a user to do; an optimizer's exchange says its own
+    runaway_advice: str = ADVICE
 
     def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray | None:
         """Largest allowed ``|result - mean|`` per element of one step, given every rank's input
@@ -149,7 +151,7 @@ class Compressor:
         bucket, flags = agree(comm, bucket, self, prepared, problem, guard.flag if guard is not None else 0)
         watch = guard is not None and guard.due(self._stats["steps"])
         if guard is not None:
-            guard.announce(flags, self.describe())
+            guard.announce(flags, self.describe(), self.runaway_advice)
             norms = guard.gradient_norms(bucket) if watch else []
         before_bytes, before_calls = method_traffic(comm)
         out = run_stage(self, bucket, comm, prepared)

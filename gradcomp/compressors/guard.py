@@ -28,14 +28,6 @@ from ..bucket import Bucket
 ADVICE = ("lower the learning rate, lengthen the exact warm-up (warmup=...), or use an optimizer "
           "that compresses its own state (gradcomp.optim.OneBitAdam for Adam, gradcomp.optim.DGC for "
           "momentum SGD)")
-OPTIMIZER_ADVICE = ("lengthen the optimizer's exact warm-up (warmup=...), lower the learning rate, or "
-                    "send a code that delays less (OneBitAdam's default 1-bit momentum)")
-
-
-def advice(method: str) -> str:
-    """What to do, for the method that warned: a gradcomp optimizer's exchange (its description
-    starts with the optimizer's name) is already the optimizer path, so pointing there is no help."""
-    return OPTIMIZER_ADVICE if method.startswith(("OneBitAdam(", "DGC(")) else ADVICE
 
 
 class RunawayResidual(RuntimeWarning):
@@ -84,8 +76,9 @@ class Guard:
                 self.runaway[key] = ratio
                 self.flag = 1
 
-    def announce(self, flags: Any, method: str) -> None:
-        """Warn once when any rank's flag is set (``flags``: every rank's, from the agreement)."""
+    def announce(self, flags: Any, method: str, advice: str = ADVICE) -> None:
+        """Warn once when any rank's flag is set (``flags``: every rank's, from the agreement),
+        with ``advice``: the compressor's ``runaway_advice``."""
         if self.warned or not any(int(f) for f in flags):
             return
         self.warned = True
@@ -95,7 +88,7 @@ class Guard:
             f"gradcomp: {method}: the error-feedback residual is running away on rank(s) {ranks}"
             + (f" (here: {mine})" if mine else "")
             + "; training may diverge. The averages are unchanged; to keep training: "
-            + advice(method) + ".", RunawayResidual, "gradcomp", 0)
+            + advice + ".", RunawayResidual, "gradcomp", 0)
 
     def stats(self) -> dict[str, Any]:
         return {"checks": self.checks, "warned": self.warned, "runaway": dict(self.runaway),

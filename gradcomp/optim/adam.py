@@ -72,6 +72,9 @@ class OneBitAdam(Optimizer):
     value or one per parameter; ``step`` may override them for one step (a schedule).
     """
 
+    runaway_advice = ("lengthen the exact warm-up (warmup=...), lower the learning rate, or keep the "
+                      "default 1-bit momentum, which delays the update least")
+
     def __init__(self, params: Sequence[Array], lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: Hyper = 0.0, warmup: int = 200,
                  compressor: Compressor | str | None = None, preconditioned: bool = True,

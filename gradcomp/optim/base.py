@@ -49,6 +49,10 @@ class _Agreed(Compressor):
     def warmup_steps(self) -> int:
         return self.inner.warmup_steps
 
+    @property
+    def runaway_advice(self) -> str:  # type: ignore[override]
+        return self._owner.runaway_advice  # the user is on the optimizer path already
+
     def config(self) -> dict[str, Any]:
         return {"optimizer": self._owner.describe(), "inner": self.inner}
 
@@ -118,6 +122,9 @@ class Optimizer:
     Subclasses set ``_arrays`` (name -> list of state arrays shaped like the parameters), build
     their exchange with ``_exchange(compressor)`` and implement ``step`` and ``config``.
     """
+
+    #: the divergence guard's advice when the exchange's residual runs away
+    runaway_advice = "lengthen the exact warm-up (warmup=...) or lower the learning rate"
 
     def __init__(self, params: Sequence[Array], lr: Hyper, weight_decay: Hyper,
                  comm: Communicator | None, bucket_cap_mb: float):

@@ -50,6 +50,9 @@ class DGC(Optimizer):
     any number of ranks).
     """
 
+    runaway_advice = ("lengthen the sparsity warm-up (warmup=...), lower the learning rate, or keep "
+                      "more values (a larger ratio)")
+
     def __init__(self, params: Sequence[Array], lr: Hyper = 0.01, momentum: float = 0.9,
                  weight_decay: Hyper = 0.0, ratio: float = 0.01, warmup: int = 100,
                  clip_norm: float | None = None, stages: int = 1, comm: Communicator | None = None,
