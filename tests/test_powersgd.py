@@ -433,9 +433,46 @@ def rank_compiled_products():
                 assert same_everywhere(comm, a)
 
 
+def rank_quantized_factors():
+    """``factor_bits=8``: P and Q go as 8-bit codes, the uncompressed tensors exactly. Replicas
+    stay bit-identical; error feedback keeps what the codes miss (the outputs plus the mean of the
+    residuals add up to the summed means); the output is close to float factors' and not equal to
+    it; the stats count the codes' bytes."""
+    comm = gc.MPICommunicator()
+    layout = LAYOUT_A
+    n = numel(layout)
+    plan = _Plan(layout, n, 4, 2, False, False)
+    for kwargs in (dict(), dict(rounds=1)):
+        quantized = gc.PowerSGD(rank=4, start_iter=2, factor_bits=8, **kwargs)
+        floats = gc.PowerSGD(rank=4, start_iter=2, **kwargs)
+        rng = np.random.default_rng([10, comm.rank])
+        total_out, total_mean = np.zeros(n), np.zeros(n)
+        for step in range(8):
+            g = (rng.standard_normal(n) + np.linspace(-3, 3, n)).astype(np.float32)
+            total_mean += comm.allgather(g).astype(np.float64).mean(axis=0)
+            out = quantized.reduce(gc.Bucket(g, 0, layout), comm).result()
+            assert same_everywhere(comm, out), f"{kwargs} step {step}"
+            total_out += out
+            reference = floats.reduce(gc.Bucket(g, 0, layout), comm).result()
+            if step == 2 and comm.size > 1:  # the first compressed step: the same input and basis
+                err = np.abs(out - reference).max() / np.abs(reference).max()
+                assert 0 < err < 0.05, f"{kwargs}: int8 factors against float factors {err:.3g}"
+        state = quantized.state_dict()
+        residual = np.concatenate([state[f"residual/0.{i}"].ravel() for i in range(len(layout))])
+        owed = comm.allgather(residual.astype(np.float64)).mean(axis=0)
+        lag = np.abs(total_out + owed - total_mean).max() / np.abs(total_mean).max()
+        assert lag < 1e-5, f"{kwargs}: error feedback lost {lag:.3g} of the sum"
+        codes = -(-quantized._factor_codec.message_size(plan.p_size) // 4)
+        codes_q = -(-quantized._factor_codec.message_size(plan.q_size) // 4)
+        factors = 6 * (codes + codes_q) if quantized.rounds == 2 else 3 * (codes + codes_q)
+        assert quantized.stats()["numel_after"] == 6 * plan.n_unc + factors, quantized.stats()
+    assert gc.PowerSGD(rank=2, factor_bits=8).config()["factor_bits"] == 8
+    assert "factor_bits" not in gc.PowerSGD(rank=2).config()  # older checkpoints still load
+
+
 @pytest.mark.parametrize("check", ["rank_zero_gradients", "rank_batch_same_shape", "rank_compiled_products", "rank_exact_cases", "rank_batched_low_rank",
                                    "rank_non_finite_recovers", "rank_layout_change_resets",
-                                   "rank_dtypes"])
+                                   "rank_dtypes", "rank_quantized_factors"])
 @pytest.mark.parametrize("nranks", [1, 3])
 def test_on_ranks(check, nranks):
     run_ranks(nranks, f"tests.test_powersgd:{check}")

@@ -28,6 +28,7 @@ from ..state import ClaimCheck, TensorStore
 from .checkpoint import load_powersgd, powersgd_state
 from .plan import Plan, orthogonalize
 from .products import Products
+from ..compressors.quantize import QuantizedAllreduce
 
 HALF = ("float16", "bfloat16")
 
@@ -84,6 +85,14 @@ class PowerSGD(Compressor):
         ``BatchedPowerSGD``). Compressed only when the square passes ``min_compression_rate``.
     ``error_dtype``: dtype of the kept residual. None: the bucket's dtype, as PyTorch does; e.g.
         ``"float32"`` keeps the residual of a float16 bucket (``FP16(PowerSGD())``) exactly.
+    ``factor_bits``: None sends P and Q in the bucket's dtype. 8 sends their mean as 8-bit codes
+        per 512-value chunk through the two-stage quantized allreduce (``QuantizedAllreduce``):
+        a quarter of float32's bytes, half of float16's, so rank 8 costs what rank 4 does in
+        float16, and a higher rank approximates more of the gradient. The uncompressed tensors
+        still go exactly, in a collective of their own. What the codes miss is not lost: the
+        residual is the input less the product of the decoded factors, so error feedback keeps it.
+        A NaN in one tensor then reaches every compressed tensor of its bucket (a chunk of codes
+        spans several tensors' factors).
 
     State follows each tensor (its key, ``Bucket.keys``): the residual, Q (and P for
     ``rounds=1``) survive DDP's bucket rebuild and a resume into a fresh model. Checkpoints:
@@ -112,7 +121,7 @@ class PowerSGD(Compressor):
                  error_feedback: bool = True, warm_start: bool = True,
                  orthogonalization_epsilon: float = 0.0, seed: int = 0,
                  batch_same_shape: bool = False, rounds: int = 2, batched: bool = False,
-                 error_dtype: str | None = None):
+                 error_dtype: str | None = None, factor_bits: int | None = None):
         super().__init__()
         self.rank = check_int("PowerSGD rank", rank, 1)
         self.start_iter = check_int("PowerSGD start_iter", start_iter, 0)
@@ -127,6 +136,10 @@ class PowerSGD(Compressor):
         self.batched = check_bool("batched", batched)
         self.error_dtype = check_choice("error_dtype", error_dtype,
                                         (None, "float16", "bfloat16", "float32", "float64"))
+        self.factor_bits = check_choice("PowerSGD factor_bits", factor_bits, (None, 8))
+        self._factor_codec = None if self.factor_bits is None else QuantizedAllreduce(bits=self.factor_bits)
+        if self._factor_codec is not None:  # a NaN's chunk of codes spans other tensors' factors
+            self.nan_effect = "bucket"
         if (error_feedback or warm_start) and start_iter <= 1:
             raise ValueError(
                 f"PowerSGD start_iter must be > 1 when error_feedback or warm_start is on (got "
@@ -143,6 +156,13 @@ class PowerSGD(Compressor):
         self._p = TensorStore()
         self._plans: dict[tuple, Plan] = {}
         self._counts = dict(numel_before=0, numel_after=0, compressed_steps=0, compressed_rounds=0)
+
+    def config(self) -> dict[str, Any]:
+        # factor_bits only when set: checkpoints saved before it existed still load
+        out = super().config()
+        if self.factor_bits is None:
+            out.pop("factor_bits")
+        return out
 
     @property
     def step(self) -> int:
@@ -306,12 +326,13 @@ class PowerSGD(Compressor):
         assert plan is not None  # compressing
         c = self._counts
         c["numel_before"] += bucket.numel
+        size = bucket.buffer.dtype.itemsize
         if not plan.matrices:
             c["numel_after"] += bucket.numel
         elif self.rounds == 2:
-            c["numel_after"] += plan.numel_after
+            c["numel_after"] += plan.n_unc + self._factor_numel(plan.p_size, size) + self._factor_numel(plan.q_size, size)
         else:
-            c["numel_after"] += plan.n_unc + (plan.q_size if work.phase else plan.p_size)
+            c["numel_after"] += plan.n_unc + self._factor_numel(plan.q_size if work.phase else plan.p_size, size)
         c["compressed_steps"] += int(bucket.is_last)
         before = comm.collectives
         try:
@@ -321,7 +342,27 @@ class PowerSGD(Compressor):
         finally:
             c["compressed_rounds"] += comm.collectives - before
 
-    def _mean(self, wire: Array, comm: Communicator, w: _Work) -> Array:
+    def _factor_numel(self, n: int, itemsize: int) -> int:
+        """What ``n`` factor values cost on the wire, counted in values of ``itemsize`` bytes."""
+        codec = self._factor_codec
+        return n if codec is None else -(-codec.message_size(n) // itemsize)
+
+    def _mean(self, wire: Array, comm: Communicator, w: _Work, exact: int = 0) -> Array:
+        """The mean over ranks of ``wire``, returned in ``compute`` (in ``wire`` itself where it
+        can be); with ``factor_bits`` its first ``exact`` values (the uncompressed tensors) go
+        exactly and the rest, the factor, as quantized codes."""
+        codec = self._factor_codec
+        if codec is None:
+            return self._exact_mean(wire, comm, w)
+        if exact:
+            wire[:exact] = self._exact_mean(wire[:exact], comm, w)  # a copy onto itself at most
+        factor = Bucket(wire[exact:], scratch=True)
+        mean = codec.finish(factor, comm, codec.prepare(factor, comm, comm.workspace))
+        if mean is not factor.buffer:
+            wire[exact:] = mean
+        return wire
+
+    def _exact_mean(self, wire: Array, comm: Communicator, w: _Work) -> Array:
         """Sum of ``wire / size`` over ranks, sent in the bucket's dtype, returned in ``compute``."""
         xp = array_module(wire)
         if comm.size > 1:
@@ -336,7 +377,7 @@ class PowerSGD(Compressor):
         xp = array_module(bucket.buffer)
         plan, n = w.plan, bucket.numel
         assert plan is not None  # compressing
-        summed = self._mean(w.wire, comm, w)
+        summed = self._mean(w.wire, comm, w, exact=plan.n_unc)
         pos = 0
         for a, b in plan.runs:
             w.out[a:b] = summed[pos:pos + b - a]
@@ -438,6 +479,8 @@ class BatchedPowerSGD(PowerSGD):
                                              "error_feedback", "warm_start",
                                              "orthogonalization_epsilon", "seed", "batch_same_shape",
                                              "rounds", "error_dtype")}
+        if self.factor_bits is not None:
+            out["factor_bits"] = self.factor_bits
         return out
 
 
