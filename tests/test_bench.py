@@ -107,9 +107,11 @@ def test_half_divide_and_add_are_numpy_bit_for_bit():
 
 
 # -- quantization kernels -----------------------------------------------------------------------------
-def _reference_quantize(x, bits, width):
+def _reference_quantize(x, bits, width, zero=False):
     """The documented semantics, written plainly: per chunk offset = min, scale = (max-min)/levels,
-    codes = clip(rint((x - offset) / scale)) with 1/scale computed once; non-finite -> code 0."""
+    codes = clip(rint((x - offset) / scale)) with 1/scale computed once; non-finite -> code 0.
+    ``zero``: the range widened to hold 0 (a zero of either sign as +0), scale = range / (levels -
+    1), offset = -ceil(-min / scale) * scale (scale 1 in that division where it is 0), in float32."""
     levels = (1 << bits) - 1
     n = x.shape[0]
     width = width or max(n, 1)
@@ -120,7 +122,14 @@ def _reference_quantize(x, bits, width):
         for c, s in enumerate(starts):
             part = x[s:s + width]
             lo, hi = part.min(), part.max()
-            scale = (hi - lo) / np.float32(levels)
+            if zero:
+                lo, hi = np.float32(0.0 if lo >= 0 else lo), np.float32(0.0 if hi <= 0 else hi)
+                scale = (hi - lo) / np.float32(levels - 1)
+                lo = np.float32(0.0) - np.ceil(-lo / (scale if scale > 0 else np.float32(1.0))) * scale
+                if not (np.isfinite(lo) and np.isfinite(scale)):
+                    lo = scale = np.float32(np.nan)
+            else:
+                scale = (hi - lo) / np.float32(levels)
             inv = np.float32(1.0) / (scale if scale > 0 else np.float32(1.0))
             q = (part - lo) * inv
             q = np.clip(np.rint(q), 0, levels)

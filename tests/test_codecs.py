@@ -64,6 +64,37 @@ def test_quantizer_chunk_size():
     comm.close()
 
 
+def test_int4_grid_holds_zero():
+    """The registered int4 puts zero on every chunk's grid: a zero gradient coordinate is sent as
+    exactly 0, and a small one goes out as zeros until its residual reaches a step (the old
+    min-max grid, ``exact_zero=False``, sends both a rounding error every step); error feedback
+    delivers the small one's sum on both grids."""
+    from mpi4py import MPI
+
+    comm = gc.MPICommunicator(MPI.COMM_SELF)
+    g = np.random.default_rng(0).standard_normal(512 * 4).astype(np.float32) * np.float32(1e-2)
+    g[::512] = 1.0  # each chunk's range: a step of about 0.07
+    g[5], g[7] = 0.0, 1e-3
+    steps = 200
+    sent = {}
+    for spec in ("int4", "int4:exact_zero=False"):
+        comp = gc.make(spec)
+        sent[spec] = np.stack([comp.reduce(gc.Bucket(g.copy(), 0, scratch=True), comm).result().copy()
+                               for _ in range(steps)])
+        assert abs(float(sent[spec][:, 7].sum()) - steps * 1e-3) < 0.08, spec  # within a step
+    zero, old = sent["int4"], sent["int4:exact_zero=False"]
+    assert not zero[:, 5].any() and np.count_nonzero(zero[:, 7]) <= 0.05 * steps
+    assert np.count_nonzero(old[:, 5]) > 0.5 * steps and np.count_nonzero(old[:, 7]) > 0.5 * steps
+    assert repr(gc.make("int4")) == "int4(warmup=0, feedback='both')"
+    assert repr(gc.make("int4:exact_zero=False")) == "int4(warmup=0, feedback='both', exact_zero=False)"
+    assert gc.QuantizedAllreduce(bits=4, exact_zero=True).config() == {"bits": 4, "exact_zero": True}
+    with pytest.raises(ValueError, match="saved by"):  # a state of the old grid is not taken for the new
+        gc.make("int4").load_state_dict(gc.make("int4:exact_zero=False").state_dict())
+    with pytest.raises(ValueError, match="exact_zero"):
+        gc.QuantizedAllreduce(bits=4, exact_zero=1)
+    comm.close()
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_two_stage_traffic_is_flat_in_ranks(n):
     run_ranks(n, "tests.test_codecs:rank_traffic")

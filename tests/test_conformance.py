@@ -15,7 +15,7 @@ from gradcomp.conformance import run as run_kit
 from gradcomp.planning.names import steady
 
 #: every registered name, and the variants a name's parameter switches to another codec
-NAMES = sorted(gc.REGISTRY) + ["topk:stages=2", "int4:chunk=64", "powersgd:factor_bits=8"]
+NAMES = sorted(gc.REGISTRY) + ["topk:stages=2", "int4:chunk=64", "int4:exact_zero=False", "powersgd:factor_bits=8"]
 
 
 @pytest.mark.parametrize("name", NAMES)

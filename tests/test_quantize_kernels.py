@@ -34,8 +34,8 @@ def path(request, monkeypatch):
 class _Quantizer:
     """The kernels with one chunk width (None: the whole vector) and bit count."""
 
-    def __init__(self, bits, width):
-        self.levels, self.width = (1 << bits) - 1, width
+    def __init__(self, bits, width, zero=False):
+        self.levels, self.width, self.zero = (1 << bits) - 1, width, zero
 
     def _width(self, n):
         return self.width or max(n, 1)
@@ -43,15 +43,15 @@ class _Quantizer:
     def quantize(self, x):
         params = np.empty((2, chunk_count(x.size, self._width(x.size))), np.float32)
         codes = np.empty(x.size, np.uint8)
-        quantize(x, params, codes, self._width(x.size), self.levels)
+        quantize(x, params, codes, self._width(x.size), self.levels, self.zero)
         return params, codes
 
     def dequantize_add(self, acc, params, codes):
         dequantize(acc, params, codes, self._width(acc.size), add=True)
 
 
-def _make(bits, width):
-    return _Quantizer(bits, width)
+def _make(bits, width, zero=False):
+    return _Quantizer(bits, width, zero)
 
 
 def _round_trip(q, x, acc):
@@ -93,15 +93,18 @@ def _non_finite_runs():
     return {"nan-runs": x, "infinities": y, "all-nan": np.full(1025, np.nan, np.float32)}
 
 
+@pytest.mark.parametrize("zero", [False, True], ids=["range", "zero"])
 @pytest.mark.parametrize("bits,width", SHAPES)
-def test_each_path_matches_the_reference(path, bits, width):
-    q = _make(bits, width)
+def test_each_path_matches_the_reference(path, bits, width, zero):
+    if zero and bits == 1:
+        pytest.skip("a grid that holds zero needs two levels or more")
+    q = _make(bits, width, zero)
     cases = {**_quantize_cases(), **_non_finite_runs(), "empty": np.zeros(0, np.float32),
              "one": np.array([1.5], np.float32)}
     for name, x in cases.items():
         acc0 = np.random.default_rng(3).standard_normal(x.size).astype(np.float32)
         params, codes, acc = _round_trip(q, x, acc0)
-        ref_params, ref_codes = _reference_quantize(x, bits, width)
+        ref_params, ref_codes = _reference_quantize(x, bits, width, zero)
         assert np.array_equal(params.view(np.uint32), ref_params.view(np.uint32)), name
         assert np.array_equal(codes, ref_codes), name
         ref = acc0.copy()
@@ -110,9 +113,12 @@ def test_each_path_matches_the_reference(path, bits, width):
 
 
 @pytest.mark.skipif(not COMPILED, reason="numba kernels unavailable")
+@pytest.mark.parametrize("zero", [False, True], ids=["range", "zero"])
 @pytest.mark.parametrize("bits,width", SHAPES)
-def test_compiled_and_numpy_paths_give_the_same_bits(bits, width, monkeypatch):
-    q = _make(bits, width)
+def test_compiled_and_numpy_paths_give_the_same_bits(bits, width, zero, monkeypatch):
+    if zero and bits == 1:
+        pytest.skip("a grid that holds zero needs two levels or more")
+    q = _make(bits, width, zero)
     cases = {**_quantize_cases(), **_non_finite_runs(), **_signed_zero_cases()}
     for name, x in cases.items():
         acc0 = np.random.default_rng(4).standard_normal(x.size).astype(np.float32)
@@ -180,9 +186,12 @@ def _float64_cases():
 
 
 @pytest.mark.skipif(not COMPILED, reason="numba kernels unavailable")
+@pytest.mark.parametrize("zero", [False, True], ids=["range", "zero"])
 @pytest.mark.parametrize("bits,width", SHAPES)
-def test_float64_compiled_and_numpy_paths_give_the_same_bits(bits, width, monkeypatch):
-    q = _make(bits, width)
+def test_float64_compiled_and_numpy_paths_give_the_same_bits(bits, width, zero, monkeypatch):
+    if zero and bits == 1:
+        pytest.skip("a grid that holds zero needs two levels or more")
+    q = _make(bits, width, zero)
     for name, x in {**_float64_cases(), **{k: v.astype(np.float64) for k, v in _signed_zero_cases().items()}}.items():
         acc0 = np.random.default_rng(4).standard_normal(x.size)
         acc0[::5] = -0.0
@@ -231,6 +240,8 @@ CODECS = {"int8": lambda gc: gc.ErrorFeedback(gc.QuantizedAllreduce(8)),
           "int4": lambda gc: gc.ErrorFeedback(gc.QuantizedAllreduce(4)),
           "int4-noef": lambda gc: gc.QuantizedAllreduce(4),
           "int4-128": lambda gc: gc.ErrorFeedback(gc.QuantizedAllreduce(4, chunk=128)),
+          "int4-zero": lambda gc: gc.ErrorFeedback(gc.QuantizedAllreduce(4, exact_zero=True)),
+          "int8-zero-noef": lambda gc: gc.QuantizedAllreduce(8, exact_zero=True),
           "onebit": lambda gc: gc.ErrorFeedback(gc.OneBit()),
           "onebit-worker": lambda gc: gc.ErrorFeedback(gc.OneBit(), owner_feedback=False),
           "onebit-noef": lambda gc: gc.OneBit(),

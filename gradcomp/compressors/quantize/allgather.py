@@ -86,12 +86,16 @@ class QuantizePerChannel(Codec):
         return chunk_error_bound(inputs, width, self.levels, dtype)
 
 
-def chunk_error_bound(inputs: np.ndarray, width: int, levels: int, dtype: DTypeLike) -> np.ndarray:
+def chunk_error_bound(inputs: np.ndarray, width: int, levels: int, dtype: DTypeLike,
+                      zero: bool = False) -> np.ndarray:
     n = inputs.shape[1]
     half_steps = np.zeros(n)
     for start in range(0, n, width):
         part = inputs[:, start:start + width].astype(np.float32)
-        step = (part.max(axis=1) - part.min(axis=1)).astype(np.float64) / levels
+        hi, lo = part.max(axis=1), part.min(axis=1)
+        if zero:  # the grid's range holds zero, and has one step fewer
+            hi, lo = np.maximum(hi, 0), np.minimum(lo, 0)
+        step = (hi - lo).astype(np.float64) / (levels - zero)
         half_steps[start:start + width] = step.mean() / 2
     peak = np.abs(inputs).max(initial=0.0)
     eps32 = float(np.finfo(np.float32).eps)

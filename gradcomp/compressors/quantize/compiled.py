@@ -152,15 +152,30 @@ def _keys(xs, n):
 
 
 @njit(inline="always")
-def _range_of(kmin, kmax, top, bs):
+def _zero_grid32(lo, hi, top):
+    """``kernels._zero_grid`` of one chunk: (offset, scale) of ``top - 1`` steps across the range
+    widened to hold 0, the offset a whole number of steps below it; the same float32 operations."""
+    zero = np.float32(0.0)
+    lo = zero if lo >= zero else lo
+    hi = zero if hi <= zero else hi
+    scale = (hi - lo) / (top - np.float32(1.0))
+    below = np.float32(np.ceil(-lo / (scale if scale > zero else np.float32(1.0))))
+    return zero - below * scale, scale
+
+
+@njit(inline="always")
+def _range_of(kmin, kmax, top, bs, zero):
     """(offset, scale, 1/scale or 1, whether the NumPy kernels must redo the chunk) of a chunk
     whose order keys run from ``kmin`` to ``kmax`` (``bs``: its float32 bits as int32): the
-    minimum and maximum, scale = range / levels. A chunk is redone for a NaN or Inf, a scale or
-    inverse that is not finite, and an extreme that is a zero held with both signs (NumPy's SIMD
-    min may return either zero)."""
+    minimum and maximum, scale = range / levels (``zero``: ``_zero_grid32``). A chunk is redone
+    for a NaN or Inf, a scale or inverse that is not finite, and an extreme that is a zero held
+    with both signs (NumPy's SIMD min may return either zero)."""
     lo = _f32_from_bits(np.uint32(_order_key(kmin)))
     hi = _f32_from_bits(np.uint32(_order_key(kmax)))
-    scale = (hi - lo) / top
+    if zero:
+        lo, scale = _zero_grid32(lo, hi, top)
+    else:
+        scale = (hi - lo) / top
     inv = np.float32(1.0) / (scale if scale > np.float32(0.0) else np.float32(1.0))
     bad = not (kmax < _INF_KEY and kmin > _NEG_INF_KEY and np.isfinite(scale) and np.isfinite(inv))
     if not bad and (kmin == np.int32(-1) or kmax == np.int32(0)):
@@ -286,12 +301,13 @@ def _packed_part(codes, start, n):
 
 
 @_kernel
-def quantize_chunks(x, bits, width, levels, params, codes, redo, packed, ctmp):
+def quantize_chunks(x, bits, width, levels, params, codes, redo, packed, ctmp, zero):
     """Per-chunk affine quantization of float32 ``x`` (``bits`` is x viewed as int32) in one
     pass per chunk: ``params[0] = min``, ``params[1] = (max - min) / levels``, codes =
     clip(rint((x - min) * (1 / scale)), 0, levels) as uint8 (1 instead of 1/scale where scale
     is not > 0) -- the float32 operations of the NumPy kernels, in the same order; with
-    ``packed``, two codes to a byte (``ctmp`` holds a chunk's codes first).
+    ``packed``, two codes to a byte (``ctmp`` holds a chunk's codes first); ``zero``: offset and
+    scale of the grid that holds zero (``_zero_grid32``).
 
     Chunks whose result this loop cannot promise bit for bit are marked ``redo[c] = True`` and
     left to the NumPy kernels: a NaN or Inf (NaN payloads and the flags follow NumPy's
@@ -308,7 +324,7 @@ def quantize_chunks(x, bits, width, levels, params, codes, redo, packed, ctmp):
         xs = x[start:start + width]
         n = xs.shape[0]
         kmin, kmax = _keys(xs, n)
-        lo, scale, inv, bad = _range_of(kmin, kmax, top, bits[start:start + n])
+        lo, scale, inv, bad = _range_of(kmin, kmax, top, bits[start:start + n], zero)
         params[0, c] = lo
         params[1, c] = scale
         if bad:
@@ -447,7 +463,7 @@ def _keep_error(xs, es, cs, n, lo, scale):
 
 
 @_kernel
-def quantize_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tmp_bits, packed, ctmp, bf16):
+def quantize_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tmp_bits, packed, ctmp, bf16, zero):
     """Error feedback fused with ``quantize_chunks``: per chunk, ``x = g + e`` (kept in ``tmp``,
     in the L1 cache) and its range in one loop, then its codes and ``e = x - (codes * scale +
     offset)`` with the NumPy kernels' roundings in another: one pass over ``g`` and ``e`` where
@@ -471,7 +487,7 @@ def quantize_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tmp_
             k = _key_of(v)
             kmin = _min32(kmin, k)
             kmax = _max32(kmax, k)
-        lo, scale, inv, bad = _range_of(kmin, kmax, top, tmp_bits[:n])
+        lo, scale, inv, bad = _range_of(kmin, kmax, top, tmp_bits[:n], zero)
         params[0, c] = lo
         params[1, c] = scale
         if bad:
@@ -567,7 +583,7 @@ def _last_row(rows, row_params, chunks, c, start, n, packed, xs, es, feedback, d
 
 @_kernel
 def quantize_owner_chunks(rows, row_params, chunks, width, levels, packed, feedback, e, params, codes,
-                          redo, tmp, tmp_bits, ctmp):
+                          redo, tmp, tmp_bits, ctmp, zero):
     """The slice owner's stage in one pass per chunk: the ``rows`` (uint8, one message per rank:
     float32 offsets and scales of ``chunks`` chunks, ``row_params`` the same bytes as float32,
     then the codes) decoded and summed in rank order from zero, divided by the number of rows,
@@ -590,7 +606,7 @@ def quantize_owner_chunks(rows, row_params, chunks, width, levels, packed, feedb
             continue
         _decode_rows(rows, row_params, chunks, c, start, n, packed, xs, ctmp, rows.shape[0] - 1)
         kmin, kmax = _last_row(rows, row_params, chunks, c, start, n, packed, xs, es, feedback, div, ctmp)
-        lo, scale, inv, bad = _range_of(kmin, kmax, top, tmp_bits[:n])
+        lo, scale, inv, bad = _range_of(kmin, kmax, top, tmp_bits[:n], zero)
         params[0, c] = lo
         params[1, c] = scale
         if bad:
@@ -611,11 +627,12 @@ def quantize_owner_chunks(rows, row_params, chunks, width, levels, packed, feedb
 # float64: NumPy's sequence (kernels._quantize_blocked) on float64 values
 # ---------------------------------------------------------------------------------------------
 @njit(inline="always")
-def _chunk_range64(xs, bs, top, wide):
+def _chunk_range64(xs, bs, top, wide, zero):
     """(offset, scale, 1/scale or 1, redo mark) of a float64 chunk as NumPy's kernels compute
     them: min and max in float64 (by order keys), the offset rounded to float32, the scale
     ``(max - offset) / levels`` in float64 rounded to float32 (``wide``: chunks longer than a
-    NumPy block, ``(max - min) / levels`` with the minimum not rounded), the inverse in float32. Marks
+    NumPy block, ``(max - min) / levels`` with the minimum not rounded; ``zero``: ``_zero_grid32`` of
+    the extremes rounded to float32), the inverse in float32. Marks
     ``REDO_BAD`` for a NaN or Inf, or an offset, scale or inverse that is not finite;
     ``REDO_TIE`` for an extreme that is a zero held with both signs."""
     kmin = np.int64(0x7FFFFFFFFFFFFFFF)
@@ -633,9 +650,12 @@ def _chunk_range64(xs, bs, top, wide):
         lo = np.float32(0.0)
         scale = np.float32(0.0)
         inv = np.float32(1.0)
+    elif zero:
+        lo, scale = _zero_grid32(np.float32(lo64), np.float32(hi64), top)
     else:
         lo = np.float32(lo64)
         scale = np.float32((hi64 - (lo64 if wide else np.float64(lo))) / np.float64(top))
+    if mark == 0:
         inv = np.float32(1.0) / (scale if scale > np.float32(0.0) else np.float32(1.0))
         if not (np.isfinite(lo) and np.isfinite(scale) and np.isfinite(inv)):
             mark = REDO_BAD
@@ -645,13 +665,13 @@ def _chunk_range64(xs, bs, top, wide):
 
 
 @njit(inline="always")
-def _quantize_chunk64(xs, bs, cs, n, top, params, c, wide):
+def _quantize_chunk64(xs, bs, cs, n, top, params, c, wide, zero):
     """Chunk ``c`` of float64 values: parameters into ``params``, codes into ``cs`` as NumPy's
     finite-block sequence makes them (``(x - offset)`` rounded to float32, times the inverse,
     plus 2**23, the low byte of the bits), unless marked; returns (mark, offset, scale). Marks
     ``REDO_ROUNDING`` (codes not written) where that shortcut and the reference sequence (rint,
     clip) would differ: NumPy's choice between them depends on the other chunks of its block."""
-    lo, scale, inv, mark = _chunk_range64(xs, bs, top, wide)
+    lo, scale, inv, mark = _chunk_range64(xs, bs, top, wide, zero)
     if mark == REDO_BAD:  # the parameters as NumPy computes them come from NumPy
         return mark, lo, scale
     params[0, c] = lo
@@ -671,7 +691,7 @@ def _quantize_chunk64(xs, bs, cs, n, top, params, c, wide):
 
 
 @_kernel
-def quantize64_chunks(x, bits, width, levels, params, codes, redo, packed, ctmp, wide):
+def quantize64_chunks(x, bits, width, levels, params, codes, redo, packed, ctmp, wide, zero):
     """``quantize_chunks`` for float64 ``x`` (``bits``: x as int64), NumPy's float64 sequence
     (``_quantize_chunk64``; ``wide``: chunks longer than NumPy's block); ``redo[c]`` holds the
     chunk's mark (0: done). Returns how many chunks were marked."""
@@ -682,7 +702,7 @@ def quantize64_chunks(x, bits, width, levels, params, codes, redo, packed, ctmp,
         xs = x[start:start + width]
         n = xs.shape[0]
         cs = _codes_of(codes, ctmp, start, n, packed)
-        mark = _quantize_chunk64(xs, bits[start:start + n], cs, n, top, params, c, wide)[0]
+        mark = _quantize_chunk64(xs, bits[start:start + n], cs, n, top, params, c, wide, zero)[0]
         if mark:
             redo[c] = mark
             redone += 1
@@ -692,7 +712,7 @@ def quantize64_chunks(x, bits, width, levels, params, codes, redo, packed, ctmp,
 
 
 @_kernel
-def quantize64_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tmp_bits, packed, ctmp, bf16):
+def quantize64_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tmp_bits, packed, ctmp, bf16, zero):
     """``quantize_feedback_chunks`` for float64 (marks as ``quantize64_chunks``; a marked chunk's
     ``e`` and codes are left untouched; ``bf16`` unused: no half-precision input)."""
     redone = 0
@@ -706,7 +726,7 @@ def quantize64_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tm
         xs = tmp[:n]
         for i in range(n):
             xs[i] = gs[i] + es[i]
-        mark, lo, scale = _quantize_chunk64(xs, tmp_bits[:n], cs, n, top, params, c, False)
+        mark, lo, scale = _quantize_chunk64(xs, tmp_bits[:n], cs, n, top, params, c, False, zero)
         if mark:
             redo[c] = mark
             redone += 1
@@ -719,7 +739,7 @@ def quantize64_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tm
 
 @_kernel
 def quantize64_owner_chunks(rows, row_params, chunks, width, levels, packed, feedback, e, params, codes,
-                            redo, tmp, tmp_bits, ctmp):
+                            redo, tmp, tmp_bits, ctmp, zero):
     """``quantize_owner_chunks`` for a float64 slice (the rows decoded in float64; marks as
     ``quantize64_chunks``, and ``REDO_BAD`` for a chunk a row decodes to NaN)."""
     size = rows.shape[0]
@@ -743,7 +763,7 @@ def quantize64_owner_chunks(rows, row_params, chunks, width, levels, packed, fee
             for i in range(n):
                 xs[i] = xs[i] + es[i]
         cs = _codes_of(codes, ctmp, start, n, packed)
-        mark, lo, scale = _quantize_chunk64(xs, tmp_bits[:n], cs, n, top, params, c, False)
+        mark, lo, scale = _quantize_chunk64(xs, tmp_bits[:n], cs, n, top, params, c, False, zero)
         if mark:
             redo[c] = mark
             redone += 1

@@ -1,6 +1,13 @@
 """Affine quantization of 512-value chunks (offset = the chunk's minimum, scale = range / levels),
 and bit packing for codes narrower than a byte.
 
+With ``zero`` the grid holds zero exactly (``_zero_grid``): the range widened to include 0,
+``levels - 1`` steps across it, the offset a whole number of steps below 0, so a value within half
+a step of zero is sent as exactly 0 instead of a fixed offset's rounding. Under error feedback
+that is what a small coordinate needs: its residual builds up and goes out now and then as one
+step, where a grid without zero sends it a rounding error every step (noise that, we think, an
+adaptive optimizer's second moment counts as signal; BENCHMARKS.md section 6: int4 on the LM).
+
 ``quantize(x, params, codes, width, levels)`` and ``dequantize(acc, params, codes, width, add)``
 pick the fastest kernel once for every quantizer: the compiled one-pass loops (``compiled``) for
 contiguous NumPy float32, else NumPy kernels working a block of chunks at a time (about ten
@@ -59,6 +66,25 @@ def _scale(xp, lo, hi, levels):
         return (hi - lo) / xp.float32(levels)
 
 
+def _zero_grid(xp, lo, hi, levels):
+    """(offset, scale) of ``levels - 1`` steps across ``[min(lo, 0), max(hi, 0)]`` with zero on
+    the grid: the offset is ``-ceil(-lo / scale)`` steps, all in float32; both NaN where either
+    is not finite (the chunk decodes to NaN, as on the range's grid). Comparisons, not
+    ``minimum``: a zero of either sign becomes +0 (NumPy's minimum of two signed zeros may return
+    either), so every path computes the same bits, and a NaN stays NaN, so its chunk stays flagged."""
+    f = np.float32
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        lo, hi = lo.astype(f), hi.astype(f)
+        lo = xp.where(lo >= 0, f(0.0), lo)
+        hi = xp.where(hi <= 0, f(0.0), hi)
+        scale = (hi - lo) / f(levels - 1)
+        below = xp.ceil(-lo / xp.where(scale > 0, scale, f(1.0)))
+        offset = f(0.0) - below * scale
+        # a NaN or Inf chunk: both NaN, one NaN on every path (vector and scalar loops sign NaNs apart)
+        lost = ~(xp.isfinite(offset) & xp.isfinite(scale))
+        return xp.where(lost, f(np.nan), offset), xp.where(lost, f(np.nan), scale)
+
+
 def _inverse(xp, scale):
     """The factor that maps (value - offset) to codes; 1 where the chunk is constant."""
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
@@ -94,17 +120,18 @@ def _pieces(n, width):
             yield b, min(b + _BLOCK, stop), slice(c, c + 1)
 
 
-def quantize(x, params, codes, width: int, levels: int) -> None:
+def quantize(x, params, codes, width: int, levels: int, zero: bool = False) -> None:
     """Write float32 (or float64) ``x``'s per-chunk offsets and scales into ``params`` (2, chunks)
-    and its codes (0..levels) into ``codes`` (uint8, ``x``'s length)."""
+    and its codes (0..levels) into ``codes`` (uint8, ``x``'s length); ``zero``: on a grid that
+    holds zero (see the module)."""
     xp = array_module(x)
     n = x.shape[0]
     if xp is np:
         jit = _compiled(x, params, codes) if x.dtype in (np.float32, np.float64) else None
         if jit is None:
-            _quantize_blocked(x, params, codes, width, levels)
+            _quantize_blocked(x, params, codes, width, levels, zero=zero)
             return
-        quantize_compiled(jit, x, params, codes, width, levels)
+        quantize_compiled(jit, x, params, codes, width, levels, zero=zero)
         return
     rows, _ = _split(n, width)
     parts = ((x[:rows * width].reshape(rows, width), codes[:rows * width].reshape(rows, width), slice(0, rows)),
@@ -113,7 +140,7 @@ def quantize(x, params, codes, width: int, levels: int) -> None:
         if part.size == 0:
             continue
         lo, hi = part.min(axis=1), part.max(axis=1)
-        scale = _scale(xp, lo, hi, levels)
+        lo, scale = _zero_grid(xp, lo, hi, levels) if zero else (lo, _scale(xp, lo, hi, levels))
         q = part - lo[:, None]
         _finish_codes(xp, q, _inverse(xp, scale), levels)
         out[...] = q
@@ -122,7 +149,7 @@ def quantize(x, params, codes, width: int, levels: int) -> None:
 
 
 def quantize_compiled(jit, x, params, codes, width: int, levels: int, packed: bool = False,
-                      ctmp=None) -> None:
+                      ctmp=None, zero: bool = False) -> None:
     """``quantize`` by the compiled kernels (contiguous NumPy float32 or float64), the codes two to
     a byte where ``packed`` (``ctmp``: uint8 scratch of a chunk); the chunks they leave to NumPy
     (``redone``) redone here."""
@@ -130,16 +157,17 @@ def quantize_compiled(jit, x, params, codes, width: int, levels: int, packed: bo
         ctmp = np.empty(width if packed else 1, np.uint8)
     redo = np.zeros(params.shape[1], np.uint8)
     if x.dtype == np.float32:
-        marked = jit.quantize_chunks(x, x.view(np.int32), width, levels, params, codes, redo, packed, ctmp)
+        marked = jit.quantize_chunks(x, x.view(np.int32), width, levels, params, codes, redo, packed, ctmp, zero)
     else:
         marked = jit.quantize64_chunks(x, x.view(np.int64), width, levels, params, codes, redo, packed, ctmp,
-                                       width > _BLOCK)
+                                       width > _BLOCK, zero)
     if marked:
         redone(redo, x.shape[0], width, levels, params, codes, packed,
-               lambda part: x[part], None)
+               lambda part: x[part], None, zero)
 
 
-def redone(redo, n: int, width: int, levels: int, params, codes, packed: bool, values, residual) -> None:
+def redone(redo, n: int, width: int, levels: int, params, codes, packed: bool, values, residual,
+           zero: bool = False) -> None:
     """Redo the chunks a compiled kernel marked (``redo``), by the NumPy kernels: quantize
     ``values(part)`` (the chunks' values, a slice of the bucket's) into ``params`` and ``codes``
     (packed where ``packed``) and, with ``residual`` (the chunks' residual, ``values`` then
@@ -167,7 +195,7 @@ def redone(redo, n: int, width: int, levels: int, params, codes, packed: bool, v
             xs = xs + residual[part]
         count = part.stop - part.start
         out = np.empty(count, np.uint8) if packed else codes[part]
-        _quantize_blocked(xs, params[:, c0:c1], out, width, levels, reference)
+        _quantize_blocked(xs, params[:, c0:c1], out, width, levels, reference, zero)
         if residual is not None:
             own = np.zeros_like(xs)
             dequantize(own, params[:, c0:c1], out, width, add=True)
@@ -180,22 +208,29 @@ def redone(redo, n: int, width: int, levels: int, params, codes, packed: bool, v
             pack4(padded, codes[part.start // 2:part.start // 2 + padded.shape[0] // 2])
 
 
-def _quantize_blocked(x, params, codes, width, levels, reference=False):
+def _quantize_blocked(x, params, codes, width, levels, reference=False, zero=False):
+    """NumPy's kernels; ``zero``: the grid holding zero, whose codes may need the clip (the
+    reference sequence)."""
     scratch = np.empty(min(_BLOCK, x.shape[0]), np.float32)
     whole_chunks = width <= _BLOCK  # else each chunk's parameters come first, in one pass
     if not whole_chunks:
         for c, start in enumerate(range(0, x.shape[0], width)):
             part = x[start:start + width]
             lo, hi = part.min(keepdims=True), part.max(keepdims=True)
-            params[0, c:c + 1] = lo
-            params[1, c:c + 1] = _scale(np, lo, hi, levels)
+            if zero:
+                params[:, c:c + 1] = _zero_grid(np, lo, hi, levels)
+            else:
+                params[0, c:c + 1] = lo
+                params[1, c:c + 1] = _scale(np, lo, hi, levels)
     for start, stop, chunks in _pieces(x.shape[0], width):
         k = chunks.stop - chunks.start
         part, out = x[start:stop].reshape(k, -1), codes[start:stop].reshape(k, -1)
-        if whole_chunks:
+        if whole_chunks and zero:
+            params[:, chunks] = _zero_grid(np, part.min(axis=1), part.max(axis=1), levels)
+        elif whole_chunks:
             params[0, chunks] = part.min(axis=1)
             params[1, chunks] = _scale(np, params[0, chunks], part.max(axis=1), levels)
-        _encode_block(part, out, params[0, chunks], params[1, chunks], scratch, levels, reference)
+        _encode_block(part, out, params[0, chunks], params[1, chunks], scratch, levels, reference or zero)
 
 
 def _encode_block(part, out, lo, scale, scratch, levels, reference=False):

@@ -7,7 +7,9 @@ codes returns it; every rank, the owner included, decodes the same codes, so rep
 bit-identical (``Codec`` two-stage runner). Bytes per rank: ``2(N-1)/N`` of the message, i.e.
 about ``2(N-1)/N * (bits/32 + 1/256)`` of the float32 bucket, where the allgathered quantizers
 send ``(N-1)`` messages. Wrapped in ``ErrorFeedback`` (the registered ``int8``, ``int4``), both
-stages keep their rounding error and send it with the next step.
+stages keep their rounding error and send it with the next step. ``exact_zero`` puts zero on
+each chunk's grid (``kernels._zero_grid``; the registered ``int4`` does), so small values go as
+exact zeros while their error builds up, instead of as rounding noise every step.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 
 from ...arrays import Array, DTypeLike, zero_non_finite
 from ...comm import Workspace
-from ...params import check_choice
+from ...params import check_bool, check_choice
 from ..codec import Codec
 from .allgather import chunk_error_bound
 from .kernels import _compiled, _half_kind, chunk_count, dequantize, pack4, quantize, quantize_compiled, redone, unpack4
@@ -28,22 +30,24 @@ CHUNK = 512
 class QuantizedAllreduce(Codec):
     """Two-stage allreduce of ``bits``-bit (8 or 4) codes per ``chunk``-value chunk (512 by
     default; a power of two from 64 to 4096: smaller chunks follow heavy-tailed gradients more
-    closely for 8 more bytes each; see the module)."""
+    closely for 8 more bytes each); ``exact_zero``: a grid that holds zero (see the module)."""
 
     collective = "two-stage"
     nan_effect = "chunk"
     independent_chunks = True
     half_input = True
 
-    def __init__(self, bits: int = 8, chunk: int = CHUNK):
+    def __init__(self, bits: int = 8, chunk: int = CHUNK, exact_zero: bool = False):
         super().__init__()
         self.bits = int(check_choice("bits", bits, (8, 4)))
         self.chunk = int(check_choice("chunk", chunk, tuple(1 << k for k in range(6, 13))))
+        self.exact_zero = check_bool("exact_zero", exact_zero)
         self.levels = (1 << self.bits) - 1
 
     def config(self) -> dict[str, Any]:
-        # the chunk only when not the default: checkpoints saved before it existed still load
-        return {"bits": self.bits, **({"chunk": self.chunk} if self.chunk != CHUNK else {})}
+        # chunk and exact_zero only when not the default: checkpoints saved before they existed still load
+        return {"bits": self.bits, **({"chunk": self.chunk} if self.chunk != CHUNK else {}),
+                **({"exact_zero": True} if self.exact_zero else {})}
 
     def message_size(self, n: int) -> int:
         return 8 * chunk_count(n, self.chunk) + -(-n * self.bits // 8)
@@ -57,15 +61,15 @@ class QuantizedAllreduce(Codec):
         jit = self._jit(x, params)
         if jit is not None:
             quantize_compiled(jit, x, params, packed, self.chunk, self.levels, self.bits == 4,
-                              self._ctmp(workspace, x))
+                              self._ctmp(workspace, x), self.exact_zero)
             return
         if self.bits == 8:
-            quantize(x, params, packed, self.chunk, self.levels)
+            quantize(x, params, packed, self.chunk, self.levels, self.exact_zero)
             return
         n = x.shape[0]
         codes = workspace.array(self, "codes", n + n % 2, np.uint8, like=x)
         codes[n:] = 0
-        quantize(x, params, codes[:n], self.chunk, self.levels)
+        quantize(x, params, codes[:n], self.chunk, self.levels, self.exact_zero)
         pack4(codes, packed)
 
     def _jit(self, *arrays: Array):
@@ -99,10 +103,10 @@ class QuantizedAllreduce(Codec):
         kernel = jit.quantize_feedback_chunks if residual.dtype == np.float32 else jit.quantize64_feedback_chunks
         g = x if half is None else x.view(np.uint16)
         if kernel(g, residual, self.chunk, self.levels, params, packed, redo, tmp, tmp_bits, self.bits == 4,
-                  self._ctmp(workspace, x), half == "bfloat16"):
+                  self._ctmp(workspace, x), half == "bfloat16", self.exact_zero):
             # non-finite or tied chunks: NumPy's sequence, same bits
             redone(redo, n, self.chunk, self.levels, params, packed, self.bits == 4,
-                   lambda part: x[part].astype(residual.dtype), residual)
+                   lambda part: x[part].astype(residual.dtype), residual, self.exact_zero)
         return True
 
     def average_with_feedback(self, rows: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
@@ -129,9 +133,9 @@ class QuantizedAllreduce(Codec):
         kernel = jit.quantize_owner_chunks if like.dtype == np.float32 else jit.quantize64_owner_chunks
         e = residual if residual is not None else tmp
         if kernel(rows, rows.view(np.float32), chunks, self.chunk, self.levels, self.bits == 4, residual is not None,
-                  e, params, packed, redo, tmp, tmp_bits, self._ctmp(workspace, like)):
+                  e, params, packed, redo, tmp, tmp_bits, self._ctmp(workspace, like), self.exact_zero):
             redone(redo, n, self.chunk, self.levels, params, packed, self.bits == 4,
-                   lambda part: self._mean(rows, part, like.dtype, workspace), residual)
+                   lambda part: self._mean(rows, part, like.dtype, workspace), residual, self.exact_zero)
         return True
 
     def _mean(self, rows: Array, part: slice, dtype: np.dtype, workspace: Workspace) -> Array:
@@ -167,10 +171,11 @@ class QuantizedAllreduce(Codec):
     def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray:
         """Stage 1: each rank's codes are within half its chunk step; stage 2: the mean is
         requantized, within half the step of the mean's chunk range (plus float32 rounding)."""
-        first = chunk_error_bound(inputs, self.chunk, self.levels, dtype)
+        first = chunk_error_bound(inputs, self.chunk, self.levels, dtype, self.exact_zero)
         mean = inputs.mean(axis=0, keepdims=True)
         spread = first.max(initial=0.0)  # the decoded mean moves by up to the first error
-        second = chunk_error_bound(mean, self.chunk, self.levels, dtype) + 2 * spread / self.levels
+        second = (chunk_error_bound(mean, self.chunk, self.levels, dtype, self.exact_zero)
+                  + 2 * spread / (self.levels - self.exact_zero))
         return first + second
 
 
