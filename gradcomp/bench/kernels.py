@@ -50,8 +50,8 @@ def _methods() -> dict[str, Callable[[], Any]]:
         "quantize-channel": QuantizePerChannel,
         "int8": lambda: ef(gc.QuantizedAllreduce(bits=8)),
         "int8-noef": lambda: gc.QuantizedAllreduce(bits=8),
-        "int4": lambda: ef(gc.QuantizedAllreduce(bits=4)),
-        "int4-noef": lambda: gc.QuantizedAllreduce(bits=4),
+        "int4": lambda: ef(gc.QuantizedAllreduce(bits=4, exact_zero=True)),  # as registered
+        "int4-noef": lambda: gc.QuantizedAllreduce(bits=4, exact_zero=True),
         "onebit": lambda: ef(gc.OneBit()),
         "onebit-worker": lambda: ef(gc.OneBit(), owner_feedback=False),
         "onebit-noef": gc.OneBit,
