@@ -29,7 +29,7 @@ def _Plan(shapes, numel, rank, rate, batched, batch_same_shape):
     """A plan with positional keys, as a bucket without keys gets."""
     return Plan(shapes, [f"0.{i}" for i in range(len(shapes))], numel, rank, rate, batched,
                 batch_same_shape)
-from tests.mpi_launch import run_ranks
+from tests.mpi_launch import leave_before_torch_teardown, run_ranks
 
 # One "model": two buckets per step, like DDP (bucket 1 first, bucket 0 last).
 LAYOUT_A = [(24, 16), (24,), (8, 4, 3, 3), (10, 3), (6, 5, 4), (8,)]  # (10, 3) stays uncompressed
@@ -137,21 +137,9 @@ def rank_torch_parity(configs, steps):
         if comm.rank == 0:
             print(f"parity {cfg} fp16={fp16}: worst relative difference {worst:.2e}", flush=True)
     assert dist.is_initialized()
-    leave_before_torch_teardown(comm)
+    leave_before_torch_teardown(comm)  # (tests.mpi_launch)
 
 
-def leave_before_torch_teardown(comm):
-    """End the rank now that every check passed. PyTorch 2.13 sometimes aborts in
-    destroy_process_group() or at interpreter exit after powerSGD_hook ran on gloo ("terminate
-    called ... Resource deadlock avoided": a thread joining itself; seen in about 1 run in 10-20,
-    also in a script without gradcomp or MPI). Finalize MPI properly, then skip that teardown."""
-    from mpi4py import MPI
-
-    comm.close()
-    MPI.COMM_WORLD.Barrier()
-    sys.stdout.flush()
-    MPI.Finalize()
-    os._exit(0)
 
 
 PARITY_CONFIGS = [

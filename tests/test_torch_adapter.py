@@ -28,7 +28,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.mpi_launch import run_ranks
+from tests.mpi_launch import leave_before_torch_teardown, run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
 
@@ -154,6 +154,14 @@ def env() -> _Env:
     if _ENV is None:
         _ENV = _Env()
     return _ENV
+
+
+def after_rank_success():
+    """``tests.mpi_launch`` calls this once a rank function of this module returned: a job that
+    built the environment leaves past torch's gloo teardown, which sometimes aborts a clean run
+    (``leave_before_torch_teardown``)."""
+    if _ENV is not None:
+        leave_before_torch_teardown(_ENV.mpi, _ENV.tcomm)
 
 
 def assert_bitwise(a_runs, b_runs, what):
