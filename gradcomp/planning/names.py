@@ -43,9 +43,9 @@ def int4(warmup: int = 0, feedback: str = "both", chunk: int = CHUNK, exact_zero
     values set, so most values are within a step of zero. With zero on the grid they go out as
     exact zeros until their residual reaches a step; on the min-max grid (``exact_zero=False``,
     the earlier definition) each went out as a rounding error every step (noise that, we think,
-    inflates Adam's second moment): on the transformer LM +0.55% from exact averaging (worst seed
-    +0.92%) against +1.14% (+1.60%), 3 seeds of 1000 steps (BENCHMARKS.md section 6), for the
-    same bytes. ``int4:chunk=128`` rounds finer for 9% more bytes and 1.5x the compute, and did
+    inflates Adam's second moment): on the transformer LM +0.54% from exact averaging (worst seed
+    +0.92%) against +1.14% (+1.60%) after 1000 steps, 3 seeds, for the same bytes; after 3000 both
+    end about +0.9% (BENCHMARKS.md section 6): it gets there sooner, not further. ``int4:chunk=128`` rounds finer for 9% more bytes and 1.5x the compute, and did
     not reliably train better."""
     return _quantized("int4", 4, warmup, feedback, chunk, exact_zero, True)
 

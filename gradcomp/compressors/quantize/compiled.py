@@ -154,7 +154,9 @@ def _keys(xs, n):
 @njit(inline="always")
 def _zero_grid32(lo, hi, top):
     """``kernels._zero_grid`` of one chunk: (offset, scale) of ``top - 1`` steps across the range
-    widened to hold 0, the offset a whole number of steps below it; the same float32 operations."""
+    widened to hold 0, the offset a whole number of steps below it; the same float32 operations.
+    Either zero becomes +0, so an extreme held as both zeros is no tie here; a non-finite chunk
+    is left to NumPy, which writes its canonical NaN pair."""
     zero = np.float32(0.0)
     lo = zero if lo >= zero else lo
     hi = zero if hi <= zero else hi
@@ -178,8 +180,8 @@ def _range_of(kmin, kmax, top, bs, zero):
         scale = (hi - lo) / top
     inv = np.float32(1.0) / (scale if scale > np.float32(0.0) else np.float32(1.0))
     bad = not (kmax < _INF_KEY and kmin > _NEG_INF_KEY and np.isfinite(scale) and np.isfinite(inv))
-    if not bad and (kmin == np.int32(-1) or kmax == np.int32(0)):
-        bad = _has_both_zeros(bs)
+    if not bad and not zero and (kmin == np.int32(-1) or kmax == np.int32(0)):
+        bad = _has_both_zeros(bs)  # (the zero grid makes either zero +0: no tie to redo)
     return lo, scale, inv, bad
 
 
@@ -659,7 +661,7 @@ def _chunk_range64(xs, bs, top, wide, zero):
         inv = np.float32(1.0) / (scale if scale > np.float32(0.0) else np.float32(1.0))
         if not (np.isfinite(lo) and np.isfinite(scale) and np.isfinite(inv)):
             mark = REDO_BAD
-        elif (kmin == np.int64(-1) or kmax == np.int64(0)) and _has_both_zeros64(bs):
+        elif not zero and (kmin == np.int64(-1) or kmax == np.int64(0)) and _has_both_zeros64(bs):
             mark = REDO_TIE
     return lo, scale, inv, mark
 
