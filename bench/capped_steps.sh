@@ -19,6 +19,8 @@
 #   at once, round-robin, needs over 24 GiB at 4 ranks and was OOM-killed here; or round-robin:
 #   one timed step of each method in turn, fairer under changing load, for a few methods) override the worker's defaults; METHODS takes compressor specs
 #   (powersgd:rank=4,start_iter=2), torch-* hooks, gloo-SPEC, all (see gradcomp.bench.methods).
+#   BUCKET_VIEW=off: the ddp path's DDP with gradient_as_bucket_view=False (DDP's default; the
+#   worker's default, on, is what the README writes).
 #   MODEL=bert-base runs BERT-base's parameter shapes instead (give it its own OUT folder).
 #   MPICH_RING=1 adds, per RATE, an explicit comparison run with MPICH's ring allreduce selected
 #   (MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=ring, not a default: capped.sh sets no MPICH algorithm
@@ -45,7 +47,8 @@ worker() {  # worker RATE PATH OUTFILE [extra worker options...]
     shift 3
     "$HERE/capped.sh" "$rate" "$NRANKS" "$PY" -m gradcomp.bench.worker --path "$path" \
         --model "${MODEL:-resnet50}" --repeats "${REPEATS:-5}" --warmup "${WARMUP:-3}" \
-        --order "${ORDER:-blocks}" --reducer-arrays "${REDUCER_ARRAYS:-views}" --out "$out" "$@"
+        --order "${ORDER:-blocks}" --reducer-arrays "${REDUCER_ARRAYS:-views}" \
+        --bucket-view "${BUCKET_VIEW:-on}" --out "$out" "$@"
 }
 for rate in $RATES; do
     for path in $PATHS; do

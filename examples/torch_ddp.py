@@ -94,7 +94,8 @@ def train(compressor: str, epochs: int = 30, per_rank_batch: int = 32, lr: float
     launch = launch or gt.init_process_group()
     x_train, y_train, x_test, y_test = (t.to(launch.device) for t in digits(seed=seed))
     torch.manual_seed(seed)
-    model = DistributedDataParallel(DigitsCNN().to(launch.device), bucket_cap_mb=bucket_cap_mb)
+    model = DistributedDataParallel(DigitsCNN().to(launch.device), bucket_cap_mb=bucket_cap_mb,
+                                    gradient_as_bucket_view=True)
     name, options = parse_spec(optimizer)
     if name == "sgd":
         state = None if compressor == "none" else gt.register(model, gradcomp.make(compressor), make_comm(comm))

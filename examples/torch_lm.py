@@ -179,7 +179,7 @@ def train(args) -> dict:
                                generator=torch.Generator().manual_seed(12345))
     torch.manual_seed(args.seed)
     net = TinyLM(args.layers, args.d_model, args.heads, args.context).to(device)
-    model = DistributedDataParallel(net, bucket_cap_mb=args.bucket_cap_mb)
+    model = DistributedDataParallel(net, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True)
     state = None if args.compressor == "none" else gt.register(model, gradcomp.make(args.compressor))
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() != 2]

@@ -346,6 +346,7 @@ def test_worker_measures_each_path(tmp_path, path):
     assert by["fp16"]["time_vs_same_method"] > 0 and by["allreduce"]["time_vs_allreduce"] == 1.0
     if path == "ddp":
         assert data["compute_s"] > 0 and by["backward"]["kind"] == "baseline"
+        assert data["bucket_view"] == "on"  # gradient_as_bucket_view=True, as the README writes it
         # DDP's built-in allreduce (gloo) and gradcomp's (MPI) sum in different orders: equal to
         # fp32 rounding; PyTorch's allreduce_hook runs the very same gloo allreduce
         assert by["allreduce"]["rel_diff_vs_ddp"] < 1e-6

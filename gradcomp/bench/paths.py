@@ -353,7 +353,8 @@ class DDPPath:
     def ddp(self) -> Any:
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(self.module(), bucket_cap_mb=self.args.bucket_mb)
+        return DistributedDataParallel(self.module(), bucket_cap_mb=self.args.bucket_mb,
+                                       gradient_as_bucket_view=self.args.bucket_view == "on")
 
     def baselines(self) -> list[_Case]:
         return [_Backward(self), _DDPCase(self, None)]

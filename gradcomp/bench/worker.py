@@ -13,7 +13,8 @@ one bucket at a time (their callback-launched rounds would otherwise interleave 
 different ranks). Baseline row ``memcpy``: the refill itself.
 
 ``ddp``: the DDP hook path. Every method gets its own ``torch.nn.parallel.DistributedDataParallel``
-(gloo, CPU, ``bucket_cap_mb``, DDP's other defaults) over a module holding ``nn.Parameter``s of the
+(gloo, CPU, ``bucket_cap_mb``, ``gradient_as_bucket_view=True`` as the README writes it
+(``--bucket-view off``: DDP's default), DDP's other defaults) over a module holding ``nn.Parameter``s of the
 model's shapes (the parameter storage is shared by all models; DDP's buckets are each model's own).
 Its backward is synthetic and cheap, the same work for every method: a custom autograd function
 hands back, as each parameter's gradient, a tensor over the rank's fixed heavy-tailed gradient
@@ -309,6 +310,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                ranks_per_host=int(os.environ.get("GRADCOMP_RANKS_PER_HOST", "1") or 1),
                settings=_settings(), tag=args.tag or "", reducer_arrays=args.reducer_arrays,
                backward=args.backward if args.path == "ddp" else None,
+               bucket_view=args.bucket_view if args.path == "ddp" else None,
                results=_with_ratios(results, n, size, len(os.sched_getaffinity(0))))
     if "backward" in by and "time_s" in by["backward"]:
         job["compute_s"] = by["backward"]["time_s"]
@@ -396,6 +398,10 @@ def parser() -> argparse.ArgumentParser:
                         "allocations are DDP's and the hook's), or clones them every step "
                         "(fresh: a new 4-bytes-per-parameter gradient each step, as a real "
                         "backward allocates, with its page faults and memory traffic)")
+    p.add_argument("--bucket-view", choices=("on", "off"), default="on",
+                   help="ddp path: DistributedDataParallel(gradient_as_bucket_view=...), on as the "
+                        "README writes it (gradients are views into DDP's buckets: one copy of "
+                        "every gradient a step fewer); off is DDP's default")
     p.add_argument("--tag", default="", help="append ' (TAG)' to every method name in the results "
                    "(a run under a non-default setting, e.g. 'MPICH ring, tuned')")
     p.add_argument("--out", required=True, help="JSON file rank 0 writes")
