@@ -493,11 +493,41 @@ def rank_units():
     # gloo collectives on a 2-rank job are checked by the DDP tests; the hook also accepts names
     _, params, state = e.train(e.hook("allreduce", None), iters=2)
     assert isinstance(state.comm, gc.MPICommunicator), "under mpiexec the default transport is MPI"
+    _check_adam_advice(e)
     # the example's training function end to end (two epochs, one rank)
     from examples.torch_ddp import train
 
     result = train("fp16", epochs=2, launch=e.launch)
     assert result["test_accuracy"] > 80, result
+
+
+def _check_adam_advice(e):
+    """A code that sends part of each gradient warns at an Adam-like optimizer's first step over
+    its model, once; int8 under AdamW and topk under SGD do not."""
+    import warnings
+
+    torch = e.torch
+
+    def steps(method, make_opt, n=2):
+        model = torch.nn.parallel.DistributedDataParallel(e.fresh_model(), bucket_cap_mb=BUCKET_CAP_MB)
+        e.gt.register(model, method, e.mpi)
+        opt = make_opt(model)
+        x, y = e.batch(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(n):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        return [str(w.message) for w in caught if "OneBitAdam" in str(w.message)]
+
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)  # noqa: E731
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    for method in ("topk", "onebit", "fp16-powersgd"):
+        said = steps(method, adamw)
+        assert len(said) == 1 and "AdamW" in said[0] and e.gc.make(method).describe() in said[0], (method, said)
+    assert steps("int8", adamw) == [] and steps("topk", sgd) == []
+    assert steps("topk", lambda m: torch.optim.Adam(m.parameters()), n=1) != [], "a new model, a new warning"
 
 
 def rank_torch_collectives():

@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -72,6 +72,11 @@ class Compressor:
     watched: bool = True
     #: what the divergence guard's warning tells a user to do; an optimizer's exchange says its own
     runaway_advice: str = ADVICE
+    #: whether the method sends only a sparse, low-rank or sign-only part of each gradient. Adam(W)
+    #: steps every coordinate by about the same size, so at the gradient such a code delays most of
+    #: the update (the LM of BENCHMARKS.md section 6: +9% to +51% under AdamW); the torch adapter
+    #: then points Adam users to ``OneBitAdam``, which compresses the momentum instead
+    partial_update: bool = False
 
     def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray | None:
         """Largest allowed ``|result - mean|`` per element of one step, given every rank's input
@@ -284,6 +289,19 @@ class Compressor:
         for key, value in self.__getstate__().items():
             setattr(clone, key, copy.deepcopy(value, memo))
         return clone
+
+
+def parts(compressor: Compressor) -> Iterator[Compressor]:
+    """``compressor`` and every compressor its configuration holds (a wrapper's inner method, a
+    schedule's stages), depth first."""
+    yield compressor
+    pending: list[Any] = list(compressor.config().values())
+    while pending:
+        v = pending.pop()
+        if isinstance(v, Compressor):
+            yield from parts(v)
+        elif isinstance(v, (list, tuple)):
+            pending.extend(v)
 
 
 def _wrap_device(device: Any, fn: Callable[..., Any]) -> Callable[..., Any]:

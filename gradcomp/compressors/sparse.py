@@ -62,6 +62,7 @@ class TopK(Codec):
 
     collective = "allgather"
     nan_effect = "element"
+    partial_update = True
     relative_error_limit = 0.95  # without error feedback: the top 1% of a heavy-tailed signal
 
     def __init__(self, ratio: float = 0.01):
@@ -214,6 +215,7 @@ class RandomK(Codec):
     the values), so a loss scaler notices even when the coordinate was not drawn."""
 
     collective = "allreduce"
+    partial_update = True
     message_dtype = None
     nan_effect = "bucket"
     relative_error_limit = 1.0  # without error feedback it drops 1 - ratio of every step

@@ -170,6 +170,7 @@ class PowerSGD(Compressor):
         return self._step
 
     nan_effect = "tensor"
+    partial_update = True
     relative_error_limit = 0.5  # one power iteration on a low-rank signal (no error feedback)
 
     @property

@@ -37,6 +37,7 @@ from ..bucket import Bucket
 from ..comm import Communicator, launched_by_mpi
 from ..compressors import Compressor, make
 from ..planning.cost import scheduled
+from . import advice
 from .checkpoint import from_torch_state, to_torch_state
 from .sparse import reduce_sparse
 from .tensors import as_array, wait_for_torch
@@ -210,7 +211,9 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
     wrapper).
 
     Returns the hook state: ``state.compressor.stats()`` holds the traffic figures, and
-    ``state.state_dict()`` / ``load_state_dict()`` checkpoint the compressor.
+    ``state.state_dict()`` / ``load_state_dict()`` checkpoint the compressor. A method that sends
+    only part of each gradient (onebit, topk, randomk, PowerSGD) warns once at the first step of an
+    Adam-like optimizer over the model, pointing to ``OneBitAdam`` (``gradcomp.torch.advice``).
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -237,6 +240,8 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
     state.names = {id(p): name for name, p in named}
     state.shapes = {name: tuple(p.shape) if p.dim() else (1,) for name, p in named}
     ddp_model.register_comm_hook(state, hook)
+    if advice.sends_part(state.compressor):
+        advice.watch(state, state.compressor, ddp_model.module.parameters())
     return state
 
 

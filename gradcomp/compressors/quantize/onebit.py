@@ -32,6 +32,7 @@ class OneBit(Codec):
     nan_effect = "chunk"
     independent_chunks = True
     half_input = True
+    partial_update = True
     relative_error_limit = 0.95  # without error feedback, on the kit's structured signal
 
     def message_size(self, n: int) -> int:

@@ -1,0 +1,74 @@
+"""One warning for a measured mistake: a sparse, low-rank or 1-bit code at the DDP hook under Adam.
+
+Adam(W) divides each coordinate's momentum by its own running magnitude, so every coordinate
+steps by about the same size. A code that sends only part of each gradient (``partial_update``:
+onebit, topk, randomk, PowerSGD) leaves most coordinates' updates waiting in its residual, which
+cost the transformer LM of BENCHMARKS.md section 6 +9% to +51% of validation loss after 1000 AdamW
+steps, against +0.5% for int4 at the hook and -0.01% for ``OneBitAdam``, which compresses Adam's
+momentum instead. The hook cannot see the optimizer, so ``register`` asks torch to call
+``_before_step`` before any optimizer's step: the first step of an Adam-like optimizer (one whose
+parameter groups have ``betas``; gradcomp's own optimizers excepted) over a watched model's
+parameters warns once, on every rank (each steps its own optimizer). The result is not changed.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..compressors.base import parts
+
+if TYPE_CHECKING:
+    from ..compressors import Compressor
+
+_WATCHED: weakref.WeakKeyDictionary[Any, tuple[str, set[int]]] = weakref.WeakKeyDictionary()
+_SEEN: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_HANDLE: Any = None
+
+
+def sends_part(compressor: Compressor) -> bool:
+    """Whether ``compressor`` (or a method it wraps or schedules) sends only part of a gradient."""
+    return any(p.partial_update for p in parts(compressor))
+
+
+def watch(state: Any, compressor: Compressor, parameters: Iterable[torch.nn.Parameter]) -> None:
+    """Warn at the first step of an Adam-like optimizer over ``parameters`` (see the module),
+    for as long as ``state`` (the hook's state) lives."""
+    global _HANDLE
+    _WATCHED[state] = (compressor.describe(), {id(p) for p in parameters})
+    if _HANDLE is None:
+        _HANDLE = register_optimizer_step_pre_hook(_before_step)
+
+
+def _adam_like(optimizer: torch.optim.Optimizer) -> bool:
+    return (not type(optimizer).__module__.startswith("gradcomp.")
+            and all("betas" in group for group in optimizer.param_groups))
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    global _HANDLE
+    if optimizer in _SEEN:
+        return
+    _SEEN.add(optimizer)
+    if not _adam_like(optimizer):
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for state, (method, ids) in list(_WATCHED.items()):
+        if ids & stepped:
+            del _WATCHED[state]
+            warnings.warn(
+                f"gradcomp: the DDP hook runs {method}, which sends a sparse, low-rank or 1-bit part "
+                f"of each gradient, and {type(optimizer).__name__} steps every coordinate by about "
+                "the same size, so most of each update waits in the residual (on the transformer LM "
+                "of BENCHMARKS.md section 6 these hooks ended 9-51% above exact averaging under "
+                "AdamW). For Adam(W), let the optimizer compress its momentum: "
+                "gradcomp.torch.OneBitAdam(model.parameters(), ..., model=model), with "
+                "compressor='topk:stages=2,ratio=0.02' or 'fp16-powersgd:rank=8,factor_bits=8' for "
+                "a sparse or low-rank exchange; or int8 / int4 at the hook",
+                RuntimeWarning, stacklevel=3)
+    if not _WATCHED and _HANDLE is not None:
+        _HANDLE.remove()
+        _HANDLE = None
