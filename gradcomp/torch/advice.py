@@ -12,6 +12,8 @@ parameters warns once, on every rank (each steps its own optimizer). The result 
 """
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable
@@ -48,6 +50,16 @@ def _adam_like(optimizer: torch.optim.Optimizer) -> bool:
             and all("betas" in group for group in optimizer.param_groups))
 
 
+def _user_level() -> int:
+    """``stacklevel`` of the first caller outside torch and gradcomp (the user's ``opt.step()``),
+    counted from ``_before_step``."""
+    inside = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     global _HANDLE
     if optimizer in _SEEN:
@@ -68,7 +80,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                 "gradcomp.torch.OneBitAdam(model.parameters(), ..., model=model), with "
                 "compressor='topk:stages=2,ratio=0.02' or 'fp16-powersgd:rank=8,factor_bits=8' for "
                 "a sparse or low-rank exchange; or int8 / int4 at the hook",
-                RuntimeWarning, stacklevel=3)
+                RuntimeWarning, stacklevel=_user_level())
     if not _WATCHED and _HANDLE is not None:
         _HANDLE.remove()
         _HANDLE = None
