@@ -89,3 +89,25 @@ def test_pipeline_model():
     # a long local stage waits for the bucket depth + 1 before it to finish
     assert pipelined([(1.0, 1.0, 1.0), (0.0, 0.0, 5.0), (1.0, 1.0, 1.0)], depth=0) == pytest.approx(7.0)
     assert pipelined([(1.0, 1.0, 1.0), (0.0, 0.0, 5.0), (1.0, 1.0, 1.0)], depth=1) == pytest.approx(6.0)
+
+
+def test_compute_timed_on_the_bucket_layout():
+    """The compute table is timed on the first bucket's layout, out of the caches: its shapes
+    repeated up to ``TIMED_MIN`` values or cut at ``TIMED_MAX`` (rows off a large matrix), so
+    PowerSGD is timed on matrices it compresses, past its exact warm-up steps. On a flat vector
+    (what the timing used before) it sends the vector as it is: nothing to compute on one rank."""
+    import math
+
+    from gradcomp.planning.auto import TIMED_MAX, TIMED_MIN, _time_candidates, _timed_shapes
+
+    small = _timed_shapes([(64, 32), (32,)])
+    assert small[:4] == [(64, 32), (32,), (64, 32), (32,)]
+    assert TIMED_MIN <= sum(math.prod(s) for s in small) < TIMED_MIN + 64 * 32 + 32
+    assert _timed_shapes([(30522, 768)]) == [(TIMED_MAX // 768, 768)]
+    assert _timed_shapes([(3, 4), (TIMED_MAX, 2)]) == [(3, 4), ((TIMED_MAX - 12) // 2, 2)]
+    assert _timed_shapes([(0, 5)]) == [(TIMED_MIN,)]
+    layout = _timed_shapes([(1024, 1024), (1024,)], lo=1 << 21)
+    on_matrices, _ = _time_candidates(["powersgd"], layout, repeats=2)
+    on_a_vector, _ = _time_candidates(["powersgd"], [(sum(math.prod(s) for s in layout),)], repeats=2)
+    # rank-4 power iterations and orthogonalization against a copy: about ten times apart here
+    assert on_matrices["powersgd"] > 3 * on_a_vector["powersgd"], (on_matrices, on_a_vector)

@@ -7,8 +7,9 @@ what the method's compute costs here. ``Auto`` measures all three once:
 * **the link**: timed allreduces of a few sizes, up to the first bucket's, on the real
   communicator; every rank's times are gathered and the slowest taken, so every rank fits the
   same latency and bandwidth (the alpha-beta model of ``cost``);
-* **the compute**: each candidate's whole reduction of a bucket of the first bucket's size (4 to
-  32 MiB: out of the caches, as real buckets are) on a one-rank communicator (the kernel cost
+* **the compute**: each candidate's whole reduction of a bucket of the first bucket's layout (its
+  tensors' shapes, repeated or cut to 4-32 MiB: out of the caches, as real buckets are; PowerSGD's
+  cost is its matrices') on a one-rank communicator (the kernel cost
   without a peer), and the share of it in its local stage, timed on rank 0
   while the others wait; or a table loaded from a JSON file (``table=``: ``{"int8": seconds per
   float32 byte, ...}``, or ``[seconds, share]`` pairs; e.g. from ``gradcomp.bench.kernels``);
@@ -38,6 +39,7 @@ says, per bucket, what was chosen, the predicted seconds of every candidate, and
 from __future__ import annotations
 
 import json
+import math
 import time
 import weakref
 from dataclasses import dataclass
@@ -60,9 +62,9 @@ PROBE_SIZES = (1024, 65536, 1048576)
 PROBE_REPEATS = 3
 #: a candidate wins only by more than this fraction (else the earlier, less compressed one)
 TIE = 0.02
-#: the compute is timed on a bucket of the first bucket's size, within these bounds (float32
-#: values): a bucket that fits in the caches would time a memory-bound method (fp16's casts) at
-#: cache speed, several times faster than on a real bucket
+#: the compute is timed on a bucket of the first bucket's layout, within these bounds (float32
+#: values; ``_timed_shapes``): a bucket that fits in the caches would time a memory-bound method
+#: (fp16's casts) at cache speed, several times faster than on a real bucket
 TIMED_MIN, TIMED_MAX = 1 << 20, 1 << 23
 #: candidates are ranked by their time per bucket in a pipeline of this many buckets like it
 #: (``cost.pipelined``): a local stage that overlaps the previous bucket's exchange is worth less
@@ -112,12 +114,14 @@ class Auto(Compressor):
         return max(c.warmup_steps for c in self.candidates)
 
     # -- measurement ---------------------------------------------------------------------------
-    def measure(self, comm: Communicator, numel: int = PROBE_SIZES[-1]) -> dict[str, Any]:
+    def measure(self, comm: Communicator, numel: int = PROBE_SIZES[-1],
+                shapes: Sequence[tuple[int, ...]] | None = None) -> dict[str, Any]:
         """The link, the compute table and the topology, agreed by every rank (collective). Kept
         per communicator and candidate list: every ``auto`` of a job sees the same numbers, so
         equal layouts get equal choices. ``numel``: the largest probe (the first bucket's size:
-        how fast large messages move depends on their size, through shared memory most). The
-        compute is timed on rank 0 alone, while the others wait: timed on every rank at once, the
+        how fast large messages move depends on their size, through shared memory most);
+        ``shapes``: its tensors' shapes, the layout the compute is timed on (PowerSGD's cost is
+        its matrices'; a flat vector it sends as it is). The compute is timed on rank 0 alone, while the others wait: timed on every rank at once, the
         ranks sharing a core would slow each other, and the model multiplies by that sharing
         (``cost.Cluster.contention``) itself."""
         key = (self.allowed, self.table)
@@ -129,7 +133,7 @@ class Auto(Compressor):
         if self.table:
             compute, shares = _load_table(self.table)
         else:
-            timed = min(max(numel, TIMED_MIN), TIMED_MAX)
+            timed = _timed_shapes(shapes or [(numel,)])
             compute, shares = _time_candidates(self.allowed, timed) if comm.rank == 0 else ({}, {})
         names = list(self.allowed)
         worst = np.max(comm.allgather(np.array([[compute.get(n, 0.0) for n in names],
@@ -160,7 +164,7 @@ class Auto(Compressor):
         key = f"{bucket.layout_key():x}"
         if key in self._choices:
             return self._choices[key]
-        m = self._measured if self._measured is not None else self.measure(comm, bucket.numel)
+        m = self._measured if self._measured is not None else self.measure(comm, bucket.numel, bucket.shapes)
         self._measured = m
         hosts, per_host = m["hosts"], m["per_host"]
         # cores_per_host such that per_host / cores_per_host is how many ranks share a core here
@@ -337,10 +341,33 @@ def _probe(comm: Communicator, largest: int = PROBE_SIZES[-1]) -> cost.Link:
     return cost.Link(max(alpha, 0.0), 1.0 / inv_beta if inv_beta > 0 else float("inf"))
 
 
-def _time_candidates(names: Sequence[str], numel: int = 1 << 20, repeats: int = 3
+def _timed_shapes(shapes: Sequence[Sequence[int]], lo: int = TIMED_MIN, hi: int = TIMED_MAX
+                  ) -> list[tuple[int, ...]]:
+    """``shapes`` repeated until they hold ``lo`` values, cut at ``hi`` (a tensor that crosses
+    it keeps its trailing dimensions and loses rows): a bucket of the measured bucket's layout,
+    large enough to be out of the caches."""
+    out: list[tuple[int, ...]] = []
+    total = 0
+    if not any(math.prod(s) for s in shapes):
+        return [(lo,)]
+    while total < lo:
+        for shape in shapes:
+            shape = tuple(int(d) for d in shape)
+            row = math.prod(shape[1:])
+            rows = min(shape[0] if shape else 1, (hi - total) // max(row, 1))
+            if rows <= 0:
+                return out or [(hi,)]
+            out.append((rows, *shape[1:]))
+            total += rows * row
+            if rows < (shape[0] if shape else 1):
+                return out
+    return out
+
+
+def _time_candidates(names: Sequence[str], shapes: Sequence[tuple[int, ...]] = ((1 << 20,),), repeats: int = 3
                      ) -> tuple[dict[str, float], dict[str, float]]:
-    """Seconds per float32 byte of each method's whole reduction of one bucket on one rank, and
-    the share of it in the local stage (``prepare``, which the pipeline overlaps)."""
+    """Seconds per float32 byte of each method's whole reduction of one bucket of ``shapes`` on
+    one rank, and the share of it in the local stage (``prepare``, which the pipeline overlaps)."""
     from mpi4py import MPI
 
     from ..comm.mpi import MPICommunicator
@@ -348,23 +375,28 @@ def _time_candidates(names: Sequence[str], numel: int = 1 << 20, repeats: int = 
     from .names import steady
 
     alone = MPICommunicator(MPI.COMM_SELF, blas_threads=None)
+    numel = sum(math.prod(s) for s in shapes)
     g = np.random.default_rng(0).standard_t(3, numel).astype(np.float32)
     out, shares = {}, {}
     try:
         for name in names:
             comp = make(steady(name))
             best, local, rest = float("inf"), float("inf"), float("inf")
-            for _ in range(repeats + 3):
-                bucket = Bucket(g.copy(), 0, scratch=True)
+            warm = max(3, comp.warmup_steps)
+            for i in range(repeats + warm):
+                bucket = Bucket(g.copy(), 0, shapes, scratch=True)
                 start = time.perf_counter()
                 comp.reduce(bucket, alone).result()
-                best = min(best, time.perf_counter() - start)
-                bucket = Bucket(g.copy(), 0, scratch=True)  # the two stages, timed apart
+                took = time.perf_counter() - start
+                bucket = Bucket(g.copy(), 0, shapes, scratch=True)  # the two stages, timed apart
                 start = time.perf_counter()
                 prepared = comp.prepare(bucket, alone, alone.workspace)
                 middle = time.perf_counter()
                 run_stage(comp, bucket, alone, prepared)
-                local, rest = min(local, middle - start), min(rest, time.perf_counter() - middle)
+                if i >= warm:  # past the compiles, the first allocations and the warm-up steps
+                    # (PowerSGD's start_iter=2: exact, nothing to do on one rank, had timed it at 0.04 ns a byte)
+                    best = min(best, took)
+                    local, rest = min(local, middle - start), min(rest, time.perf_counter() - middle)
             out[name] = best / (4 * numel)
             shares[name] = local / (local + rest) if local + rest > 0 else 0.0
     finally:
