@@ -265,6 +265,9 @@ def test_method_specs_with_commas_and_their_pytorch_twins():
     hier = select("int8,hier-onebit:warmup=0,flat-int8", with_torch=False)
     assert [(m.name, m.spec, m.hierarchical) for m in hier] == [
         ("int8", "int8", None), ("hier-onebit:warmup=0", "onebit:warmup=0", True), ("flat-int8", "int8", False)]
+    quoted = select("int8,auto:allowed='int8,powersgd:start_iter=2'", with_torch=False)
+    assert [m.name for m in quoted] == ["int8", "auto:allowed='int8,powersgd:start_iter=2'"]
+    assert quoted[1].build().allowed == ("int8", "powersgd:start_iter=2")
     everything = [m.name for m in select("everything", with_torch=True)]
     assert "torch-quantize-tensor" in everything
     assert "torch-quantize-tensor" not in [m.name for m in select("all", with_torch=True)]
