@@ -121,9 +121,10 @@ class Auto(Compressor):
         equal layouts get equal choices. ``numel``: the largest probe (the first bucket's size:
         how fast large messages move depends on their size, through shared memory most);
         ``shapes``: its tensors' shapes, the layout the compute is timed on (PowerSGD's cost is
-        its matrices'; a flat vector it sends as it is). The compute is timed on rank 0 alone, while the others wait: timed on every rank at once, the
-        ranks sharing a core would slow each other, and the model multiplies by that sharing
-        (``cost.Cluster.contention``) itself."""
+        its matrices'; a flat vector it sends as it is). The compute is timed on rank 0 alone,
+        while the others wait: timed on every rank at once, the ranks sharing a core would slow
+        each other, and the model multiplies by that sharing (``cost.Cluster.contention``)
+        itself."""
         key = (self.allowed, self.table)
         known = _MEASURED.setdefault(comm, {})
         if key in known:
@@ -364,8 +365,8 @@ def _timed_shapes(shapes: Sequence[Sequence[int]], lo: int = TIMED_MIN, hi: int 
     return out
 
 
-def _time_candidates(names: Sequence[str], shapes: Sequence[tuple[int, ...]] = ((1 << 20,),), repeats: int = 3
-                     ) -> tuple[dict[str, float], dict[str, float]]:
+def _time_candidates(names: Sequence[str], shapes: Sequence[tuple[int, ...]] = ((1 << 20,),),
+                     repeats: int = 3) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds per float32 byte of each method's whole reduction of one bucket of ``shapes`` on
     one rank, and the share of it in the local stage (``prepare``, which the pipeline overlaps)."""
     from mpi4py import MPI
@@ -394,7 +395,8 @@ def _time_candidates(names: Sequence[str], shapes: Sequence[tuple[int, ...]] = (
                 middle = time.perf_counter()
                 run_stage(comp, bucket, alone, prepared)
                 if i >= warm:  # past the compiles, the first allocations and the warm-up steps
-                    # (PowerSGD's start_iter=2: exact, nothing to do on one rank, had timed it at 0.04 ns a byte)
+                    # (PowerSGD's start_iter=2: exact, nothing to do on one rank: had timed it at
+                    # 0.04 ns a byte)
                     best = min(best, took)
                     local, rest = min(local, middle - start), min(rest, time.perf_counter() - middle)
             out[name] = best / (4 * numel)
