@@ -795,29 +795,22 @@ def _element(context, builder, aty, value, index, vector):
     return builder.bitcast(builder.gep(data, [index]), vector.as_pointer())
 
 
-def _abs_lanes_codegen(context, builder, aty, xs, starts, groups, signs=None):
+def _abs_lanes_codegen(context, builder, aty, xs, starts, groups):
     """The float64 eight-lane sums of ``|x|`` of ``groups`` groups of 8 from each index in
     ``starts``, side by side in one loop (one vector of eight float64 lanes per start: lane k adds
     values 8j + k in order, what eight scalar sums do in that order), each reduced in lane order
-    ``((a0 + a1) + a2) ... + a7``. ``signs``: (its type, a uint8 array of a bit per value from
-    ``starts[0]``), given the sign bits of every group as ``_sign_bits`` writes them, from the
-    values already in registers (one pass over the block instead of two)."""
+    ``((a0 + a1) + a2) ... + a7``."""
     v8d = ir.VectorType(ir.DoubleType(), 8)
     src = _float_vector(aty.dtype, 8)
     fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8d, [v8d]), "llvm.fabs.v8f64")
     sums = [cgutils.alloca_once_value(builder, ir.Constant(v8d, [0.0] * 8)) for _ in starts]
     align = 8 if aty.dtype == types.float64 else 4
-    sdata = None if signs is None else context.make_array(signs[0])(context, builder, signs[1]).data
     with cgutils.for_range(builder, groups) as loop:
         base = builder.mul(loop.index, ir.Constant(loop.index.type, 8))
         for start, acc in zip(starts, sums):
             v = builder.load(_element(context, builder, aty, xs, builder.add(start, base), src), align=align)
             wide = v if aty.dtype == types.float64 else builder.fpext(v, v8d)
             builder.store(builder.fadd(builder.load(acc), builder.call(fabs, [wide])), acc)
-            if sdata is not None:  # byte (start - starts[0]) / 8 + j: bit k is value 8j + k, 1 = not negative
-                at = builder.add(builder.udiv(builder.sub(start, starts[0]), ir.Constant(start.type, 8)), loop.index)
-                mask = builder.bitcast(builder.fcmp_ordered(">=", v, ir.Constant(src, [0.0] * 8)), ir.IntType(8))
-                builder.store(mask, builder.gep(sdata, [at]), align=1)
     i32 = ir.IntType(32)
     totals = []
     for acc in sums:
@@ -849,27 +842,24 @@ TOTALS_AT_ONCE = 4
 
 
 @intrinsic
-def _abs_lane_totals(typingctx, xs, stride, groups, out, bits):
+def _abs_lane_totals(typingctx, xs, stride, groups, out):
     """``out[k]`` = ``_abs_lane_total`` of the ``8 * groups`` values of ``xs`` from ``k * stride``,
     for ``k < TOTALS_AT_ONCE``: the same additions in the same order per chunk, the chunks' sums
     interleaved in one loop. One chunk's sum is a chain of dependent additions (each waits for
     the last: the float64 add's latency, not the memory, bounds it); four chunks' chains run side
-    by side. In the same loop, the sign bits of the ``TOTALS_AT_ONCE * stride`` values go into
-    ``bits`` (uint8) as ``_sign_bits`` writes them (``stride`` a multiple of 8)."""
-    if not (_contiguous_floats(xs) and isinstance(out, types.Array) and out.dtype == types.float64
-            and isinstance(bits, types.Array) and bits.dtype == types.uint8):
+    by side."""
+    if not (_contiguous_floats(xs) and isinstance(out, types.Array) and out.dtype == types.float64):
         return None
 
     def codegen(context, builder, signature, args):
         stride = args[1]
         starts = [builder.mul(stride, ir.Constant(stride.type, k)) for k in range(TOTALS_AT_ONCE)]
-        totals = _abs_lanes_codegen(context, builder, signature.args[0], args[0], starts, args[2],
-                                    (signature.args[4], args[4]))
+        totals = _abs_lanes_codegen(context, builder, signature.args[0], args[0], starts, args[2])
         odata = context.make_array(signature.args[3])(context, builder, args[3]).data
         for k, total in enumerate(totals):
             builder.store(total, builder.gep(odata, [ir.Constant(ir.IntType(64), k)]))
         return context.get_dummy_value()
-    return types.none(xs, stride, groups, out, bits), codegen
+    return types.none(xs, stride, groups, out), codegen
 
 
 def _bytes_of(builder, groups):
@@ -970,33 +960,31 @@ def _sign_loops(builder, pairs, odd, groups, put, how, wide, narrow):
 
 
 @njit(inline="always")
-def _onebit_totals(xs, m, width, totals, bits):
+def _onebit_totals(xs, m, width, totals):
     """``totals[j]`` = the float64 sum of ``|x|`` of chunk j of ``xs[:m]`` (chunks of ``width``
     values, the last one possibly shorter; every length a multiple of 8) in the eight-lane order
-    of ``_abs_lane_total``: four full chunks at once, their sign bits into ``bits`` in the same
-    pass (``_abs_lane_totals``), else one by one. Returns the number of chunks and whether
-    the sign bits were written."""
+    of ``_abs_lane_total``: four full chunks at once (``_abs_lane_totals``), else one by one.
+    Returns the number of chunks."""
     k = -(-m // width)
     if k == TOTALS_AT_ONCE and m == TOTALS_AT_ONCE * width:
-        _abs_lane_totals(xs, width, width // 8, totals, bits)
-        return k, True
-    for j in range(k):
-        lo = j * width
-        n = min(width, m - lo)
-        totals[j] = _abs_lane_total(xs[lo:lo + n], n // 8)
-    return k, False
+        _abs_lane_totals(xs, width, width // 8, totals)
+    else:
+        for j in range(k):
+            lo = j * width
+            n = min(width, m - lo)
+            totals[j] = _abs_lane_total(xs[lo:lo + n], n // 8)
+    return k
 
 
 @njit(inline="always")
-def _onebit_chunk(xs, n, total, es, feedback, bs, signed):
+def _onebit_chunk(xs, n, total, es, feedback, bs):
     """Encode the ``n`` values of ``xs`` (a chunk, in the L1 cache; ``n`` a multiple of 8) whose
     magnitudes sum to ``total`` (float64, eight lanes: lane k takes values 8j + k in order, then
     the lanes in order, as ``onebit`` does in NumPy; ``_onebit_totals``): its mean magnitude,
-    its signs packed into ``bs`` (value 8j + k is bit k of byte j, 1 = not negative; already
-    there when ``signed``), and with ``feedback`` ``es = xs - scale * sign``. Returns the scale."""
+    its signs packed into ``bs`` (value 8j + k is bit k of byte j, 1 = not negative), and with
+    ``feedback`` ``es = xs - scale * sign``. Returns the scale."""
     scale = np.float32(total / n)
-    if not signed:
-        _sign_bits(xs, n // 8, bs)
+    _sign_bits(xs, n // 8, bs)
     if feedback:
         neg = -scale
         for i in range(n):
@@ -1039,13 +1027,12 @@ def _onebit_block(xb, m, width, totals, eb, feedback, bits, scales, start, c0):
     ``start`` onwards of the bucket): their magnitude sums side by side, then each chunk's scale,
     sign bits and residual (``_onebit_chunk``). Returns how many scales are not finite."""
     bad = 0
-    k, signed = _onebit_totals(xb, m, width, totals, bits[start // 8:(start + m) // 8])
+    k = _onebit_totals(xb, m, width, totals)
     for j in range(k):
         lo = j * width
         n = min(width, m - lo)
         at = start + lo
-        scale = _onebit_chunk(xb[lo:lo + n], n, totals[j], eb[lo:lo + n], feedback, bits[at // 8:(at + n) // 8],
-                              signed)
+        scale = _onebit_chunk(xb[lo:lo + n], n, totals[j], eb[lo:lo + n], feedback, bits[at // 8:(at + n) // 8])
         scales[c0 + j] = scale
         if not np.isfinite(scale):
             bad += 1
