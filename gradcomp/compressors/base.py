@@ -293,7 +293,7 @@ class Compressor:
 
 def parts(compressor: Compressor) -> Iterator[Compressor]:
     """``compressor`` and every compressor its configuration holds (a wrapper's inner method, a
-    schedule's stages), depth first."""
+    schedule's stages), nested ones included, in no promised order."""
     yield compressor
     pending: list[Any] = list(compressor.config().values())
     while pending:

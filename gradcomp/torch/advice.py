@@ -36,11 +36,13 @@ def sends_part(compressor: Compressor) -> bool:
     return any(p.partial_update for p in parts(compressor))
 
 
-def watch(state: Any, compressor: Compressor, parameters: Iterable[torch.nn.Parameter]) -> None:
-    """Warn at the first step of an Adam-like optimizer over ``parameters`` (see the module),
-    for as long as ``state`` (the hook's state) lives."""
+def watch(state: Any, parameters: Iterable[torch.nn.Parameter]) -> None:
+    """Where ``state.compressor`` (the hook's) sends only part of each gradient, warn at the first
+    step of an Adam-like optimizer over ``parameters`` (see the module), while ``state`` lives."""
     global _HANDLE
-    _WATCHED[state] = (compressor.describe(), {id(p) for p in parameters})
+    if not sends_part(state.compressor):
+        return
+    _WATCHED[state] = (state.compressor.describe(), {id(p) for p in parameters})
     if _HANDLE is None:
         _HANDLE = register_optimizer_step_pre_hook(_before_step)
 

@@ -240,8 +240,7 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
     state.names = {id(p): name for name, p in named}
     state.shapes = {name: tuple(p.shape) if p.dim() else (1,) for name, p in named}
     ddp_model.register_comm_hook(state, hook)
-    if advice.sends_part(state.compressor):
-        advice.watch(state, state.compressor, ddp_model.module.parameters())
+    advice.watch(state, ddp_model.module.parameters())
     return state
 
 
