@@ -624,3 +624,15 @@ def test_the_link_check_refuses_a_slow_link():
     assert link.goodput(counted) == pytest.approx(big / 2 * 8 / 1.30 / 1e9)
     counted["results"].append({"method": "flat-allreduce", "time_s": 2.4, "bytes_per_rank": big})
     assert "below its rate" in link.problem(counted)  # the flat schedule is the link's test
+
+
+def test_the_worker_names_methods_timed_in_their_warm_up():
+    """``int8`` averages its first 50 steps exactly: a bench of it with 3 untimed steps would time
+    fp32 allreduces, and the worker says so, naming the steady spec; the steady spec, PowerSGD's
+    (``start_iter=2``, within 3 steps) and ``auto`` are not named."""
+    from gradcomp.bench.methods import select
+    from gradcomp.bench.worker import warmup_warnings
+
+    said = warmup_warnings(select("int8,int8:warmup=0,powersgd:start_iter=2,auto,allreduce", with_torch=False), 3)
+    assert len(said) == 1 and "int8 averages its first 50 steps" in said[0] and "'int8:warmup=0'" in said[0], said
+    assert warmup_warnings(select("int8", with_torch=False), 50) == []

@@ -27,7 +27,7 @@ def rank_traffic():
     comm = gc.MPICommunicator()
     n, size = 512 * 96, comm.size
     x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
-    expected = {"int8:feedback=none": n + 8 * n / 512, "int4:feedback=none": n / 2 + 8 * n / 512,
+    expected = {"int8:feedback=none,warmup=0": n + 8 * n / 512, "int4:feedback=none": n / 2 + 8 * n / 512,
                 "int4:feedback=none,chunk=128": n / 2 + 8 * n / 128,
                 "onebit:warmup=0,feedback=none": n / 8 + 4 * n / 512,
                 # each slice's top 2%: int32 positions and float32 values (n is whole in every N)
@@ -130,7 +130,7 @@ def test_sparsifiers_send_what_they_promise():
     run_ranks(3, "tests.test_codecs:rank_sparsifiers")
 
 
-TWO_STAGE = ["int8", "int4", "onebit:warmup=0,feedback=both", "int8:feedback=none", "int4:feedback=none",
+TWO_STAGE = ["int8:warmup=0", "int4", "onebit:warmup=0,feedback=both", "int8:feedback=none,warmup=0", "int4:feedback=none",
              "onebit:warmup=0,feedback=none"]
 
 

@@ -64,7 +64,7 @@ def rank_bits_and_bytes():
     H, L = comm.topology.hosts, comm.topology.local_size
     rng = np.random.default_rng(comm.rank)
     n = sum(int(np.prod(s)) for s in SHAPES)
-    for spec in ("allreduce", "fp16", "int8", "onebit:warmup=0", "topk:warmup=0", "powersgd:start_iter=2"):
+    for spec in ("allreduce", "fp16", "int8:warmup=0", "onebit:warmup=0", "topk:warmup=0", "powersgd:start_iter=2"):
         comp = Hierarchical(gc.make(spec))
         for step in range(4):
             g = rng.standard_normal(n).astype(np.float32)
@@ -85,7 +85,7 @@ def test_hierarchical_bits_and_bytes():
     run_ranks(4, "tests.test_hierarchical:rank_bits_and_bytes", env={"GRADCOMP_RANKS_PER_HOST": "2"})
 
 
-@pytest.mark.parametrize("spec", ["int8", "onebit:warmup=0,feedback=both", "topk:warmup=0",
+@pytest.mark.parametrize("spec", ["int8:warmup=0", "onebit:warmup=0,feedback=both", "topk:warmup=0",
                                   "powersgd:start_iter=2", "fp16", "quantize-channel"])
 def test_the_kit_hierarchical_run(spec):
     failures = [o for o in run_kit(f"registry:{spec}", ranks=(4,), hosts=2, timeout=600) if not o.ok]
@@ -145,7 +145,7 @@ def rank_ddp_hierarchical():
     launch = gt.init_process_group()
     x, y, _, _ = digits()
     nets = {}
-    for name in ("ddp", "allreduce", "int8"):
+    for name in ("ddp", "allreduce", "int8:warmup=0"):
         torch.manual_seed(0)
         model = DistributedDataParallel(DigitsCNN(), bucket_cap_mb=0.01)
         if name != "ddp":
@@ -186,7 +186,7 @@ def rank_cost_model_bytes():
     rng = np.random.default_rng(comm.rank)
     shapes = [(640, 500), (500,), (300, 400), (7000,), (200, 200)]  # padding to chunks: under 1%
     n = sum(int(np.prod(s)) for s in shapes)
-    for spec in ("allreduce", "fp16", "int8", "int4", "onebit:warmup=0", "topk:warmup=0",
+    for spec in ("allreduce", "fp16", "int8:warmup=0", "int4", "onebit:warmup=0", "topk:warmup=0",
                  "randomk:warmup=0", "quantize-channel", "allgather", "powersgd:start_iter=2"):
         traffic = cost.traffic(gc.make(spec), shapes, comm.size)
         flat, hier = gc.make(spec), Hierarchical(gc.make(spec))

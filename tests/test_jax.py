@@ -16,7 +16,7 @@ from gradcomp.conformance import run as run_kit  # noqa: E402
 from gradcomp.launcher import run  # noqa: E402
 from tests.mpi_launch import ROOT, run_ranks  # noqa: E402
 
-SPECS = ["allreduce", "fp16", "int8", "powersgd:start_iter=2", "topk:warmup=0"]
+SPECS = ["allreduce", "fp16", "int8:warmup=0", "powersgd:start_iter=2", "topk:warmup=0"]
 CAP = 0.004  # MiB: several buckets, float16 and bfloat16 ones among them
 
 
@@ -156,7 +156,7 @@ def rank_optax_trains(where):
     comm = gc.MPICommunicator()
     x, y = _problem(comm.rank)
     params = _model()
-    tx = optax.chain(gj.mean("int8", comm), optax.adamw(0.05))
+    tx = optax.chain(gj.mean("int8:warmup=0", comm), optax.adamw(0.05))
     state = tx.init(params)
 
     def step(params, state):
@@ -206,7 +206,7 @@ def rank_checkpoint_resumes():
     comm = gc.MPICommunicator()
     x, y = _problem(comm.rank)
     builders = {
-        "mean int8, jit inside": (lambda: (lambda r: (r, optax.chain(r, optax.adamw(0.02))))(gj.mean("int8", comm)), True),
+        "mean int8, jit inside": (lambda: (lambda r: (r, optax.chain(r, optax.adamw(0.02))))(gj.mean("int8:warmup=0", comm)), True),
         "mean powersgd": (lambda: (lambda r: (r, optax.chain(r, optax.sgd(0.1, momentum=0.9))))(
             gj.mean("powersgd:start_iter=2", comm)), False),
         "dgc": (lambda: (lambda t: (t, t))(gj.dgc(0.05, ratio=0.2, warmup=3, comm=comm)), False),

@@ -33,6 +33,17 @@ def test_recipes_declare_what_they_use():
         gc.make("onebit:feedback=always")
     with pytest.raises(ValueError, match="warmup"):
         gc.make("topk:warmup=-1")
+    # the 8-bit codes: an exact warm-up by default, the codec alone one parameter away
+    for name in ("int8", "quantize-tensor"):
+        recipe = gc.make(name)
+        assert isinstance(recipe, gc.Recipe) and recipe.starts == [0, 50], name
+        assert recipe.describe().startswith(f"{name}(warmup=50, "), recipe.describe()
+    assert type(gc.make("quantize-tensor:warmup=0")) is gc.QuantizePerTensor
+    assert type(gc.make("quantize-channel")) is gc.QuantizePerChannel
+    fed = gc.make("quantize-channel:warmup=5,feedback=worker,channel_size=128")
+    assert fed.starts == [0, 5] and fed.error_feedback_on and fed.compressors[-1].inner.channel_size == 128
+    with pytest.raises(ValueError, match="quantize-tensor feedback"):
+        gc.make("quantize-tensor:feedback=both")  # an allgathered code has no owner stage
 
 
 def rank_old_definitions_are_one_parameter_away():
@@ -94,7 +105,7 @@ def rank_guard_warns_once_everywhere(spec: str, runaway: bool):
     print(f"rank {comm.rank}: guard {guard}", flush=True)
 
 
-@pytest.mark.parametrize("spec,runaway", [("topk:warmup=0,ratio=0.001", True), ("int8", False),
+@pytest.mark.parametrize("spec,runaway", [("topk:warmup=0,ratio=0.001", True), ("int8:warmup=0", False),
                                           ("topk:warmup=0", False)])
 def test_divergence_guard(spec, runaway):
     run_ranks(2, "tests.test_recipes:rank_guard_warns_once_everywhere", spec, runaway)
@@ -143,8 +154,9 @@ def test_an_optimizer_drops_a_named_codes_warmup_unless_given():
 
     assert steady("topk:stages=2,ratio=0.02", keep_given=True) == \
         "topk:warmup=0,ramp=0,stages=2,ratio=0.02"
-    assert steady("topk:warmup=5", keep_given=True) == "topk:warmup=5,ramp=0"
+    assert steady("topk:warmup=5", keep_given=True) == "topk:warmup=5"  # nothing left to shorten
     assert steady("topk:warmup=5") == "topk:warmup=0,ramp=0"
+    assert steady("int8") == "int8:warmup=0" and steady("quantize-channel") == "quantize-channel"
     params = [np.zeros((64, 8), np.float32)]
     comm = gc.MPICommunicator()
     try:
@@ -182,3 +194,25 @@ def test_the_guard_inside_an_optimizer_advises_the_optimizer():
     assert "1-bit momentum" in texts["OneBitAdam"] and "gradcomp.optim" not in texts["OneBitAdam"]
     assert "larger ratio" in texts["DGC"] and "gradcomp.optim" not in texts["DGC"]
     assert "gradcomp.optim.OneBitAdam" in texts["topk"] and "rank(s) [1]" in texts["topk"]
+
+
+def test_a_checkpoint_of_an_earlier_definition_says_how_to_resume():
+    """``int8`` gained an exact warm-up: its state saved before (one stage) does not load into the
+    new recipe (two), and the error names the parameter that builds the earlier one, which loads it."""
+    comm = gc.MPICommunicator()
+    try:
+        old = gc.make("int8:warmup=0")
+        g = np.random.default_rng(0).standard_normal(5000).astype(np.float32)
+        for _ in range(3):
+            old.reduce(gc.Bucket(g.copy(), 0, [(50, 100)]), comm).result()
+        state = old.state_dict()
+        with pytest.raises(ValueError, match=r"int8\(warmup=50.*2 stage\(s\).*from 1.*'int8:warmup=0'"):
+            gc.make("int8").load_state_dict(state)
+        again = gc.make("int8:warmup=0")
+        again.load_state_dict(state)
+        assert again.step == 3
+        with pytest.raises(ValueError, match="shape") as caught:  # a failure of another kind is not re-told
+            gc.make("int8:warmup=0").load_state_dict({**state, "stage0/shape/0.0": np.array([7])})
+        assert "another definition" not in str(caught.value)
+    finally:
+        comm.close()

@@ -275,7 +275,7 @@ def rank_buckets_and_quantizers():
         local.append(e.flat(p.grad for p in model.parameters()))
     local = np.stack(local)
     exact = local.astype(np.float64).mean(axis=0)
-    for name, width in (("quantize-tensor", None), ("quantize-channel", 512)):
+    for name, width in (("quantize-tensor:warmup=0", None), ("quantize-channel", 512)):
         n = local.shape[1]
         w = width or n
         step = np.zeros(n)
@@ -523,10 +523,10 @@ def _check_adam_advice(e):
 
     adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)  # noqa: E731
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
-    for method in ("topk", "onebit", "fp16-powersgd"):
+    for method in ("topk", "onebit", "fp16-powersgd", "auto:allowed='int8,powersgd'"):
         said = steps(method, adamw)
         assert len(said) == 1 and "AdamW" in said[0] and e.gc.make(method).describe() in said[0], (method, said)
-    assert steps("int8", adamw) == [] and steps("topk", sgd) == []
+    assert steps("int8", adamw) == [] and steps("topk", sgd) == [] and steps("auto", adamw) == []
     assert steps("topk", lambda m: torch.optim.Adam(m.parameters()), n=1) != [], "a new model, a new warning"
 
 

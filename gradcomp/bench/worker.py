@@ -164,6 +164,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      path=args.path)
     if args.path == "ddp" and args.torch == "off":
         raise SystemExit("gradcomp.bench.worker: --path ddp needs torch (got --torch off)")
+    if rank == 0:
+        for line in warmup_warnings(methods, args.warmup):
+            print(line, file=sys.stderr, flush=True)
     shapes = model_shapes(args.model)
     grads = heavy_tailed(shapes, seed=args.seed + rank)
     exact = _exact_mean(world, grads)
@@ -319,6 +322,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.tag:
         _apply_tag(job["results"], args.tag)
     return job
+
+
+def warmup_warnings(methods: list[Method], untimed: int) -> list[str]:
+    """A line per gradcomp method whose exact warm-up outlasts the ``untimed`` steps: some of its
+    timed steps would be fp32 allreduces (``int8`` averages its first 50 exactly). Names the spec
+    of the method itself (``steady``); a spec with nothing to shorten (``auto``) is not named."""
+    from ..planning.names import steady
+
+    out = []
+    for m in methods:
+        if m.kind == "gradcomp" and m.spec is not None and steady(m.spec) != m.spec:
+            left = m.build().warmup_steps
+            if left > untimed:
+                out.append(f"warning: {m.name} averages its first {left} steps exactly (its warm-up), "
+                           f"more than the {untimed} untimed ones: time {steady(m.spec)!r} for the "
+                           "method itself")
+    return out
 
 
 def _summary(case: _Case, steps: int) -> dict[str, Any]:

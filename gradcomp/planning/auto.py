@@ -51,7 +51,7 @@ from ..arrays import Array
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
 from ..comm.base import note_probe
-from ..compressors.base import Compressor, run_stage
+from ..compressors.base import Compressor, parts, run_stage
 from ..state import reject_leftovers
 from . import cost
 
@@ -108,6 +108,11 @@ class Auto(Compressor):
     @property
     def error_feedback_on(self) -> bool:
         return any(c.error_feedback_on for c in self.candidates)
+
+    @property
+    def partial_update(self) -> bool:  # type: ignore[override]
+        """Whether a candidate it may choose sends only part of each gradient (the Adam advice)."""
+        return any(p.partial_update for c in self.candidates for p in parts(c))
 
     @property
     def warmup_steps(self) -> int:

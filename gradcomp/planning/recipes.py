@@ -18,7 +18,7 @@ state (1-bit Adam, DGC) are in ``gradcomp.optim``.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..compressors.allreduce import Allreduce
 from ..compressors.base import Compressor
@@ -49,6 +49,24 @@ class Recipe(Schedule):
     def describe(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"{self.name}({fields})"
+
+    def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
+        """As ``Schedule``'s; a state with another number of stages was saved by another definition
+        of the name (``int8`` gained its exact warm-up: an ``int8`` checkpoint saved before loads
+        into ``int8:warmup=0``), and the error says so."""
+        numbers = [k.partition("/")[0][len("stage"):] for k in state if k.startswith("stage") and "/" in k]
+        saved = max((int(n) + 1 for n in numbers if n.isdigit()), default=0)  # the last stateful stage
+        try:
+            super().load_state_dict(state, shapes)
+        except ValueError as exc:
+            if saved and saved != len(self.compressors):
+                raise ValueError(
+                    f"{self.describe()} runs {len(self.compressors)} stage(s), but this state comes from "
+                    f"{saved}: another definition of {self.name!r} saved it (registered names change "
+                    f"their recipes between releases, and the earlier ones stay reachable by parameter: "
+                    f"'{self.name}:warmup=0' where an exact warm-up was added since). Build the "
+                    f"compressor the checkpoint was saved with ({exc})") from exc
+            raise
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()

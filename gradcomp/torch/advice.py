@@ -22,6 +22,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..compressors.base import parts
+from ..planning.auto import Auto
 
 if TYPE_CHECKING:
     from ..compressors import Compressor
@@ -42,7 +43,8 @@ def watch(state: Any, parameters: Iterable[torch.nn.Parameter]) -> None:
     global _HANDLE
     if not sends_part(state.compressor):
         return
-    _WATCHED[state] = (state.compressor.describe(), {id(p) for p in parameters})
+    sends = "may choose a method that sends" if isinstance(state.compressor, Auto) else "sends"
+    _WATCHED[state] = (f"{state.compressor.describe()}, which {sends}", {id(p) for p in parameters})
     if _HANDLE is None:
         _HANDLE = register_optimizer_step_pre_hook(_before_step)
 
@@ -74,7 +76,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         if ids & stepped:
             del _WATCHED[state]
             warnings.warn(
-                f"gradcomp: the DDP hook runs {method}, which sends a sparse, low-rank or 1-bit part "
+                f"gradcomp: the DDP hook runs {method} a sparse, low-rank or 1-bit part "
                 f"of each gradient, and {type(optimizer).__name__} steps every coordinate by about "
                 "the same size, so most of each update waits in the residual (on the transformer LM "
                 "of BENCHMARKS.md section 6 these hooks ended 9-51% above exact averaging under "
