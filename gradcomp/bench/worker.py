@@ -332,12 +332,12 @@ def warmup_warnings(methods: list[Method], untimed: int) -> list[str]:
 
     out = []
     for m in methods:
-        if m.kind == "gradcomp" and m.spec is not None and steady(m.spec) != m.spec:
+        itself = steady(m.spec) if m.kind == "gradcomp" and m.spec is not None else None
+        if itself is not None and itself != m.spec:
             left = m.build().warmup_steps
             if left > untimed:
                 out.append(f"warning: {m.name} averages its first {left} steps exactly (its warm-up), "
-                           f"more than the {untimed} untimed ones: time {steady(m.spec)!r} for the "
-                           "method itself")
+                           f"more than the {untimed} untimed ones: time {itself!r} for the method itself")
     return out
 
 

@@ -304,6 +304,11 @@ def parts(compressor: Compressor) -> Iterator[Compressor]:
             pending.extend(v)
 
 
+def sends_part(compressor: Compressor) -> bool:
+    """Whether ``compressor`` (or a method it wraps or schedules) sends only part of a gradient."""
+    return any(p.partial_update for p in parts(compressor))
+
+
 def _wrap_device(device: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapped(*args: Any) -> Any:
         return _on_device(device, fn, *args)

@@ -51,7 +51,7 @@ from ..arrays import Array
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
 from ..comm.base import note_probe
-from ..compressors.base import Compressor, parts, run_stage
+from ..compressors.base import Compressor, run_stage, sends_part
 from ..state import reject_leftovers
 from . import cost
 
@@ -112,7 +112,7 @@ class Auto(Compressor):
     @property
     def partial_update(self) -> bool:  # type: ignore[override]
         """Whether a candidate it may choose sends only part of each gradient (the Adam advice)."""
-        return any(p.partial_update for c in self.candidates for p in parts(c))
+        return any(sends_part(c) for c in self.candidates)
 
     @property
     def warmup_steps(self) -> int:

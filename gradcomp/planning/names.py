@@ -37,7 +37,8 @@ def _quantized(name: str, bits: int, warmup: int, feedback: str, chunk: int, exa
 #: summed in another order moved it by 0.001%: the spread is the codes' error, set, we think, in
 #: the first steps, when AdamW's second moment rests on a few gradients. With 50 exact steps every
 #: seed of both ended within +0.23% (3 seeds, 1000 steps; BENCHMARKS.md section 6), for 14% (int8)
-#: and 5% (quantize-tensor) more bytes over those 1000 steps. ``int4`` gained nothing from it (its steady rounding is its loss).
+#: and 5% (quantize-tensor) more bytes over those 1000 steps. ``int4`` gained nothing from it
+#: (its steady rounding is its loss).
 WARMUP_8BIT = 50
 
 
@@ -146,13 +147,14 @@ def steady(spec: str, keep_given: bool = False) -> str:
     from ..registry import make, parse_spec
 
     name, given = parse_spec(spec)
+    as_given = make(spec).describe()
     for overrides in STEADY:
         items = {**overrides, **given} if keep_given else {**given, **overrides}
         try:
             shortened = make(name, **items)
         except ValueError:
             continue
-        if shortened.describe() == make(spec).describe():  # no warm-up to shorten (quantize-channel)
+        if shortened.describe() == as_given:  # no warm-up to shorten (quantize-channel)
             return spec
         return name + (":" + ",".join(f"{k}={v!r}" for k, v in items.items()) if items else "")
     return spec

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..compressors.base import parts
+from ..compressors.base import sends_part
 from ..planning.auto import Auto
 
 if TYPE_CHECKING:
@@ -30,11 +30,6 @@ if TYPE_CHECKING:
 _WATCHED: weakref.WeakKeyDictionary[Any, tuple[str, set[int]]] = weakref.WeakKeyDictionary()
 _SEEN: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _HANDLE: Any = None
-
-
-def sends_part(compressor: Compressor) -> bool:
-    """Whether ``compressor`` (or a method it wraps or schedules) sends only part of a gradient."""
-    return any(p.partial_update for p in parts(compressor))
 
 
 def watch(state: Any, parameters: Iterable[torch.nn.Parameter]) -> None:
