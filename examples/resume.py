@@ -25,7 +25,8 @@ from torch_ddp import DigitsCNN, digits, global_batches  # beside this script
 
 def build(launch, spec):
     torch.manual_seed(0)
-    model = DistributedDataParallel(DigitsCNN().to(launch.device), bucket_cap_mb=0.05)
+    model = DistributedDataParallel(DigitsCNN().to(launch.device), bucket_cap_mb=0.05,
+                                    gradient_as_bucket_view=True)
     state = gt.register(model, gradcomp.make(spec))
     return model, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 

@@ -50,6 +50,13 @@ def rank_auto(table: str | None):
         assert 0 < stats["local_stage_share"]["int8"] < 1, stats["local_stage_share"]
         assert all(c["chosen"] == "allreduce" and "one host" in c["why"] for c in choices), choices
         assert stats["compression_ratio"] == pytest.approx(1.0), stats  # fp32's bytes, no probe
+        # on one host the exchange is priced on the probed link, not the model's default one:
+        # fp32's prediction holds at least the probe's latency and bandwidth terms
+        link = stats["link"]
+        for c in choices:
+            wire = link["alpha_s"] * (2 * (comm.size - 1) + 1) + \
+                2 * (comm.size - 1) / comm.size * 4 * c["numel"] / link["beta_bytes_per_s"]
+            assert c["predicted_s"]["allreduce"] >= wire * (1 - 1e-9), (c, link)
     # the choice is state: saved, restored into a fresh auto, kept
     saved = reducer.state_dict()
     fresh = gc.make(spec)
@@ -72,6 +79,26 @@ def test_auto_agrees_reduces_and_checkpoints(tmp_path, with_table):
     assert out.count(": ok") == 2, out
     if with_table:
         assert '"int8"' in out and '"allreduce"' not in out, out
+
+
+def test_owner_stage_scales_with_ranks():
+    """A compute table timed on one rank (``prepare_share`` known) holds a two-stage code's owner
+    re-encode of the whole bucket; on P ranks each rank re-encodes 1/P: ``share (1 - 1/P)`` of it
+    is not spent. An allreduce-kind method, or a fitted model (no shares), keeps its compute."""
+    from gradcomp.planning import cost
+
+    model = cost.Model({"int4": 1e-9, "fp16": 1e-9}, prepare_share={"int4": 0.6, "fp16": 0.5})
+    n = 1 << 20
+    for ranks, factor in [(1, 1.0), (2, 0.7), (4, 0.55)]:
+        cluster = cost.Cluster(ranks, 1, cost.Link(0.0, 1e9))
+        two = cost.Traffic("two-stage", 1000.0)
+        local, cpu, _ = model.stages("int4", two, n, cluster, False)
+        assert cpu == pytest.approx(factor * 4e-9 * n) and local == pytest.approx(0.6 * 4e-9 * n)
+        assert model.rank_cpu("fp16", cost.Traffic("allreduce", 1000.0), n, cluster, False) == \
+            pytest.approx(4e-9 * n)
+    fitted = cost.Model({"int4": 1e-9})
+    assert fitted.rank_cpu("int4", cost.Traffic("two-stage", 1.0), n, cost.Cluster(4, 1, cost.Link(0, 1)), False) == \
+        pytest.approx(4e-9 * n)
 
 
 def test_pipeline_model():

@@ -60,6 +60,6 @@ def problem(job: dict[str, Any]) -> str | None:
     row = _flat_fp32(job) or {}
     if fraction is None or fraction >= MINIMUM or row.get("bytes_per_rank", 0) < CHECKED_FROM:
         return None
-    return (f"the emulated link ran below its rate: fp32 allreduce moved {fraction:.0%} of the "
+    return (f"the emulated link ran below its rate: fp32 allreduce moved {fraction:.1%} of the "
             f"{job['network']} cap (at least {MINIMUM:.0%} needed): no ratios from this run. Check the "
             "tbf burst (bench/capped.sh) and what else the machine is running.")

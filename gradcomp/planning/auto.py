@@ -5,21 +5,24 @@ the bucket (int8's per-chunk scales weigh on a tiny bucket, latency dominates sm
 what the method's compute costs here. ``Auto`` measures all three once:
 
 * **the link**: timed allreduces of a few sizes, up to the first bucket's, on the real
-  communicator; every rank's times are gathered and the slowest taken, so every rank fits the
-  same latency and bandwidth (the alpha-beta model of ``cost``);
+  communicator, each started together (``_probe``); every rank's medians are gathered and the
+  slowest taken, so every rank fits the same latency and bandwidth (the alpha-beta model of
+  ``cost``). On one host this is the link the exchange is priced on;
 * **the compute**: each candidate's whole reduction of a bucket of the first bucket's layout (its
   tensors' shapes, repeated or cut to 4-32 MiB: out of the caches, as real buckets are; PowerSGD's
   cost is its matrices') on a one-rank communicator (the kernel cost
   without a peer), and the share of it in its local stage, timed on rank 0
   while the others wait; or a table loaded from a JSON file (``table=``: ``{"int8": seconds per
-  float32 byte, ...}``, or ``[seconds, share]`` pairs; e.g. from ``gradcomp.bench.kernels``);
+  float32 byte, ...}``, or ``[seconds, share]`` pairs; e.g. from ``gradcomp.bench.kernels``).
+  A two-stage code's owner stage re-encodes the whole bucket on one rank and 1/N of it on N
+  (``cost.Model.rank_cpu``);
 * **the topology**: ``MPICommunicator.topology`` (how many ranks share each host's link and cores).
   On one host there is no link to spare: shared memory moves bytes at memory speed, so a
   method's casts and codes cost about what they save, and fp32 beat every compressed method
-  there (BENCHMARKS.md, sections 1 and 9), while the alpha-beta model, which prices bytes only,
-  predicted a third to a half of the measured step. So a one-host job keeps the first allowed
-  method (``allreduce`` by default) unless a ``table`` says otherwise; ``stats()`` still holds
-  every candidate's prediction.
+  there (BENCHMARKS.md, sections 1 and 9). So a one-host job keeps the first allowed method
+  (``allreduce`` by default) unless a ``table`` says otherwise; ``stats()`` still holds every
+  candidate's prediction (1.13-1.45 of the measured step there: latency on two oversubscribed
+  cores is noisy).
 
 (measured at the first bucket's ordered stage, after every rank agreed on the configuration). For
 each bucket layout it then predicts every candidate's time with ``cost.Model`` and takes the
@@ -59,7 +62,7 @@ from . import cost
 DEFAULT_ALLOWED = ("allreduce", "fp16", "bf16", "int8", "int4")
 #: message sizes of the link probe (float32 values) and its repeats
 PROBE_SIZES = (1024, 65536, 1048576)
-PROBE_REPEATS = 3
+PROBE_REPEATS = 5
 #: a candidate wins only by more than this fraction (else the earlier, less compressed one)
 TIE = 0.02
 #: the compute is timed on a bucket of the first bucket's layout, within these bounds (float32
@@ -175,7 +178,9 @@ class Auto(Compressor):
         hosts, per_host = m["hosts"], m["per_host"]
         # cores_per_host such that per_host / cores_per_host is how many ranks share a core here
         cluster = cost.Cluster(hosts, per_host, m["link"], cores_per_host=per_host / m["contention"])
-        model = cost.Model(m["compute"], prepare_share=m["prepare_share"])
+        # on one host the exchange runs inside it: over the probed link, not the model's default
+        model = cost.Model(m["compute"], prepare_share=m["prepare_share"],
+                           local=m["link"] if hosts == 1 else None)
         stages, times, paced = {}, {}, {}
         for name, comp in zip(self.allowed, self.candidates):
             t = cost.traffic(comp, bucket.shapes, comm.size)
@@ -325,24 +330,32 @@ def _contention(comm: Communicator) -> float:
 
 def _probe(comm: Communicator, largest: int = PROBE_SIZES[-1]) -> cost.Link:
     """Latency and bandwidth of ``comm``'s allreduce, the slowest rank's, the same on every rank,
-    from messages of ``PROBE_SIZES`` and ``largest`` float32 values."""
+    from messages of ``PROBE_SIZES`` and ``largest`` float32 values. Each timed allreduce starts
+    right after a one-value allreduce, so that the ranks enter it together (unsynchronised, a
+    rank's clock also ran while it waited for a later one: the probe read shared memory at half
+    its speed and 100 Mbit/s-1 Gbit/s links 20% slow); each rank keeps the median of its repeats
+    per size, and the slowest rank's medians are fitted."""
     if comm.size == 1:
         return cost.Link(0.0, float("inf"))
-    rows, times = [], []
-    for n in sorted(set(PROBE_SIZES) | {largest}):
+    sizes = sorted(set(PROBE_SIZES) | {largest})
+    sync = np.zeros(1, np.float32)
+    medians = []
+    for n in sizes:
         x = np.ones(n, np.float32)
         comm.allreduce(x)  # warm
+        times = []
         for _ in range(PROBE_REPEATS):
+            comm.allreduce(sync)
             start = time.perf_counter()
             comm.allreduce(x)
             times.append(time.perf_counter() - start)
-            rows.append(n)
-    worst = np.max(comm.allgather(np.array(times)), axis=0)
+        medians.append(float(np.median(times)))
+    worst = np.max(comm.allgather(np.array(medians)), axis=0)
     N = comm.size
     t = cost.Traffic("allreduce", 0.0)
     cluster = cost.Cluster(N, 1, cost.Link(0, 1))
     pairs = [(cost.messages(t, cluster, False) - 1, cost.rank_bytes(cost.Traffic("allreduce", 4.0 * n), N))
-             for n in rows]
+             for n in sizes]
     alpha, inv_beta = cost._least_squares(pairs, [float(w) for w in worst])
     return cost.Link(max(alpha, 0.0), 1.0 / inv_beta if inv_beta > 0 else float("inf"))
 

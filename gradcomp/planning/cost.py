@@ -229,7 +229,7 @@ class Model:
             L = cluster.per_host
             local = local_link.time(2 * 2 * (L - 1) / L * per * 4, 2 * (L - 1))
             local += 2 * self.local_pass * per * 4
-        return buckets * (wire + local + self.cpu(method, per, cluster, hierarchical))
+        return buckets * (wire + local + self.rank_cpu(method, t, per, cluster, hierarchical))
 
     def cpu(self, method: str, numel: float, cluster: Cluster, hierarchical: bool) -> float:
         """Seconds of compute for one bucket of ``numel`` float32 values: the method's seconds per
@@ -237,6 +237,20 @@ class Model:
         hier = hierarchical and cluster.per_host > 1 and cluster.hosts > 1
         share = 1.0 / cluster.per_host if hier else 1.0
         return self.compute.get(method, 0.0) * numel * 4 * share * cluster.contention()
+
+    def rank_cpu(self, method: str, t: Traffic, numel: float, cluster: Cluster, hierarchical: bool) -> float:
+        """``cpu`` less what a two-stage code's owner stage does not re-encode on ``t``'s exchange:
+        where ``prepare_share`` is known, the compute was timed on one rank (``auto``), whose
+        owner stage re-encodes the whole bucket; on P ranks each re-encodes the 1/P it owns. The
+        re-encode costs what the worker's encode does, the local stage: ``share (1 - 1/P)`` of
+        the timing is not spent. (Per rank, int4's CPU seconds at 2 ranks were 0.69 of one rank's,
+        and this predicts 0.69.) A fitted model has no shares: its compute is per rank already."""
+        cpu = self.cpu(method, numel, cluster, hierarchical)
+        if t.kind != "two-stage":
+            return cpu
+        hier = hierarchical and cluster.per_host > 1 and cluster.hosts > 1
+        peers = cluster.hosts if hier else cluster.ranks
+        return cpu * (1.0 - self.prepare_share.get(method, 0.0) * (1.0 - 1.0 / max(peers, 1)))
 
     def step_of(self, method: str, parts: Sequence[tuple[Traffic, int]], cluster: Cluster,
                 hierarchical: bool) -> float:
@@ -248,8 +262,8 @@ class Model:
         """One bucket's ``(local, cpu, total)`` seconds, flat: ``local`` is the compute of its
         local stage (the encode, on the pipeline's compute thread: ``prepare_share`` of the
         compute), ``cpu`` all its compute, ``total`` as ``step``."""
-        cpu = self.cpu(method, numel, cluster, hierarchical)
-        return self.prepare_share.get(method, 0.0) * cpu, cpu, self.step(method, t, numel, 1, cluster, hierarchical)
+        local = self.prepare_share.get(method, 0.0) * self.cpu(method, numel, cluster, hierarchical)
+        return local, self.rank_cpu(method, t, numel, cluster, hierarchical), self.step(method, t, numel, 1, cluster, hierarchical)
 
 
 def pipelined(buckets: Sequence[tuple[float, float, float]], depth: int = 1) -> float:
