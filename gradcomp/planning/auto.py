@@ -333,8 +333,8 @@ def _probe(comm: Communicator, largest: int = PROBE_SIZES[-1]) -> cost.Link:
     from messages of ``PROBE_SIZES`` and ``largest`` float32 values. Each timed allreduce starts
     right after a one-value allreduce, so that the ranks enter it together (unsynchronised, a
     rank's clock also ran while it waited for a later one: the probe read shared memory at half
-    its speed and 100 Mbit/s-1 Gbit/s links 20% slow); each rank keeps the median of its repeats
-    per size, and the slowest rank's medians are fitted."""
+    its speed); each rank keeps the median of its repeats per size, and the slowest rank's
+    medians are fitted."""
     if comm.size == 1:
         return cost.Link(0.0, float("inf"))
     sizes = sorted(set(PROBE_SIZES) | {largest})
