@@ -193,10 +193,17 @@ def rank_bytes(t: Traffic, ranks: int) -> float:
     return total
 
 
+def exchange_peers(cluster: Cluster, hierarchical: bool) -> int:
+    """How many ranks one exchange of the method spans: every rank flat, one per host where the
+    hierarchical schedule runs (several hosts of several ranks)."""
+    if hierarchical and cluster.per_host > 1 and cluster.hosts > 1:
+        return cluster.hosts
+    return cluster.ranks
+
+
 def messages(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
     """Latency terms per bucket (sequential message steps over the network)."""
-    N, H, L = cluster.ranks, cluster.hosts, cluster.per_host
-    peers = H if hierarchical and L > 1 and H > 1 else N
+    peers = exchange_peers(cluster, hierarchical)
     # bandwidth-optimal schedules take a step per peer: a ring allreduce 2 (P-1), an alltoall and
     # an allgather (pairwise or ring) P-1 each, the two-stage codes both
     steps = {"allreduce": 2 * (peers - 1), "two-stage": 2 * (peers - 1), "allgather": peers - 1}
@@ -243,13 +250,13 @@ class Model:
         where ``prepare_share`` is known, the compute was timed on one rank (``auto``), whose
         owner stage re-encodes the whole bucket; on P ranks each re-encodes the 1/P it owns. The
         re-encode costs what the worker's encode does, the local stage: ``share (1 - 1/P)`` of
-        the timing is not spent. (Per rank, int4's CPU seconds at 2 ranks were 0.69 of one rank's,
-        and this predicts 0.69.) A fitted model has no shares: its compute is per rank already."""
+        the timing is not spent. (int4's CPU seconds per rank, the bench worker's ``cpu_s`` of
+        ``--methods int4`` uncapped under ``mpiexec -n 2`` against ``-n 1``: 0.69; this predicts
+        0.69.) A fitted model has no shares: its compute is per rank already."""
         cpu = self.cpu(method, numel, cluster, hierarchical)
         if t.kind != "two-stage":
             return cpu
-        hier = hierarchical and cluster.per_host > 1 and cluster.hosts > 1
-        peers = cluster.hosts if hier else cluster.ranks
+        peers = exchange_peers(cluster, hierarchical)
         return cpu * (1.0 - self.prepare_share.get(method, 0.0) * (1.0 - 1.0 / max(peers, 1)))
 
     def step_of(self, method: str, parts: Sequence[tuple[Traffic, int]], cluster: Cluster,
