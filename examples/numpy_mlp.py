@@ -39,7 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--optimizer", default="sgd",
                    help="sgd (momentum SGD here, gradients averaged by --compressor), or gradcomp's dgc or "
                         "onebitadam as name[:key=value,...] (they communicate themselves; --compressor is "
-                        "then not used; onebitadam:warmup=100000 is exact Adam, its reference)")
+                        "then not used; onebitadam:warmup=100000,warmup_compressor='allreduce' is exact Adam, its "
+                        "reference)")
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.1, help="peak learning rate (cosine decay to 0)")

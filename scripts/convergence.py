@@ -54,7 +54,8 @@ def parse_args(argv=None):
                    "gradcomp's optimizers for the workload")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--reference", help="the exact method the others are compared with (default: none "
-                   "for lm and cnn, allreduce for mlp; e.g. onebitadam:warmup=100000, exact Adam)")
+                   "for lm and cnn, allreduce for mlp; e.g. onebitadam:warmup=100000,warmup_compressor='allreduce', "
+                   "exact Adam)")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "convergence")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")

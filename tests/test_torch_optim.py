@@ -56,7 +56,8 @@ def rank_onebit_adam_is_adamw_then_compresses():
     torch.manual_seed(0)
     twin = DistributedDataParallel(DigitsCNN(), bucket_cap_mb=0.01)
     warm = 5
-    opt = gt.OneBitAdam(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.01, warmup=warm, model=model)
+    opt = gt.OneBitAdam(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.01, warmup=warm,
+                        warmup_compressor="allreduce", model=model)
     ref = torch.optim.AdamW(twin.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.01)
     saved = None
     for it in range(12):
@@ -85,7 +86,8 @@ def rank_onebit_adam_is_adamw_then_compresses():
     torch.manual_seed(1)
     fresh = DistributedDataParallel(DigitsCNN(), bucket_cap_mb=0.01)
     fresh.module.load_state_dict(state["model"])
-    opt2 = gt.OneBitAdam(fresh.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.01, warmup=warm, model=fresh)
+    opt2 = gt.OneBitAdam(fresh.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=0.01, warmup=warm,
+                         warmup_compressor="allreduce", model=fresh)
     opt2.load_state_dict(state["opt"])
     for it in range(9, 12):
         xb, yb = _batch(x, y, it, launch.rank, launch.size)

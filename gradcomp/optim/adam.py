@@ -5,8 +5,13 @@ variance sees the compressed, bursty gradients and rescales every coordinate dif
 step, so the error that feedback re-sends is not the error that was made. 1-bit Adam's answer,
 followed here:
 
-1. **Warm-up** (``warmup`` steps): plain AdamW on exactly averaged gradients (the same update as
-   ``torch.optim.AdamW``, bias corrections included). The variance settles.
+1. **Warm-up** (``warmup`` steps): plain AdamW on averaged gradients (the same update as
+   ``torch.optim.AdamW``, bias corrections included). The variance settles. The gradients are
+   averaged through ``warmup_compressor``: ``int8`` by default (its own 50 exact steps first, then
+   8-bit codes with error feedback, a hook that keeps AdamW within 0.1% on BENCHMARKS.md's LM),
+   as DeepSpeed's 1-bit Adam warms up on half-precision gradients; ``"allreduce"`` is exact.
+   Its residual, a gradient's error, is dropped at the freeze, where the momentum starts to
+   travel instead.
 2. **Frozen variance**: from then on ``v`` (bias-corrected at the freeze) no longer changes, so Adam
    is momentum SGD with a fixed per-coordinate preconditioner ``1 / (sqrt(v) + eps)``.
 3. **Compressed momentum**: every rank folds its *local* gradient into the momentum, ``m = b1 m +
@@ -60,13 +65,17 @@ class OneBitAdam(Optimizer):
             grads = local_gradients(params)     # this rank's own gradients, not averaged
             opt.step(grads)                     # params updated in place, identical on every rank
 
-    ``warmup``: steps of exact AdamW before the variance freezes (1-bit Adam used 15-25% of
-    training; the step-time saving starts after it). A sparse or low-rank code delays the update
-    more than 1 bit does and needs the longer warm-up: on BENCHMARKS.md's LM, top 2% ended +0.75%
-    from exact AdamW after 600 of 3000 steps of warm-up, +2.2% after 200. PowerSGD needs rank 8
-    there as well (rank 4 ended +2.4% after 750): ``"fp16-powersgd:rank=8,factor_bits=8"`` sends
-    rank 8 in rank 4's half-precision bytes (29x fewer than fp32) and ended +1.2% after 750. Top
-    0.5% (``"topk:stages=2,ratio=0.005"``, 100x) ended +2.7% after 600, and a point down on digits.
+    ``warmup``: steps of AdamW before the variance freezes (1-bit Adam used 15-25% of
+    training), on gradients averaged through ``warmup_compressor`` (default ``"int8"``: about 4x
+    fewer bytes than fp32; ``"allreduce"``: exact). On BENCHMARKS.md's LM at 50 Mbit/s the int8
+    warm-up brought OneBitAdam to exact AdamW's loss in 0.43x fp32's time, the exact one in 0.57x.
+
+    A sparse or low-rank code delays the update more than 1 bit does and needs the longer warm-up
+    (measured with the exact one): on BENCHMARKS.md's LM, top 2% ended +0.75% from exact AdamW
+    after 600 of 3000 steps of warm-up, +2.2% after 200. PowerSGD needs rank 8 there as well (rank
+    4 ended +2.4% after 750): ``"fp16-powersgd:rank=8,factor_bits=8"`` sends rank 8 in rank 4's
+    half-precision bytes (29x fewer than fp32) and ended +1.2% after 750. Top 0.5%
+    (``"topk:stages=2,ratio=0.005"``, 100x) ended +2.7% after 600, and a point down on digits.
 
     ``compressor``: the momentum's exchange after the warm-up, a gradcomp compressor or a registry
     name (default ``ErrorFeedback(OneBit())``: 1-bit codes with both residuals; a name's own exact
@@ -75,13 +84,15 @@ class OneBitAdam(Optimizer):
     value or one per parameter; ``step`` may override them for one step (a schedule).
     """
 
-    runaway_advice = ("lengthen the exact warm-up (warmup=...), lower the learning rate, or keep the "
-                      "default 1-bit momentum, which delays the update least")
+    runaway_advice = ("lengthen the warm-up (warmup=...; warmup_compressor='allreduce' makes it exact), "
+                      "lower the learning rate, or keep the default 1-bit momentum, which delays the "
+                      "update least")
 
     def __init__(self, params: Sequence[Array], lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: Hyper = 0.0, warmup: int = 200,
                  compressor: Compressor | str | None = None, preconditioned: bool = True,
                  floor: float = 0.01, local_momentum: bool = False,
+                 warmup_compressor: Compressor | str = "int8",
                  comm: Communicator | None = None, bucket_cap_mb: float = 25.0):
         super().__init__(params, lr, weight_decay, comm, bucket_cap_mb)
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -98,7 +109,12 @@ class OneBitAdam(Optimizer):
         if not isinstance(inner, Compressor):
             raise TypeError(f"compressor must be a gradcomp Compressor or a registry name, got {inner!r}")
         self.momentum_compressor = inner
-        reducer = self._exchange(Schedule([(0, Allreduce()), (self.warmup, inner)]))
+        warm = make(warmup_compressor) if isinstance(warmup_compressor, str) else warmup_compressor
+        if not isinstance(warm, Compressor):
+            raise TypeError("warmup_compressor must be a gradcomp Compressor or a registry name, "
+                            f"got {warmup_compressor!r}")
+        self.warmup_compressor = warm
+        reducer = self._exchange(Schedule([(0, warm), (self.warmup, inner)]))
         self._sent = reducer.gradients  # what travels: gradients in the warm-up, momentum after
         xp = array_module(self.params[0])
         self.m = [xp.zeros(p.shape, p.dtype) for p in self.params]
@@ -109,7 +125,10 @@ class OneBitAdam(Optimizer):
         self._alive: list[Array] | None = None   # where the frozen variance is positive
 
     def config(self) -> dict[str, Any]:
+        exact = self.warmup_compressor.describe() == Allreduce().describe()
+        # an exact warm-up is described as before warmup_compressor existed: its checkpoints load
         return {"betas": self.betas, "eps": self.eps, "warmup": self.warmup,
+                **({} if exact else {"warmup_compressor": self.warmup_compressor.describe()}),
                 "compressor": self.momentum_compressor.describe(), "preconditioned": self.preconditioned,
                 "floor": self.floor, "local_momentum": self.local_momentum}
 
@@ -123,6 +142,10 @@ class OneBitAdam(Optimizer):
         b1, b2 = self.betas
         warm = self.steps < self.warmup
         t = self.steps + 1
+        if self.steps == self.warmup and self.warmup_compressor is not self.momentum_compressor:
+            # the warm-up's residual is a gradient's error; from now on the momentum travels (in
+            # the update's units): handed over, it would be added to a quantity of other units
+            self.warmup_compressor.take_residual(self._keys)
         if warm:
             for s, g in zip(self._sent, grads):
                 s[...] = g
@@ -181,6 +204,11 @@ class OneBitAdam(Optimizer):
         self.steps += 1
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = str(np.asarray(state.get("config", "")))
+        if "warmup_compressor=" in self.describe() and saved and "warmup_compressor=" not in saved:
+            raise ValueError(f"OneBitAdam state: saved by {saved}, whose warm-up averaged exactly (the "
+                             "default before warmup_compressor, now int8); to resume it, construct "
+                             "OneBitAdam(..., warmup_compressor='allreduce')")
         super().load_state_dict(state)
         self._frozen = None  # the denominators follow the loaded variance
         self._alive = None

@@ -107,11 +107,12 @@ class OneBitAdam(_Wrapped):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, warmup: int = 200,
                  compressor: Any = None, preconditioned: bool = True, floor: float = 0.01,
-                 local_momentum: bool = False, model: Any = None, comm: Communicator | None = None,
-                 bucket_cap_mb: float = 25.0):
+                 local_momentum: bool = False, warmup_compressor: Any = "int8", model: Any = None,
+                 comm: Communicator | None = None, bucket_cap_mb: float = 25.0):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay), model, comm, bucket_cap_mb,
                          betas=betas, eps=eps, warmup=warmup, compressor=compressor,
-                         preconditioned=preconditioned, floor=floor, local_momentum=local_momentum)
+                         preconditioned=preconditioned, floor=floor, local_momentum=local_momentum,
+                         warmup_compressor=warmup_compressor)
 
 
 class DGC(_Wrapped):
