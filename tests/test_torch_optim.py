@@ -137,6 +137,52 @@ def rank_dgc_on_ddp():
     print(f"rank {launch.rank}: ok: loss dgc {dgc:.3f}, sgd {sgd:.3f}, compression {compression:.1f}", flush=True)
 
 
+def rank_onebit_adam_resumes_inside_a_lossy_warmup():
+    """The default warm-up averages through int8: a checkpoint taken while its residuals are live
+    (int8's own exact steps done, the variance not yet frozen) resumes bit for bit, through the
+    freeze, and the warm-up sends fewer bytes than fp32."""
+    import io
+
+    import torch.nn.functional as F
+
+    torch, gt, launch, model, x, y = _setup()
+    from torch.nn.parallel import DistributedDataParallel
+
+    from examples.torch_ddp import DigitsCNN
+
+    def build(net):
+        return gt.OneBitAdam(net.parameters(), lr=3e-3, warmup=8, warmup_compressor="int8:warmup=2", model=net)
+
+    def run(net, opt, its):
+        for it in its:
+            xb, yb = _batch(x, y, it, launch.rank, launch.size)
+            opt.zero_grad()
+            F.cross_entropy(net(xb), yb).backward()
+            opt.step()
+
+    opt = build(model)
+    run(model, opt, range(2))  # int8's own exact steps
+    exact = opt.stats()
+    run(model, opt, range(2, 5))
+    warm = opt.stats()
+    ratio = (warm["reference_bytes"] - exact["reference_bytes"]) / (warm["bytes_sent"] - exact["bytes_sent"])
+    assert warm["phase"] == "warm-up" and ratio > 3, (warm, ratio)
+    buffer = io.BytesIO()
+    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict()}, buffer)
+    run(model, opt, range(5, 12))
+    final = _digest(model)
+    assert len(set(launch_allgather(final))) == 1, "ranks differ"
+    state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    torch.manual_seed(1)
+    fresh = DistributedDataParallel(DigitsCNN(), bucket_cap_mb=0.01)
+    fresh.module.load_state_dict(state["model"])
+    opt2 = build(fresh)
+    opt2.load_state_dict(state["opt"])
+    run(fresh, opt2, range(5, 12))
+    assert _digest(fresh) == final, "the resumed run differs from the uninterrupted one"
+    print(f"rank {launch.rank}: ok", flush=True)
+
+
 def rank_hook_state_without_names_is_refused():
     """PyTorch's hook-pickling pattern, ported: PowerSGD state saved from ``register(model, ...)``
     (keyed by parameter name) and attached to a fresh model through ``comm_hook`` +
@@ -183,6 +229,7 @@ def rank_hook_state_without_names_is_refused():
 
 
 @pytest.mark.parametrize("check", ["rank_onebit_adam_is_adamw_then_compresses", "rank_dgc_on_ddp",
+                                   "rank_onebit_adam_resumes_inside_a_lossy_warmup",
                                    "rank_hook_state_without_names_is_refused"])
 def test_torch_optimizers(check):
     run_ranks(2, f"tests.test_torch_optim:{check}", timeout=300)
