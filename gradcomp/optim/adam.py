@@ -1,4 +1,4 @@
-"""1-bit Adam: exact Adam for a warm-up, then frozen variance and compressed momentum.
+"""1-bit Adam: Adam for a warm-up, then frozen variance and compressed momentum.
 
 Error feedback on raw gradients does not converge under Adam (Tang et al., ICML 2021): the
 variance sees the compressed, bursty gradients and rescales every coordinate differently step to
@@ -68,7 +68,7 @@ class OneBitAdam(Optimizer):
     ``warmup``: steps of AdamW before the variance freezes (1-bit Adam used 15-25% of
     training), on gradients averaged through ``warmup_compressor`` (default ``"int8"``: about 4x
     fewer bytes than fp32; ``"allreduce"``: exact). On BENCHMARKS.md's LM at 50 Mbit/s the int8
-    warm-up brought OneBitAdam to exact AdamW's loss in 0.43x fp32's time, the exact one in 0.57x.
+    warm-up brought OneBitAdam to exact AdamW's loss in 0.41x fp32's time, the exact one in 0.55x.
 
     A sparse or low-rank code delays the update more than 1 bit does and needs the longer warm-up
     (measured with the exact one): on BENCHMARKS.md's LM, top 2% ended +0.75% from exact AdamW
