@@ -114,6 +114,9 @@ class OneBitAdam(Optimizer):
             raise TypeError("warmup_compressor must be a gradcomp Compressor or a registry name, "
                             f"got {warmup_compressor!r}")
         self.warmup_compressor = warm
+        # an exact warm-up is described as before warmup_compressor existed: its checkpoints load
+        exact = warm.describe() == Allreduce().describe()
+        self._warmup_config = {} if exact else {"warmup_compressor": warm.describe()}
         reducer = self._exchange(Schedule([(0, warm), (self.warmup, inner)]))
         self._sent = reducer.gradients  # what travels: gradients in the warm-up, momentum after
         xp = array_module(self.params[0])
@@ -125,10 +128,7 @@ class OneBitAdam(Optimizer):
         self._alive: list[Array] | None = None   # where the frozen variance is positive
 
     def config(self) -> dict[str, Any]:
-        exact = self.warmup_compressor.describe() == Allreduce().describe()
-        # an exact warm-up is described as before warmup_compressor existed: its checkpoints load
-        return {"betas": self.betas, "eps": self.eps, "warmup": self.warmup,
-                **({} if exact else {"warmup_compressor": self.warmup_compressor.describe()}),
+        return {"betas": self.betas, "eps": self.eps, "warmup": self.warmup, **self._warmup_config,
                 "compressor": self.momentum_compressor.describe(), "preconditioned": self.preconditioned,
                 "floor": self.floor, "local_momentum": self.local_momentum}
 
@@ -205,7 +205,7 @@ class OneBitAdam(Optimizer):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         saved = str(np.asarray(state.get("config", "")))
-        if "warmup_compressor=" in self.describe() and saved and "warmup_compressor=" not in saved:
+        if self._warmup_config and saved and "warmup_compressor=" not in saved:
             raise ValueError(f"OneBitAdam state: saved by {saved}, whose warm-up averaged exactly (the "
                              "default before warmup_compressor, now int8); to resume it, construct "
                              "OneBitAdam(..., warmup_compressor='allreduce')")
