@@ -313,3 +313,34 @@ def test_demo_note_says_when_time_is_cpu_contention():
     assert "2 ranks on 8 CPU cores" in fits and "oversubscribed" not in fits and "nearly free" in fits
     for note in (over, fits):
         assert not any(line.startswith("| ") for line in note.splitlines())  # not a table row
+
+
+# -- the convergence report's accuracy points -----------------------------------------------------------
+def load_convergence():
+    spec = importlib.util.spec_from_file_location("convergence", os.path.join(ROOT, "scripts", "convergence.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def digits_run(accuracies: list[float]) -> dict:
+    """A CNN-shaped result: one (step, test loss, accuracy %, seconds) point an epoch."""
+    curve = [[11 * (i + 1), 1.0 / (i + 1), a, float(i)] for i, a in enumerate(accuracies)]
+    return {"test_curve": curve, "test_accuracy": accuracies[-1], "steady_bytes_per_step": 100.0,
+            "bytes_per_step": 100.0, "compression_ratio": 2.0}
+
+
+def test_convergence_points_over_the_last_evaluations():
+    conv = load_convergence()
+    # the reference ends on an upswing; the method ends on a downswing of the same oscillation
+    ref = digits_run([90.0, 95.0, 96.0, 97.0, 95.0, 97.0, 95.0, 97.0])
+    method = digits_run([90.0, 95.0, 96.0, 97.0, 95.0, 97.0, 97.0, 95.0])
+    assert conv.late_accuracy(ref) == pytest.approx((97 + 95 + 97 + 95 + 97) / 5)
+    assert conv.late_accuracy(digits_run([99.0] * (conv.LATE_EVALS - 1))) is None  # too short a run
+    assert conv.late_accuracy({"test_curve": [[1, 0.5, 0.9]] * conv.LATE_EVALS}) == pytest.approx(90.0)  # MLP: a fraction
+    text = conv.table("cnn", {"none": {0: ref}, "fp16": {0: method}})
+    header = [c.strip() for c in text.splitlines()[0].strip("|").split("|")]
+    row = next([c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if "fp16" in line)
+    cells = dict(zip(header, row))
+    assert cells["vs exact points (mean / worst)"] == "-2.00 / -2.00"  # the final evaluation alone
+    assert cells[f"points, last {conv.LATE_EVALS} evals (mean / worst)"] == "+0.00 / +0.00"
