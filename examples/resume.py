@@ -7,8 +7,9 @@ lose) for 2 x STEPS steps straight, then again with a checkpoint after STEPS: th
 optimizer and the compressor (``HookState.state_dict()``: tensors and plain values) go through
 ``torch.save``, a fresh model is built, and ``torch.load(..., weights_only=True)`` restores all
 three. The compressor keeps its state per parameter name, so the fresh DDP model's different first
-buckets do not matter (a code over a bucket's chunks, ``--compressor int8``, does see them:
-the README's Checkpoints). Rank 0 prints how far the resumed run ends from the straight one.
+buckets do not matter (a code over a bucket's chunks, ``--compressor int8``, also needs the saved
+bucket layouts, which the hook state keeps). Rank 0 prints how far the resumed run ends from the
+straight one.
 """
 from __future__ import annotations
 

@@ -13,7 +13,11 @@ What DDP's hook contract asks for, and how it is met here (so users never meet i
 * After the first synced step DDP rebuilds its buckets. Each call describes its bucket afresh
   (``index``, ``is_last``, shapes) and names its tensors by parameter name (``register``), so
   compressor state (residuals, warm-start factors) follows each parameter through the rebuild and
-  into a resumed run of a freshly built model.
+  into a resumed run of a freshly built model. A code over a bucket's chunks (int8, topk, ...)
+  also depends on which tensors share a bucket, and a fresh model's first step puts them all in
+  one: so the hook state records the last step's bucket layouts, and after a resume the first
+  step's buckets are cut back into them (``_replay_parts``), which makes the resumed run equal the
+  uninterrupted one bit for bit.
 * Sparse gradients (``nn.Embedding(sparse=True)``) arrive as a bucket of their own; ``Allreduce``
   and ``Allgather`` average them as PyTorch's allreduce does (``sparse``), other compressors
   raise an error that says so on every rank.
@@ -25,6 +29,7 @@ from ``backward()`` on every rank and leave the communicator usable.
 """
 from __future__ import annotations
 
+import math
 import types
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
@@ -32,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..arrays import is_device_array, synchronize
+from ..arrays import array_module, is_device_array, synchronize
 from ..bucket import Bucket
 from ..comm import Communicator, launched_by_mpi
 from ..compressors import Compressor, make
@@ -66,6 +71,9 @@ class HookState:
         self.names = names or {}     # id(parameter) -> name (rebuilt after unpickling)
         self.shapes = shapes or {}   # name -> shape
         self.buckets_reduced = 0
+        self.layouts: list[tuple[str, ...]] = []  # the last whole step's buckets' keys, by index
+        self.replay: list[tuple[str, ...]] = []   # loaded layouts the next step's buckets are cut into
+        self._step_layouts: list[tuple[str, ...]] = []  # this step's so far
 
     def __repr__(self) -> str:
         return f"HookState({self.compressor!r}, {self.comm!r})"
@@ -77,9 +85,11 @@ class HookState:
         return state
 
     def state_dict(self) -> dict[str, Any]:
-        """The compressor's state as tensors and plain values (``torch.save``-able)."""
+        """The compressor's state as tensors and plain values (``torch.save``-able), and the last
+        step's bucket layouts (lists of parameter names)."""
         return {"compressor": self.compressor.describe(),
-                "state": to_torch_state(self.compressor.state_dict())}
+                "state": to_torch_state(self.compressor.state_dict()),
+                "layouts": [list(keys) for keys in self.layouts]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s output; checked against this model's parameters first."""
@@ -90,7 +100,13 @@ class HookState:
         if saved != self.compressor.describe():
             raise ValueError(f"gradcomp.torch: this checkpoint was saved by {saved}, but this hook "
                              f"runs {self.compressor.describe()}")
+        layouts = state.get("layouts", [])  # absent from checkpoints saved before they were kept
+        if not (isinstance(layouts, list) and all(isinstance(keys, list) and all(isinstance(k, str) for k in keys)
+                                                  for keys in layouts)):
+            raise ValueError("gradcomp.torch: 'layouts' must be a list of lists of parameter names")
         self.compressor.load_state_dict(from_torch_state(state["state"]), self.shapes or None)
+        self.layouts = self.replay = [tuple(keys) for keys in layouts]
+        self._step_layouts = []
 
 
 # ``bucket`` (a ``torch.distributed.GradBucket``) and the returned ``torch.futures.Future`` are
@@ -121,12 +137,19 @@ def _hook(state: HookState, bucket):
             if None in found or len(found) != len(set(found)):
                 keys = None  # comm_hook() without a model: state follows the bucket index
             shapes = [tuple(g.shape) for g in bucket.gradients()]
-            # scratch: DDP lets a hook overwrite its bucket (PyTorch's own hooks divide it in
-            # place), so a compressor may reduce into it instead of allocating another 25 MB
-            wrapped = Bucket(array, bucket.index(), shapes, bucket.is_last(), scratch=True, keys=keys)
             if tensor.is_cuda:
                 wait_for_torch(tensor)  # the pipeline's threads (and MPI) must see finished gradients
-            pending = state.compressor.reduce(wrapped, state.comm)
+            parts = _replay_parts(state, keys) if keys is not None else None
+            if parts is None:
+                # scratch: DDP lets a hook overwrite its bucket (PyTorch's own hooks divide it in
+                # place), so a compressor may reduce into it instead of allocating another 25 MB
+                wrapped = Bucket(array, bucket.index(), shapes, bucket.is_last(), scratch=True, keys=keys)
+                jobs = [(None, array, state.compressor.reduce(wrapped, state.comm))]
+                parts = [(bucket.index(), tuple(keys))] if keys is not None else []
+            else:
+                jobs = _reduce_parts(state, array, keys, shapes, parts, bucket.is_last())  # type: ignore[arg-type]
+            _record(state, [p for _, p in parts], bucket.is_last())
+            pending = jobs[-1][2]
     except BaseException as exc:  # surfaces from backward(), like an error inside the compressor
         _fail(future, exc)
         return result
@@ -138,8 +161,16 @@ def _hook(state: HookState, bucket):
             if array is None:  # sparse: a new tensor
                 future.set_result(mean)
                 return
-            if mean is not array:  # already in place when the compressor reduced into the bucket
-                array[...] = mean
+            for where, flat, part in jobs:  # the pipeline is ordered: the earlier parts are done
+                mean = part.result()
+                if where is None:
+                    if mean is not array:  # already in place when the compressor reduced into the bucket
+                        array[...] = mean
+                    continue
+                at = 0
+                for start, size in where:
+                    array[start:start + size] = mean[at:at + size]
+                    at += size
             if is_device_array(array):
                 synchronize(array)  # the copy must be finished before DDP reads the buffer
             future.set_result(tensor)
@@ -148,6 +179,48 @@ def _hook(state: HookState, bucket):
 
     pending.add_done_callback(write_back)
     return result
+
+
+def _replay_parts(state: HookState, keys: list[str]) -> list[tuple[int, tuple[str, ...]]] | None:
+    """After a resume, the loaded layouts (index, keys) that make up this DDP bucket, when it is
+    not one of them but exactly their union (a fresh model's first buckets); else None."""
+    if not state.replay or tuple(keys) in state.replay:
+        return None
+    mine = set(keys)
+    parts = [(i, layout) for i, layout in enumerate(state.replay) if mine.issuperset(layout)]
+    if sum(len(layout) for _, layout in parts) != len(mine) or set().union(*(p for _, p in parts)) != mine:
+        return None  # DDP cut the tensors otherwise: reduce the bucket as it is
+    return parts
+
+
+def _reduce_parts(state: HookState, array: Any, keys: list[str], shapes: list[tuple],
+                  parts: list[tuple[int, tuple[str, ...]]], is_last: bool) -> list[tuple[Any, Any, Any]]:
+    """Reduce ``array``'s tensors as the buckets ``parts``: each gathered into a bucket of its
+    own, in the loaded order. Returns (where each tensor goes back in ``array``, the part's
+    buffer, its Future) per part."""
+    xp = array_module(array)
+    spans, at = {}, 0
+    for key, shape in zip(keys, shapes):
+        size = math.prod(shape)
+        spans[key] = (at, size, shape)
+        at += size
+    jobs = []
+    for j, (index, layout) in enumerate(parts):
+        where = [spans[k][:2] for k in layout]
+        flat = xp.concatenate([array[start:start + size] for start, size in where])
+        part = Bucket(flat, index, [spans[k][2] for k in layout], is_last and j == len(parts) - 1,
+                      scratch=True, keys=layout)
+        jobs.append((where, flat, state.compressor.reduce(part, state.comm)))
+    return jobs
+
+
+def _record(state: HookState, layouts: list[tuple[str, ...]], is_last: bool) -> None:
+    """Keep this step's bucket layouts; a whole step's become ``state.layouts`` (checkpointed).
+    The loaded ones are replayed for one step only: DDP has rebuilt its buckets after it."""
+    state._step_layouts.extend(layouts)
+    if is_last:
+        state.layouts, state._step_layouts = state._step_layouts, []
+        state.replay = []
 
 
 def _named_hook(compressor: Compressor) -> Callable[..., Any]:
