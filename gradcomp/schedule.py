@@ -114,12 +114,6 @@ class Schedule(Compressor):
     def warmup_steps(self) -> int:
         return self.starts[-1] + self.compressors[-1].warmup_steps
 
-    def skip(self) -> None:
-        """Count one training step whose buckets were reduced elsewhere (a stage's compressor run
-        directly, as ``OneBitAdam``'s warm-up in DDP's hook), so that the next step reduced here
-        goes to its stage. Stages keep their own state; no residual is handed over for it."""
-        self._step += 1
-
     def stage_at(self, step: int) -> int:
         """Index of the stage that reduces training step ``step``."""
         return bisect.bisect_right(self.starts, step) - 1

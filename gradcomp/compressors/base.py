@@ -232,7 +232,11 @@ class Compressor:
         """Traffic so far. ``bytes_sent``: bytes this rank put on the wire (bandwidth-optimal
         algorithms); ``compression_ratio``: what a plain allreduce of the same buckets would have
         sent divided by what was sent; ``rounds_per_step``: collectives per training step."""
-        s = _with_rates(dict(self._stats))
+        s = dict(self._stats)
+        steps = max(s["steps"], 1)
+        s["bytes_sent_per_step"] = s["bytes_sent"] / steps
+        s["rounds_per_step"] = s["rounds"] / steps
+        s["compression_ratio"] = (s["reference_bytes"] / s["bytes_sent"]) if s["bytes_sent"] else 1.0
         guard = getattr(self, "_guard", None)
         if guard is not None:
             s["guard"] = guard.stats()
@@ -310,22 +314,3 @@ def _wrap_device(device: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
         return _on_device(device, fn, *args)
     return wrapped
 
-
-
-#: the traffic counters of ``Compressor.stats``, which add up over compressors
-COUNTERS = ("calls", "steps", "input_bytes", "bytes_sent", "rounds", "reference_bytes")
-
-
-def _with_rates(s: dict[str, Any]) -> dict[str, Any]:
-    """``s`` (the counters) with the per-step figures and the compression ratio derived."""
-    steps = max(s["steps"], 1)
-    s["bytes_sent_per_step"] = s["bytes_sent"] / steps
-    s["rounds_per_step"] = s["rounds"] / steps
-    s["compression_ratio"] = (s["reference_bytes"] / s["bytes_sent"]) if s["bytes_sent"] else 1.0
-    return s
-
-
-def add_traffic(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
-    """The traffic of two compressors that took turns (two ``stats()``): counters summed, the
-    per-step figures and the ratio derived again."""
-    return _with_rates({k: a[k] + b[k] for k in COUNTERS})

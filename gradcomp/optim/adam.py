@@ -47,14 +47,14 @@ import numpy as np
 from ..arrays import Array, array_module
 from ..comm import Communicator
 from ..compressors.allreduce import Allreduce
-from ..compressors.base import Compressor, add_traffic
+from ..compressors.base import Compressor
 from ..compressors.feedback import ErrorFeedback
 from ..compressors.quantize import OneBit
 from ..params import check_bool, check_float, check_int
 from ..planning.names import steady
 from ..registry import make
 from ..schedule import Schedule
-from .base import Hyper, Optimizer, _Agreed
+from .base import Hyper, Optimizer
 
 
 class OneBitAdam(Optimizer):
@@ -117,9 +117,7 @@ class OneBitAdam(Optimizer):
         # an exact warm-up is described as before warmup_compressor existed: its checkpoints load
         exact = warm.describe() == Allreduce().describe()
         self._warmup_config = {} if exact else {"warmup_compressor": warm.describe()}
-        self._schedule = Schedule([(0, warm), (self.warmup, inner)])
-        reducer = self._exchange(self._schedule)
-        self._warmup_exchange: _Agreed | None = None  # built by warmup_exchange()
+        reducer = self._exchange(Schedule([(0, warm), (self.warmup, inner)]))
         self._sent = reducer.gradients  # what travels: gradients in the warm-up, momentum after
         xp = array_module(self.params[0])
         self.m = [xp.zeros(p.shape, p.dtype) for p in self.params]
@@ -137,45 +135,22 @@ class OneBitAdam(Optimizer):
     def phase(self) -> str:
         return "warm-up" if self.steps < self.warmup else "frozen variance"
 
-    def warmup_exchange(self) -> Compressor:
-        """The compressor that averages the warm-up's gradients where they are made, for
-        ``step(..., averaged=True)``: ``gradcomp.torch.OneBitAdam`` runs it in DDP's hook, so the
-        exchange overlaps the backward pass. It is ``warmup_compressor`` with this optimizer's
-        configuration and step agreed on, as in ``step``'s own exchange; its state is the warm-up
-        stage's (per tensor, keyed as here), so a checkpoint resumes on either path."""
-        if self._warmup_exchange is None:
-            self._warmup_exchange = _Agreed(self.warmup_compressor, self)
-        return self._warmup_exchange
-
-    def step(self, grads: Sequence[Array], lr: Hyper | None = None, weight_decay: Hyper | None = None,
-             averaged: bool = False) -> None:
-        """One update from this rank's local ``grads`` (one per parameter, any float dtype).
-
-        ``averaged``: in the warm-up only, ``grads`` are already the means over the ranks,
-        averaged through ``warmup_exchange()`` (e.g. in DDP's hook); the step then exchanges
-        nothing."""
+    def step(self, grads: Sequence[Array], lr: Hyper | None = None, weight_decay: Hyper | None = None) -> None:
+        """One update from this rank's local ``grads`` (one per parameter, any float dtype)."""
         grads = self._check_grads(grads)
-        warm = self.steps < self.warmup
-        if averaged and not warm:
-            raise ValueError(f"OneBitAdam.step: averaged=True at step {self.steps}, after the {self.warmup}-step "
-                             "warm-up: from the freeze on each rank's own gradient goes into the momentum")
         rates, decay = self._hyper(lr, weight_decay)
         b1, b2 = self.betas
+        warm = self.steps < self.warmup
         t = self.steps + 1
         if self.steps == self.warmup and self.warmup_compressor is not self.momentum_compressor:
             # the warm-up's residual is a gradient's error; from now on the momentum travels (in
             # the update's units): handed over, it would be added to a quantity of other units
             self.warmup_compressor.take_residual(self._keys)
         if warm:
-            if averaged:
-                self._schedule.skip()  # reduced by warmup_exchange(): the freeze still comes on time
-                means = grads
-            else:
-                for s, g in zip(self._sent, grads):
-                    s[...] = g
-                self.reducer.step()
-                means = self._sent
-            for m, v, g in zip(self.m, self.v, means):
+            for s, g in zip(self._sent, grads):
+                s[...] = g
+            self.reducer.step()
+            for m, v, g in zip(self.m, self.v, self._sent):
                 m *= m.dtype.type(b1)
                 m += m.dtype.type(1 - b1) * g
                 v *= v.dtype.type(b2)
@@ -227,14 +202,6 @@ class OneBitAdam(Optimizer):
                 denom = frozen
             p -= kind(rate / first) * m / denom
         self.steps += 1
-
-    def stats(self) -> dict[str, Any]:
-        """As ``Optimizer.stats``, with the traffic of a warm-up averaged through
-        ``warmup_exchange()`` (DDP's hook) added in."""
-        own = super().stats()
-        if self._warmup_exchange is None:
-            return own
-        return {**own, **add_traffic(own, self._warmup_exchange.stats())}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         saved = str(np.asarray(state.get("config", "")))

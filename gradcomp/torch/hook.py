@@ -101,21 +101,12 @@ class HookState:
             raise ValueError(f"gradcomp.torch: this checkpoint was saved by {saved}, but this hook "
                              f"runs {self.compressor.describe()}")
         layouts = state.get("layouts", [])  # absent from checkpoints saved before they were kept
-        _check_layouts(layouts)
+        if not (isinstance(layouts, list) and all(isinstance(keys, list) and all(isinstance(k, str) for k in keys)
+                                                  for keys in layouts)):
+            raise ValueError("gradcomp.torch: 'layouts' must be a list of lists of parameter names")
         self.compressor.load_state_dict(from_torch_state(state["state"]), self.shapes or None)
-        self.load_layouts(layouts)
-
-    def load_layouts(self, layouts: list[list[str]]) -> None:
-        """Replay ``layouts`` (a saved ``state_dict()["layouts"]``) at the next step."""
-        _check_layouts(layouts)
         self.layouts = self.replay = [tuple(keys) for keys in layouts]
         self._step_layouts = []
-
-
-def _check_layouts(layouts: Any) -> None:
-    if not (isinstance(layouts, list) and all(isinstance(keys, list) and all(isinstance(k, str) for k in keys)
-                                              for keys in layouts)):
-        raise ValueError("gradcomp.torch: 'layouts' must be a list of lists of parameter names")
 
 
 # ``bucket`` (a ``torch.distributed.GradBucket``) and the returned ``torch.futures.Future`` are

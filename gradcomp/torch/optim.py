@@ -7,11 +7,8 @@
 These methods average what *they* send (Adam's momentum, DGC's accumulated velocity), not the
 gradients, so the optimizer does the communication itself (as DeepSpeed's ``OnebitAdam`` does) and
 DDP must not average first: pass the DDP model as ``model=`` and its communication hook is replaced
-by one that leaves each rank's gradients local (``local_hook``). ``OneBitAdam``'s warm-up averages
-gradients, though: there the hook runs its warm-up exchange on DDP's buckets, overlapping the
-backward pass as any DDP hook does (``warmup_hook``), and leaves them local from the freeze on. A
-model without DDP works too; its parameters are then broadcast from rank 0 at construction, as DDP
-would. The arithmetic is
+by one that leaves each rank's gradients local (``local_hook``). A model without DDP works too; its
+parameters are then broadcast from rank 0 at construction, as DDP would. The arithmetic is
 ``gradcomp.optim``'s, on NumPy (CPU) or CuPy (CUDA) views of the parameters, so every rank holds
 the same bits. ``state_dict()`` adds the method's state (momentum, variance, residuals) as tensors.
 """
@@ -25,7 +22,6 @@ import torch
 from .. import optim as core
 from ..comm import Communicator
 from .checkpoint import from_torch_state, to_torch_state
-from .hook import HookState, _hook
 from .tensors import as_array
 
 
@@ -52,24 +48,18 @@ class _Wrapped(torch.optim.Optimizer):
         from .hook import default_comm
 
         comm = comm if comm is not None else default_comm()
-        ddp = self._install(model, comm)
+        self._install(model, comm)
         group_of = [g for g in self.param_groups for _ in g["params"]]
         hyper = {k: [g[k] for g in group_of] for k in self.per_group}
         self.method_state = self.method([as_array(p) for p in self._tensors], comm=comm,
                                         bucket_cap_mb=bucket_cap_mb, **hyper, **options)
-        if ddp is not None:
-            self._register(ddp, comm)
 
-    def _register(self, ddp: Any, comm: Communicator) -> None:
-        """Give the DDP model the hook this method needs (local gradients; see the module)."""
-        ddp.register_comm_hook(None, local_hook)
-
-    def _install(self, model: Any, comm: Communicator) -> Any:
-        """The DDP model, or None after broadcasting the parameters of a model without DDP."""
+    def _install(self, model: Any, comm: Communicator) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         if isinstance(model, DistributedDataParallel):
-            return model
+            model.register_comm_hook(None, local_hook)
+            return
         if model is not None:
             raise TypeError(f"gradcomp.torch.{type(self).__name__}: model= must be the "
                             f"DistributedDataParallel model, got {type(model).__name__}")
@@ -77,7 +67,6 @@ class _Wrapped(torch.optim.Optimizer):
             for p in self._tensors:
                 view = as_array(p)
                 view[...] = comm.broadcast(view)
-        return None
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -89,11 +78,8 @@ class _Wrapped(torch.optim.Optimizer):
                  for p in self._tensors]
         group_of = [g for g in self.param_groups for _ in g["params"]]
         hyper = {k: [float(g[k]) for g in group_of] for k in self.per_group}
-        self.method_state.step(grads, **hyper, **self._step_options())
+        self.method_state.step(grads, **hyper)
         return loss
-
-    def _step_options(self) -> dict[str, Any]:
-        return {}
 
     def stats(self) -> dict[str, Any]:
         """Traffic and phase (``gradcomp.optim.Optimizer.stats``)."""
@@ -113,62 +99,10 @@ class _Wrapped(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
 
 
-class _WarmupHookState(HookState):
-    """``OneBitAdam``'s hook state: its warm-up exchange, keyed by the optimizer's parameter
-    positions as its own exchange is (so residuals and checkpoints are the same on both paths)."""
-
-    def __init__(self, method: core.OneBitAdam, comm: Communicator, tensors: list[Any]):
-        keys = method.reducer.shapes
-        super().__init__(method.warmup_exchange(), comm, {id(p): str(i) for i, p in enumerate(tensors)},
-                         dict(keys))
-        self.method = method
-
-
-def warmup_hook(state: _WarmupHookState, bucket):  # bucket and result unannotated: see hook._hook
-    """In ``OneBitAdam``'s warm-up, average DDP's bucket through the warm-up exchange (gradcomp's
-    DDP hook); from the freeze on, leave each rank's gradients local."""
-    if state.method.steps < state.method.warmup:
-        return _hook(state, bucket)
-    return local_hook(state, bucket)
-
-
 class OneBitAdam(_Wrapped):
-    """``gradcomp.optim.OneBitAdam`` as a torch optimizer (AdamW semantics in the warm-up).
-
-    With ``model=`` a DDP model whose trained parameters are exactly this optimizer's, the warm-up's
-    gradients are averaged in DDP's hook (``warmup_hook``), overlapping the backward pass; otherwise
-    ``step`` averages them after it."""
+    """``gradcomp.optim.OneBitAdam`` as a torch optimizer (AdamW semantics in the warm-up)."""
 
     method = core.OneBitAdam
-    method_state: core.OneBitAdam
-    _hook_state: _WarmupHookState | None = None
-
-    def _register(self, ddp: Any, comm: Communicator) -> None:
-        trained = {id(p) for p in ddp.module.parameters() if p.requires_grad}
-        if trained != {id(p) for p in self._tensors}:
-            super()._register(ddp, comm)  # DDP's buckets would carry tensors this optimizer lacks
-            return
-        self._hook_state = _WarmupHookState(self.method_state, comm, self._tensors)
-        ddp.register_comm_hook(self._hook_state, warmup_hook)
-
-    def _step_options(self) -> dict[str, Any]:
-        method = self.method_state
-        return {"averaged": self._hook_state is not None and method.steps < method.warmup}
-
-    def state_dict(self) -> dict[str, Any]:
-        """As every gradcomp optimizer's, plus (warm-up in DDP's hook) the hook's bucket layouts,
-        so that a resumed warm-up cuts a fresh model's first bucket as the saved run did."""
-        out = super().state_dict()
-        if self._hook_state is not None:
-            out["gradcomp_layouts"] = [list(keys) for keys in self._hook_state.layouts]
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        layouts = state_dict.pop("gradcomp_layouts", None)
-        super().load_state_dict(state_dict)
-        if self._hook_state is not None and layouts is not None:
-            self._hook_state.load_layouts(layouts)
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, warmup: int = 200,
