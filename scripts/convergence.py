@@ -18,8 +18,9 @@ workloads; ``allreduce`` is the MLP's), or one of gradcomp's optimizers, which c
 themselves: ``onebitadam[:key=value,...]`` (the LM) and ``dgc[:...]`` (any workload).
 
 Per workload and method, over the seeds: the final loss (mean and worst) against the exact
-reference of the same seed, the final accuracy and that of the last evaluations (digits: `late_accuracy`), the steps to reach the reference's final
-loss (each seed against its own reference; "-" when a seed never gets there), and the bytes each
+reference of the same seed, the final accuracy and the mean of the last evaluations' (digits:
+``late_accuracy``), the steps to reach the reference's final loss (each seed against its own
+reference; "-" when a seed never gets there), and the bytes each
 rank sends per step in the last quarter of training (steady state, after any warm-up) and over
 the whole run. A run whose loss is not finite, or higher at the end than at the start, counts as
 diverged. Runs are kept as ``OUT/WORKLOAD/METHOD@SEED.json`` and skipped when present (so an

@@ -144,12 +144,12 @@ def _hook(state: HookState, bucket):
                 # scratch: DDP lets a hook overwrite its bucket (PyTorch's own hooks divide it in
                 # place), so a compressor may reduce into it instead of allocating another 25 MB
                 wrapped = Bucket(array, bucket.index(), shapes, bucket.is_last(), scratch=True, keys=keys)
-                jobs = [(None, array, state.compressor.reduce(wrapped, state.comm))]
+                jobs = [(None, state.compressor.reduce(wrapped, state.comm))]
                 parts = [(bucket.index(), tuple(keys))] if keys is not None else []
             else:
                 jobs = _reduce_parts(state, array, keys, shapes, parts, bucket.is_last())  # type: ignore[arg-type]
             _record(state, [p for _, p in parts], bucket.is_last())
-            pending = jobs[-1][2]
+            pending = jobs[-1][1]
     except BaseException as exc:  # surfaces from backward(), like an error inside the compressor
         _fail(future, exc)
         return result
@@ -161,7 +161,7 @@ def _hook(state: HookState, bucket):
             if array is None:  # sparse: a new tensor
                 future.set_result(mean)
                 return
-            for where, flat, part in jobs:  # the pipeline is ordered: the earlier parts are done
+            for where, part in jobs:  # the pipeline is ordered: the earlier parts are done
                 mean = part.result()
                 if where is None:
                     if mean is not array:  # already in place when the compressor reduced into the bucket
@@ -194,10 +194,10 @@ def _replay_parts(state: HookState, keys: list[str]) -> list[tuple[int, tuple[st
 
 
 def _reduce_parts(state: HookState, array: Any, keys: list[str], shapes: list[tuple],
-                  parts: list[tuple[int, tuple[str, ...]]], is_last: bool) -> list[tuple[Any, Any, Any]]:
+                  parts: list[tuple[int, tuple[str, ...]]], is_last: bool) -> list[tuple[Any, Any]]:
     """Reduce ``array``'s tensors as the buckets ``parts``: each gathered into a bucket of its
     own, in the loaded order. Returns (where each tensor goes back in ``array``, the part's
-    buffer, its Future) per part."""
+    Future) per part."""
     xp = array_module(array)
     spans, at = {}, 0
     for key, shape in zip(keys, shapes):
@@ -210,7 +210,7 @@ def _reduce_parts(state: HookState, array: Any, keys: list[str], shapes: list[tu
         flat = xp.concatenate([array[start:start + size] for start, size in where])
         part = Bucket(flat, index, [spans[k][2] for k in layout], is_last and j == len(parts) - 1,
                       scratch=True, keys=layout)
-        jobs.append((where, flat, state.compressor.reduce(part, state.comm)))
+        jobs.append((where, state.compressor.reduce(part, state.comm)))
     return jobs
 
 
