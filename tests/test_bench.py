@@ -336,6 +336,11 @@ def test_worker_measures_each_path(tmp_path, path):
         assert r["cpu_s"] > 0 and 0 <= r["cpu_system_share"] <= 1, name
         assert r["cpu_floor_vs_allreduce"] == pytest.approx(
             r["cpu_s"] / len(os.sched_getaffinity(0)) / by["allreduce"]["time_s"]), name
+        # the whole machine's busy CPU over the step (rank 0, /proc/stat): at least what one rank
+        # of the two used (ticks of 10 ms: a tiny step may read 0), spread over every core
+        assert 0 <= r["machine_cpu_s"] < 60, name
+        assert r["machine_floor_vs_allreduce"] == pytest.approx(
+            r["machine_cpu_s"] / os.cpu_count() / by["allreduce"]["time_s"]), name
     fp32 = 2 * (2 - 1) / 2 * 4 * n
     for name in ("allreduce", "torch-allreduce") + (("ddp",) if path == "ddp" else ()):
         assert by[name]["bytes_per_rank"] == pytest.approx(fp32), name
@@ -636,3 +641,21 @@ def test_the_worker_names_methods_timed_in_their_warm_up():
     said = warmup_warnings(select("int8,int8:warmup=0,powersgd:start_iter=2,auto,allreduce", with_torch=False), 3)
     assert len(said) == 1 and "int8 averages its first 50 steps" in said[0] and "'int8:warmup=0'" in said[0], said
     assert warmup_warnings(select("int8", with_torch=False), 50) == []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux's /proc/stat")
+def test_the_machine_busy_clock_counts_this_process_cpu():
+    """``_machine_busy`` (the worker's machine-wide CPU floor) advances at least by the CPU time
+    this process burns (every other process only adds), and by no more than every core's share
+    of the wall time."""
+    import time
+
+    from gradcomp.bench.worker import _machine_busy
+
+    b0, c0, t0 = _machine_busy(), time.process_time(), time.perf_counter()
+    while time.process_time() - c0 < 0.5:
+        pass
+    b1, c1, t1 = _machine_busy(), time.process_time(), time.perf_counter()
+    assert b0 is not None and b1 is not None
+    assert b1 - b0 >= (c1 - c0) - 0.05  # USER_HZ ticks: 10 ms each, at both ends
+    assert b1 - b0 <= (t1 - t0) * os.cpu_count() + 0.05

@@ -41,7 +41,11 @@ costs first-touch faults). CPU time is counted the same way (user + system, all 
 ``cpu_s`` is the median over steps of the sum over ranks, and ``cpu_floor_vs_allreduce`` that
 sum spread over the cores the ranks share (``len(os.sched_getaffinity(0))``) as a fraction of the
 fp32 allreduce step: a step cannot take less than its floor, whatever the network, so a method
-whose floor is near its step time is bound by the CPU, not the wire. By default the timed steps
+whose floor is near its step time is bound by the CPU, not the wire. Rank 0 also reads the whole
+machine's busy CPU seconds over each step (``machine_cpu_s``, from a barrier before the step to
+one after it whose ranks sleep while they wait; ``machine_floor_vs_allreduce`` spreads them over
+all cores): on ``bench/capped.sh``'s link that adds what the emulated hosts' network stacks do
+outside the ranks' own accounts. By default the timed steps
 go round-robin over the methods, so that a burst of load from other processes slows every method alike; ``--order blocks`` builds, warms up
 and times one method at a time (as a training run repeats one method; also only one method's
 memory is alive at a time, which BERT-sized runs with many methods need). The relative error is
@@ -91,6 +95,37 @@ def _link_tx() -> int | None:
             return int(f.read())
     except OSError:
         return None
+
+
+def _machine_busy() -> float | None:
+    """CPU seconds the whole machine has been busy so far, all cores and every process and kernel
+    thread (``/proc/stat``: user, nice, system, irq, softirq, steal), or None where it cannot be
+    read. On ``bench/capped.sh``'s link the emulated hosts' network stacks (veth, bridge, tbf)
+    run on the same cores as the ranks, partly in softirq context that no rank's ``getrusage``
+    counts: this is the CPU a step needs on this machine, ranks and network together. (Measured
+    at 1 Gbit/s x 4 ranks: within 0.95-1.15x the ranks' own CPU, most of the network's work is
+    charged to the ranks' system time.)"""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 8:
+        return None
+    ticks = [int(v) for v in fields[1:9]]
+    busy = ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6] + (ticks[7] if len(ticks) > 7 else 0)
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _quiet_barrier(world: Any) -> None:
+    """A barrier whose waiting ranks sleep between tests instead of spinning (MPI's ``Barrier``
+    spins): a rank that finished its step early must not take a core from one still working (4
+    ranks share 2 cores here), nor count as the machine's busy time (``_machine_busy``)."""
+    request = world.Ibarrier()
+    pause = 2e-6
+    while not request.Test():
+        time.sleep(pause)
+        pause = min(pause * 2, 2e-4)
 
 
 def _progress(rank: int, done: int, total: int, name: str) -> None:
@@ -181,6 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     faults: dict[str, list[int]] = {}
     cpu: dict[str, list[tuple[float, float]]] = {}  # (user, system) seconds of each timed step
     link: dict[str, list[int]] = {}  # bytes this rank's host sent on its capped link, per timed step
+    machine: dict[str, list[float]] = {}  # rank 0: the machine's busy CPU seconds, per timed step
     errors: dict[str, float] = {}
     diffs: dict[str, float] = {}
 
@@ -208,14 +244,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         case.prepare()  # restoring overwritten gradients is not part of the step
         world.Barrier()
         tx0 = _link_tx()
+        m0 = _machine_busy() if rank == 0 else None
         with case.timed():
             f0, u0, s0 = _usage()
             t0 = time.perf_counter()
             case.step()
             t = time.perf_counter() - t0
             f1, u1, s1 = _usage()
-        if tx0 is not None:  # after every rank of the host has finished sending (and a barrier's bytes)
-            world.Barrier()
+        _quiet_barrier(world)  # every rank has finished the step (and sent its bytes)
+        if m0 is not None:
+            m1 = _machine_busy()
+            machine.setdefault(case.name, []).append((m1 or m0) - m0)
+        if tx0 is not None:
             link.setdefault(case.name, []).append((_link_tx() or 0) - tx0)
         times[case.name].append(t)
         faults[case.name].append(f1 - f0)
@@ -295,6 +335,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    cpu_s=float(np.median(total_cpu)),
                    cpu_system_share=float(used[:, 1].sum() / max(used.sum(), 1e-12)),
                    rel_error=errors[name])
+        if name in machine:
+            row["machine_cpu_s"] = float(np.median(machine[name]))
         if name in diffs:
             row[f"rel_diff_vs_{reference_name}"] = diffs[name]  # (a reference ran: a name)
         results.append(row)
@@ -380,6 +422,8 @@ def _with_ratios(results: list[dict[str, Any]], n: int, size: int, cores: int) -
                 r[f"time_vs_{base}"] = r["time_s"] / by[base]["time_s"]
         if fp32 and "cpu_s" in r:
             r["cpu_floor_vs_allreduce"] = r["cpu_s"] / cores / fp32
+        if fp32 and "machine_cpu_s" in r:
+            r["machine_floor_vs_allreduce"] = r["machine_cpu_s"] / (os.cpu_count() or 1) / fp32  # /proc/stat counts every core
         if r["kind"] != "baseline":
             r["compression_ratio"] = fp32_bytes / r["bytes_per_rank"] if r["bytes_per_rank"] else None
         twin = by.get(r.get("same_as") or "")
