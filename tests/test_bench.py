@@ -336,8 +336,9 @@ def test_worker_measures_each_path(tmp_path, path):
         assert r["cpu_s"] > 0 and 0 <= r["cpu_system_share"] <= 1, name
         assert r["cpu_floor_vs_allreduce"] == pytest.approx(
             r["cpu_s"] / len(os.sched_getaffinity(0)) / by["allreduce"]["time_s"]), name
-        # the whole machine's busy CPU over the step (rank 0, /proc/stat): at least what one rank
-        # of the two used (ticks of 10 ms: a tiny step may read 0), spread over every core
+        # the whole machine's busy CPU over the step (rank 0, /proc/stat; in ticks of 10 ms, so a
+        # tiny step may read 0: test_the_machine_busy_clock_counts_this_process_cpu checks the
+        # clock), spread over every core
         assert 0 <= r["machine_cpu_s"] < 60, name
         assert r["machine_floor_vs_allreduce"] == pytest.approx(
             r["machine_cpu_s"] / os.cpu_count() / by["allreduce"]["time_s"]), name

@@ -1012,7 +1012,7 @@ def onebit_encode_chunks(g, e, width, scales, bits, feedback, tmp, bf16):
             start = c0 * width
             m = min(block * width, size - start)
             xb = _values(g[start:start + m], tmp[:m], m, bf16)
-            bad += _onebit_block(xb, m, width, totals, xb, False, bits, scales, start, c0)
+            bad += _onebit_block(xb, m, width, totals, xb, False, bits, scales, start, c0)  # (no residual)
         return bad
     for c0 in range(0, chunks, block):
         start = c0 * width
