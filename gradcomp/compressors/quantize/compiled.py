@@ -1067,15 +1067,7 @@ def onebit_owner_chunks(rows, row_scales, chunks, width, n, div, feedback, e, sc
     encoded into ``scales`` and ``bits`` and ``e`` left with the error: the operations of
     decoding each row into a zeroed slice, dividing and ``onebit_encode_chunks``, in the same
     order, without the slice-sized sum. ``tmp`` as in that kernel (a block of chunks). Returns
-    the count of non-finite scales, as that kernel. (Each case its own loop, as there.)"""
-    if feedback:
-        return _onebit_owner_blocks(rows, row_scales, chunks, width, n, div, True, e, scales, bits, tmp)
-    return _onebit_owner_blocks(rows, row_scales, chunks, width, n, div, False, e, scales, bits, tmp)
-
-
-@njit(inline="always")
-def _onebit_owner_blocks(rows, row_scales, chunks, width, n, div, feedback, e, scales, bits, tmp):
-    """``onebit_owner_chunks`` with ``feedback`` a constant."""
+    the count of non-finite scales, as that kernel."""
     size = rows.shape[0]
     base = 4 * chunks
     bad = 0
