@@ -138,3 +138,57 @@ def test_compute_timed_on_the_bucket_layout():
     on_a_vector, _ = _time_candidates(["powersgd"], [(sum(math.prod(s) for s in layout),)], repeats=2)
     # rank-4 power iterations and orthogonalization against a copy: about ten times apart here
     assert on_matrices["powersgd"] > 3 * on_a_vector["powersgd"], (on_matrices, on_a_vector)
+
+
+def rank_auto_hosts():
+    import gradcomp as gc
+    from gradcomp.planning import cost
+
+    comm = gc.MPICommunicator()
+    assert comm.topology.hosts == 2 and comm.topology.local_size == 2, comm.topology
+    rng = np.random.default_rng(comm.rank)
+    grads = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+    spec = "auto:allowed=allreduce,int8"
+    comp = gc.make(spec)
+    reducer = gc.GradientReducer(grads, comp, comm, bucket_cap_mb=0.05)
+    outs = reducer.step([g.copy() for g in grads])  # measured: both schedules of both candidates
+    choices = comp.stats()["choices"]
+    labels = {"allreduce", "int8", "hier-allreduce", "hier-int8"}
+    assert choices and all(set(c["predicted_s"]) == labels and c["chosen"] in labels for c in choices), choices
+    assert all("2 hosts (flat and hierarchical)" in c["why"] for c in choices), choices
+    # a host link 1000x slower than the path inside: fp32's hierarchical schedule halves what
+    # crosses it, and int8's costly compute loses (the measurement injected, so the choice is sure)
+    comp.replan()
+    comp._measured = {"link": cost.Link(1e-4, 1e6), "inside": cost.Link(1e-6, 1e9), "hosts": 2, "per_host": 2,
+                      "compute": {"allreduce": 0.0, "int8": 1e-5}, "prepare_share": {}, "contention": 1.0,
+                      "memory_pass": 1e-10}
+    for _ in range(2):
+        outs = reducer.step([g.copy() for g in grads])
+    chosen = {c["chosen"] for c in comp.stats()["choices"]}
+    assert chosen == {"hier-allreduce"}, comp.stats()["choices"]
+    digest = np.concatenate([o.reshape(-1) for o in outs]).tobytes()
+    assert len(set(comm.comm.allgather(digest))) == 1, "ranks differ"
+    exact = [np.mean(comm.comm.allgather(g), axis=0) for g in grads]
+    for o, e in zip(outs, exact):
+        np.testing.assert_allclose(o, e, rtol=1e-5, atol=1e-6)
+    # the hierarchical choice is checkpointed as such, and a fresh auto resumes with it
+    saved = reducer.state_dict()
+    fresh = gc.make(spec)
+    again = gc.GradientReducer(grads, fresh, comm, bucket_cap_mb=0.05)
+    again.load_state_dict(saved)
+    resumed = again.step([g.copy() for g in grads])
+    for o, r in zip(outs, resumed):
+        assert np.array_equal(o, r)
+    assert {k: v for k, v in again.state_dict().items() if "choice/" in k} == \
+        {k: v for k, v in saved.items() if "choice/" in k} and any(v == 2 for k, v in saved.items() if "choice/" in k)
+    print(f"rank {comm.rank}: ok", flush=True)
+
+
+def test_auto_plans_both_schedules_on_several_hosts():
+    """On 2 simulated hosts of 2 ranks, ``auto`` predicts every candidate flat and hierarchical
+    (``hier-NAME``) and may choose either: the hierarchical schedule is what a multi-host job's
+    default gives the methods it pays for (on 2 emulated hosts x 2 ranks at 100 Mbit/s, flat int4
+    took twice hierarchical int4's step, and a flat-only ``auto`` with it). A hierarchical choice
+    reduces exactly as ``Hierarchical`` does, on every rank alike, and is checkpointed."""
+    out = run_ranks(4, "tests.test_auto:rank_auto_hosts", env={"GRADCOMP_RANKS_PER_HOST": "2"}, timeout=240)
+    assert out.count(": ok") == 4, out

@@ -17,6 +17,11 @@ what the method's compute costs here. ``Auto`` measures all three once:
   A two-stage code's owner stage re-encodes the whole bucket on one rank and 1/N of it on N
   (``cost.Model.rank_cpu``);
 * **the topology**: ``MPICommunicator.topology`` (how many ranks share each host's link and cores).
+  On several hosts of several ranks every candidate is also priced in the hierarchical schedule
+  (``Hierarchical``: exact inside the host, the method across it; labelled ``hier-NAME``), with
+  the link inside a host probed too (every host's, the slowest agreed) and a memory pass timed:
+  a flat-only choice there lost to the fixed methods' own default schedule (2 emulated hosts x
+  2 ranks at 100 Mbit/s: int4 flat 2333 ms, hierarchical 1180, BENCHMARKS.md section 9).
   On one host there is no link to spare: shared memory moves bytes at memory speed, so a
   method's casts and codes cost about what they save, and fp32 beat every compressed method
   there (BENCHMARKS.md, sections 1 and 9). So a one-host job keeps the first allowed method
@@ -55,6 +60,7 @@ from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
 from ..comm.base import note_probe
 from ..compressors.base import Compressor, run_stage, sends_part
+from ..compressors.hierarchical import Hierarchical
 from ..state import reject_leftovers
 from . import cost
 
@@ -99,6 +105,10 @@ class Auto(Compressor):
         self.allowed = tuple(names)
         self.table = table
         self.candidates = [make(n) for n in names]
+        # every candidate in both schedules: flat (``candidates``, choices 0..n-1) and
+        # hierarchical (n..2n-1), which only a topology of several hosts of several ranks offers
+        self._options: list[Compressor] = self.candidates + [Hierarchical(make(n)) for n in names]
+        self._labels = list(names) + [f"hier-{n}" for n in names]
         self._choices: dict[str, int] = {}      # layout digest -> candidate
         self._why: dict[str, dict[str, Any]] = {}
         self._last: dict[str, int] = {}          # tensor key -> candidate that reduced it last
@@ -145,14 +155,20 @@ class Auto(Compressor):
             timed = _timed_shapes(shapes or [(numel,)])
             compute, shares = _time_candidates(self.allowed, timed) if comm.rank == 0 else ({}, {})
         names = list(self.allowed)
-        worst = np.max(comm.allgather(np.array([[compute.get(n, 0.0) for n in names],
-                                                [shares.get(n, 0.0) for n in names]])), axis=0)
+        memory = _memory_pass() if comm.rank == 0 else 0.0
+        worst = np.max(comm.allgather(np.array([[compute.get(n, 0.0) for n in names] + [memory],
+                                                [shares.get(n, 0.0) for n in names] + [0.0]])), axis=0)
         compute = {n: float(v) for n, v in zip(names, worst[0])}
         shares = {n: float(v) for n, v in zip(names, worst[1])}
         topo = getattr(comm, "topology", None)
         hosts, per_host = (topo.hosts, topo.local_size) if topo is not None else (comm.size, 1)
+        levels = comm.split_by_host() if hosts > 1 and per_host > 1 and hasattr(comm, "split_by_host") else None
+        # the link inside a host, where a hierarchical schedule would use it: every host's probed,
+        # the slowest agreed
+        inside = _agreed(comm, _probe(levels[0], numel)) if levels else None
         known[key] = {"link": link, "compute": compute, "prepare_share": shares, "hosts": hosts,
-                      "per_host": per_host, "contention": _contention(comm)}
+                      "per_host": per_host, "contention": _contention(comm), "inside": inside,
+                      "memory_pass": float(worst[0][-1])}
         # not the method's bytes (a probe of 25 MB messages had read the digits MLP's whole-run
         # compression as 0.7x), whichever compressor counts the stage: reported apart in stats()
         self._probe_bytes += comm.bytes_sent - before
@@ -176,30 +192,43 @@ class Auto(Compressor):
         m = self._measured if self._measured is not None else self.measure(comm, bucket.numel, bucket.shapes)
         self._measured = m
         hosts, per_host = m["hosts"], m["per_host"]
+        several = m["inside"] is not None  # several hosts of several ranks: both schedules
         # cores_per_host such that per_host / cores_per_host is how many ranks share a core here
         cluster = cost.Cluster(hosts, per_host, m["link"], cores_per_host=per_host / m["contention"])
         # on one host the exchange runs inside it: over the probed link, not the model's default
-        model = cost.Model(m["compute"], prepare_share=m["prepare_share"],
-                           local=m["link"] if hosts == 1 else None)
+        model = cost.Model(m["compute"], prepare_share=m["prepare_share"], local_pass=m["memory_pass"],
+                           local=m["link"] if hosts == 1 else m["inside"])
+        n = len(self.allowed)
+        order = []  # options in tie order: the allowed order, each name's default schedule first
+        for k, comp in enumerate(self.candidates):
+            schedules = [False, True] if several else [False]
+            if several and cost.hierarchical_pays(comp):
+                schedules.reverse()
+            order += [k + n * hier for hier in schedules]
         stages, times, paced = {}, {}, {}
-        for name, comp in zip(self.allowed, self.candidates):
-            t = cost.traffic(comp, bucket.shapes, comm.size)
-            stages[name] = model.stages(name, t, bucket.numel, cluster, hierarchical=False)
-            times[name] = stages[name][2]
-            paced[name] = cost.pipelined([stages[name]] * PACED_BUCKETS) / PACED_BUCKETS
+        for c in order:
+            k, hier = c % n, c >= n
+            label, name = self._labels[c], self.allowed[k]
+            t = cost.traffic(self.candidates[k], bucket.shapes, comm.size)
+            local, cpu, total = model.stages(name, t, bucket.numel, cluster, hierarchical=hier)
+            # a hierarchical schedule runs wholly on the wire thread: no local stage to overlap
+            stages[label] = (0.0, cpu, total) if hier else (local, cpu, total)
+            times[label] = total
+            paced[label] = cost.pipelined([stages[label]] * PACED_BUCKETS) / PACED_BUCKETS
         one_host = hosts == 1 and comm.size > 1 and not self.table
-        best = 0
-        for i, name in enumerate(self.allowed):
-            if not one_host and paced[name] < paced[self.allowed[best]] * (1 - TIE):
-                best = i
+        best = order[0]
+        for c in order:
+            if not one_host and paced[self._labels[c]] < paced[self._labels[best]] * (1 - TIE):
+                best = c
         self._choices[key] = best
-        self._why[key] = {"bucket": bucket.index, "numel": bucket.numel, "chosen": self.allowed[best],
+        self._why[key] = {"bucket": bucket.index, "numel": bucket.numel, "chosen": self._labels[best],
                           "predicted_s": times, "pipelined_s": paced, "stages_s": stages,
                           "why": (f"one host ({comm.size} ranks): no link to spare, the first allowed "
                                   "method" if one_host else
                                   f"fastest predicted in the pipeline on a link of "
                                   f"{m['link'].beta * 8 / 1e9:.3g} Gbit/s, "
-                                  f"{m['link'].alpha * 1e6:.0f} us latency, {comm.size} ranks")}
+                                  f"{m['link'].alpha * 1e6:.0f} us latency, {comm.size} ranks"
+                                  + (f" on {hosts} hosts (flat and hierarchical)" if several else ""))}
         return best
 
     # -- the two stages, routed --------------------------------------------------------------------
@@ -210,12 +239,12 @@ class Auto(Compressor):
         return self._route(k, bucket, comm, workspace)
 
     def _route(self, k: int, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Routed:
-        chosen = self.candidates[k]
+        chosen = self._options[k]
         handed: dict[str, Array] = {}
         for key in bucket.keys:
             before = self._last.get(key)
             if before is not None and before != k:
-                handed.update(self.candidates[before].take_residual([key]))
+                handed.update(self._options[before].take_residual([key]))
             self._last[key] = k
         if handed:
             from ..schedule import with_residuals
@@ -226,23 +255,23 @@ class Auto(Compressor):
     def finish(self, bucket: Bucket, comm: Communicator, prepared: _Routed) -> Array:
         if prepared.choice < 0:
             prepared = self._route(self._choose(bucket, comm), bucket, comm, comm.workspace)
-        return run_stage(self.candidates[prepared.choice], prepared.bucket, comm, prepared.inner)
+        return run_stage(self._options[prepared.choice], prepared.bucket, comm, prepared.inner)
 
     def agreement_state(self, bucket: Bucket, prepared: _Routed | None) -> dict[str, Any]:
         if prepared is None:
             return {"choices": digest(repr(sorted(self._choices.items())))}
         if prepared.choice < 0:
             return {"method": "to be chosen"}
-        inner = self.candidates[prepared.choice].agreement_state(prepared.bucket, prepared.inner)
-        return {"method": self.allowed[prepared.choice], **{f"{self.allowed[prepared.choice]}.{k}": v
-                                                           for k, v in inner.items()}}
+        label = self._labels[prepared.choice]
+        inner = self._options[prepared.choice].agreement_state(prepared.bucket, prepared.inner)
+        return {"method": label, **{f"{label}.{k}": v for k, v in inner.items()}}
 
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         out: dict[str, Array] = {}
         for key in keys:
             k = self._last.get(key)
             if k is not None:
-                out.update(self.candidates[k].take_residual([key]))
+                out.update(self._options[k].take_residual([key]))
         return out
 
     def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
@@ -250,7 +279,7 @@ class Auto(Compressor):
         for key in keys:
             k = self._last.get(key)
             if k is not None:
-                out.update(self.candidates[k].residuals([key]))
+                out.update(self._options[k].residuals([key]))
         return out
 
     def stats(self) -> dict[str, Any]:
@@ -271,7 +300,7 @@ class Auto(Compressor):
             out[f"choice/{key}"] = k
         for key, k in sorted(self._last.items()):
             out[f"last/{key}"] = k
-        for k, comp in enumerate(self.candidates):
+        for k, comp in enumerate(self._options):
             for name, value in comp.state_dict().items():
                 out[f"cand{k}/{name}"] = value
         return out
@@ -285,22 +314,23 @@ class Auto(Compressor):
         last: dict[str, int] = {}
         for name in [k for k in state if k.startswith(("choice/", "last/"))]:
             k = take_int(state, name, owner)
-            if k >= len(self.candidates):
-                raise ValueError(f"{owner} state: {name!r} names candidate {k}, but there are {len(self.candidates)}")
+            if k >= len(self._options):
+                raise ValueError(f"{owner} state: {name!r} names option {k}, but there are {len(self._options)} "
+                                 f"({len(self.candidates)} candidates, flat and hierarchical)")
             (choices if name.startswith("choice/") else last)[name.partition("/")[2]] = k
-        parts: list[dict[str, Any]] = [{} for _ in self.candidates]
+        parts: list[dict[str, Any]] = [{} for _ in self._options]
         for key in list(state):
             head, sep, rest = key.partition("/")
             number = head[len("cand"):]
-            if head.startswith("cand") and number.isdigit() and int(number) < len(self.candidates) and sep:
+            if head.startswith("cand") and number.isdigit() and int(number) < len(self._options) and sep:
                 parts[int(number)][rest] = state.pop(key)
         reject_leftovers(state, owner)
-        saved = [c.state_dict() for c in self.candidates]
+        saved = [c.state_dict() for c in self._options]
         try:
-            for comp, part in zip(self.candidates, parts):
+            for comp, part in zip(self._options, parts):
                 comp.load_state_dict(part, shapes)
         except ValueError:
-            for comp, old in zip(self.candidates, saved):
+            for comp, old in zip(self._options, saved):
                 comp.load_state_dict(old, shapes)
             raise
         self._choices, self._last = choices, last
@@ -358,6 +388,27 @@ def _probe(comm: Communicator, largest: int = PROBE_SIZES[-1]) -> cost.Link:
              for n in sizes]
     alpha, inv_beta = cost._least_squares(pairs, [float(w) for w in worst])
     return cost.Link(max(alpha, 0.0), 1.0 / inv_beta if inv_beta > 0 else float("inf"))
+
+
+def _agreed(comm: Communicator, link: cost.Link) -> cost.Link:
+    """The slowest of every rank's ``link`` (latency and bandwidth apart), the same on every rank."""
+    mine = np.array([link.alpha, 1.0 / link.beta if link.beta > 0 else float("inf")])
+    alpha, inv_beta = np.max(comm.allgather(mine), axis=0)
+    return cost.Link(float(alpha), 1.0 / float(inv_beta) if inv_beta > 0 else float("inf"))
+
+
+def _memory_pass(numel: int = TIMED_MAX // 2, repeats: int = 5) -> float:
+    """Seconds per float32 byte of one pass over memory (a copy, out of the caches): what a
+    hierarchical schedule's exact stages inside the host cost besides their messages
+    (``cost.Model.local_pass``)."""
+    src = np.ones(numel, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return best / (4 * numel)
 
 
 def _timed_shapes(shapes: Sequence[Sequence[int]], lo: int = TIMED_MIN, hi: int = TIMED_MAX
