@@ -175,7 +175,7 @@ def test_ddp_hook_is_hierarchical_on_several_hosts():
 
 def rank_cost_model_bytes():
     """The cost model's byte formulas (gradcomp.planning.cost) equal what the communicators count:
-    per rank on a flat exchange, and per host link on a hierarchical one."""
+    per rank on a flat exchange, and per host link and inside the host on a hierarchical one."""
     import gradcomp as gc
     from gradcomp.compressors.hierarchical import Hierarchical
     from gradcomp.planning import cost
@@ -193,7 +193,7 @@ def rank_cost_model_bytes():
         marks = []
         for step in range(flat.warmup_steps + 3):
             if step == flat.warmup_steps:  # count the steady state only
-                marks = [flat.stats()["bytes_sent"], hier.stats()["bytes_sent"]]
+                marks = [flat.stats()["bytes_sent"], hier.stats()["bytes_sent"], hier.stats()["local_bytes_sent"]]
             g = rng.standard_normal(n).astype(np.float32)
             flat.reduce(gc.Bucket(g, 0, shapes), comm).result()
             hier.reduce(gc.Bucket(g, 0, shapes), comm).result()
@@ -203,6 +203,8 @@ def rank_cost_model_bytes():
         # groups are whole tensors: the per-chunk overheads of each group's codes differ a little
         across = cost.traffic(gc.make(spec), shapes, topo.hosts)
         assert host == pytest.approx(cost.host_link_bytes(across, cluster, True), rel=0.02), (spec, host)
+        inside = (hier.stats()["local_bytes_sent"] - marks[2]) / 3  # the exact stages, in the host
+        assert inside == pytest.approx(cost.local_bytes(n, topo.local_size), rel=1e-9), (spec, inside)
     print(f"rank {comm.rank}: ok", flush=True)
 
 

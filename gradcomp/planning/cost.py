@@ -24,8 +24,10 @@ once, so a host link carries one rank's ring traffic: for an allgather, every ot
 message; an alltoall sends from every rank of the host to every rank elsewhere. (MPI's own
 algorithms for messages under ``MPICommunicator.large_allreduce_bytes`` cross the boundary in
 other patterns: the formulas hold for large messages.) Hierarchical
-adds an exact reduce-scatter and allgather of the bucket inside the host (``2 (L-1)/L`` of it
-each way over ``local``). The step is the sum over buckets of latency, the link time, the local
+adds an exact reduce-scatter and allgather of the bucket inside the host: ``(L-1)/L`` of it
+sent by each rank in each, ``2 (L-1)/L`` (``local_bytes``, as ``Hierarchical``'s
+``local_bytes_sent`` counts them), priced at ``IN_HOST_COST`` times a one-host allreduce's
+bytes over ``local``. The step is the sum over buckets of latency, the link time, the local
 time and the compute (no overlap assumed: on a busy machine compute and the network's kernel work
 share the cores). ``fit`` finds the link constants and each method's compute from measured steps;
 ``predict`` then gives any shape. ``gradcomp.planning.auto`` reads the same model.
@@ -173,6 +175,21 @@ def host_link_bytes(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
     return total
 
 
+#: what the hierarchical schedule's exact stages inside a host cost, in bytes of the link inside
+#: the host (the one a one-host allreduce runs over) per byte they send: about twice. They are two
+#: collectives on a communicator of their own, a division and copies besides their messages, and
+#: each host runs them at once on the shared cores. Fitted on BENCHMARKS.md section 9's runs (12-04)
+#: the model is within 16% of every 2x2 row with it, and 34-39% under on hierarchical onebit, topk,
+#: randomk and PowerSGD with the bytes alone (1)
+IN_HOST_COST = 2.0
+
+
+def local_bytes(numel: float, per_host: int) -> float:
+    """Bytes one rank sends inside its host for one bucket of ``numel`` float32 values on the
+    hierarchical schedule: a reduce-scatter and an allgather, ``(L-1)/L`` of the bucket each."""
+    return 2 * (per_host - 1) / per_host * numel * 4
+
+
 def wire_bytes(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
     """Bytes of one bucket over the link that bounds its exchange: a host's link to the others
     (``host_link_bytes``), or on one host each rank's own share of the exchange (``rank_bytes``),
@@ -234,7 +251,7 @@ class Model:
         local = 0.0
         if hier:
             L = cluster.per_host
-            local = local_link.time(2 * 2 * (L - 1) / L * per * 4, 2 * (L - 1))
+            local = local_link.time(IN_HOST_COST * local_bytes(per, L), 2 * (L - 1))
             local += 2 * self.local_pass * per * 4
         return buckets * (wire + local + self.rank_cpu(method, t, per, cluster, hierarchical))
 
@@ -306,7 +323,7 @@ def _terms(r: Mapping[str, Any], methods: Sequence[str]) -> list[float]:
         pair[1] += wire_bytes(t, c, hier)
         if hier:
             loc[0] += 2 * (L - 1)
-            loc[1] += 2 * 2 * (L - 1) / L * n * 4
+            loc[1] += IN_HOST_COST * local_bytes(n, L)
         if r["method"] in methods:
             work[methods.index(r["method"])] += n * 4 * (1.0 / L if hier else 1.0) * c.contention()
     return net + loc + work
