@@ -396,6 +396,8 @@ def _summary(case: _Case, steps: int) -> dict[str, Any]:
         if choices:  # auto: what it chose per bucket, and the step its cost model predicted
             row["choices"] = {str(c["bucket"]): c["chosen"] for c in choices}
             row["predicted_s"] = pipelined([c["stages_s"][c["chosen"]] for c in choices])
+            stats = case.compressor.stats()  # what the prediction stood on
+            row["measured"] = {k: stats[k] for k in ("link", "compute_s_per_byte", "local_stage_share") if k in stats}
     return row
 
 

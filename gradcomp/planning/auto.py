@@ -211,8 +211,11 @@ class Auto(Compressor):
             label, name = self._labels[c], self.allowed[k]
             t = cost.traffic(self.candidates[k], bucket.shapes, comm.size)
             local, cpu, total = model.stages(name, t, bucket.numel, cluster, hierarchical=hier)
-            # a hierarchical schedule runs wholly on the wire thread: no local stage to overlap
-            stages[label] = (0.0, cpu, total) if hier else (local, cpu, total)
+            # a hierarchical schedule runs wholly on the wire thread: no local stage to overlap. The
+            # overlap also needs a core: with c ranks on each, a rank's compute thread finds one
+            # 1/c of the time (at 4 ranks on 2 cores, 1 Gbit/s, int4 took 240-260 ms a step; this
+            # predicted 230-256, the whole local stage overlapped 191-211)
+            stages[label] = (0.0, cpu, total) if hier else (local / m["contention"], cpu, total)
             times[label] = total
             paced[label] = cost.pipelined([stages[label]] * PACED_BUCKETS) / PACED_BUCKETS
         one_host = hosts == 1 and comm.size > 1 and not self.table
