@@ -109,9 +109,9 @@ class Auto(Compressor):
         # hierarchical (n..2n-1), which only a topology of several hosts of several ranks offers
         self._options: list[Compressor] = self.candidates + [Hierarchical(make(n)) for n in names]
         self._labels = list(names) + [f"hier-{n}" for n in names]
-        self._choices: dict[str, int] = {}      # layout digest -> candidate
+        self._choices: dict[str, int] = {}      # layout digest -> option (an index of _options)
         self._why: dict[str, dict[str, Any]] = {}
-        self._last: dict[str, int] = {}          # tensor key -> candidate that reduced it last
+        self._last: dict[str, int] = {}          # tensor key -> option that reduced it last
         self._measured: dict[str, Any] | None = None
         self._probe_bytes = 0.0                  # what this auto's measurement sent
 

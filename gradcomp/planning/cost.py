@@ -178,9 +178,9 @@ def host_link_bytes(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
 #: what the hierarchical schedule's exact stages inside a host cost, in bytes of the link inside
 #: the host (the one a one-host allreduce runs over) per byte they send: about twice. They are two
 #: collectives on a communicator of their own, a division and copies besides their messages, and
-#: each host runs them at once on the shared cores. Fitted on BENCHMARKS.md section 9's runs (12-04)
+#: each host runs them at once on the shared cores. Fitted on BENCHMARKS.md section 9's commands (re-run 12-04),
 #: the model is within 16% of every 2x2 row with it, and 34-39% under on hierarchical onebit, topk,
-#: randomk and PowerSGD with the bytes alone (1)
+#: randomk and PowerSGD priced at their bytes alone
 IN_HOST_COST = 2.0
 
 
