@@ -159,6 +159,8 @@ class Auto(Compressor):
         worst = np.max(comm.allgather(np.array([[compute.get(n, 0.0) for n in names] + [memory],
                                                 [shares.get(n, 0.0) for n in names] + [0.0]])), axis=0)
         compute = {n: float(v) for n, v in zip(names, worst[0])}
+        if not self.table and "allreduce" in compute:  # timed: its division is in the probed
+            compute["allreduce"] = 0.0                  # link already (as ``cost.fit`` has it)
         shares = {n: float(v) for n, v in zip(names, worst[1])}
         topo = getattr(comm, "topology", None)
         hosts, per_host = (topo.hosts, topo.local_size) if topo is not None else (comm.size, 1)
@@ -363,31 +365,39 @@ def _contention(comm: Communicator) -> float:
 
 def _probe(comm: Communicator, largest: int = PROBE_SIZES[-1]) -> cost.Link:
     """Latency and bandwidth of ``comm``'s allreduce, the slowest rank's, the same on every rank,
-    from messages of ``PROBE_SIZES`` and ``largest`` float32 values. Each timed allreduce starts
-    right after a one-value allreduce, so that the ranks enter it together (unsynchronised, a
-    rank's clock also ran while it waited for a later one: the probe read shared memory at half
-    its speed); each rank keeps the median of its repeats per size, and the slowest rank's
-    medians are fitted."""
+    from buckets of ``PROBE_SIZES`` and ``largest`` float32 values. Each is reduced as the
+    reducer reduces an fp32 bucket (``Allreduce``'s ordered stage: the agreement, the allreduce in
+    place, the division): a bare ``comm.allreduce`` that allocated its result read shared memory
+    at 0.7-0.8x the reducer's speed, one in place at 1.3-1.6x (the reducer's agreement and
+    division cost 2-7 ms a 25 MB bucket). So fp32's own compute is in the link (``measure``).
+    Each timed bucket starts right after a one-value allreduce, so that the ranks enter it
+    together (unsynchronised, a rank's clock also ran while it waited for a later one: the
+    probe read shared memory at half its speed); each rank keeps the median of its repeats per
+    size, and the slowest rank's medians are fitted."""
+    from ..compressors.allreduce import Allreduce
+
     if comm.size == 1:
         return cost.Link(0.0, float("inf"))
     sizes = sorted(set(PROBE_SIZES) | {largest})
     sync = np.zeros(1, np.float32)
+    fp32 = Allreduce()
     medians = []
-    for n in sizes:
-        x = np.ones(n, np.float32)
-        comm.allreduce(x)  # warm
+    for i, n in enumerate(sizes):
+        x = np.zeros(n, np.float32)  # zeros: summed in place, they stay zeros
+        bucket = Bucket(x, i, [(n,)], scratch=True)
+        fp32.checked_run(bucket, comm)  # warm
         times = []
         for _ in range(PROBE_REPEATS):
             comm.allreduce(sync)
             start = time.perf_counter()
-            comm.allreduce(x)
+            fp32.checked_run(bucket, comm)
             times.append(time.perf_counter() - start)
         medians.append(float(np.median(times)))
     worst = np.max(comm.allgather(np.array(medians)), axis=0)
     N = comm.size
     t = cost.Traffic("allreduce", 0.0)
     cluster = cost.Cluster(N, 1, cost.Link(0, 1))
-    pairs = [(cost.messages(t, cluster, False) - 1, cost.rank_bytes(cost.Traffic("allreduce", 4.0 * n), N))
+    pairs = [(cost.messages(t, cluster, False), cost.rank_bytes(cost.Traffic("allreduce", 4.0 * n), N))
              for n in sizes]
     alpha, inv_beta = cost._least_squares(pairs, [float(w) for w in worst])
     return cost.Link(max(alpha, 0.0), 1.0 / inv_beta if inv_beta > 0 else float("inf"))
