@@ -26,8 +26,7 @@ what the method's compute costs here. ``Auto`` measures all three once:
   method's casts and codes cost about what they save, and fp32 beat every compressed method
   there (BENCHMARKS.md, sections 1 and 9). So a one-host job keeps the first allowed method
   (``allreduce`` by default) unless a ``table`` says otherwise; ``stats()`` still holds every
-  candidate's prediction (1.21-1.48 of the measured step there: the probe's allreduce allocates
-  its result where the reducer's runs in place; probed in place it read 0.61-0.68).
+  candidate's prediction (0.96-1.12 of the measured step there, BENCHMARKS.md section 1).
 
 (measured at the first bucket's ordered stage, after every rank agreed on the configuration). For
 each bucket layout it then predicts every candidate's time with ``cost.Model`` and takes the
