@@ -392,11 +392,11 @@ def _summary(case: _Case, steps: int) -> dict[str, Any]:
     if case.compressor is not None:
         row["compressor"] = repr(case.compressor)
         row["label"] = case.label or row["compressor"]
-        choices = case.compressor.stats().get("choices")
-        if choices:  # auto: what it chose per bucket, and the step its cost model predicted
+        stats = case.compressor.stats()
+        choices = stats.get("choices")
+        if choices:  # auto: what it chose per bucket, the step its cost model predicted, and from what
             row["choices"] = {str(c["bucket"]): c["chosen"] for c in choices}
             row["predicted_s"] = pipelined([c["stages_s"][c["chosen"]] for c in choices])
-            stats = case.compressor.stats()  # what the prediction stood on
             row["measured"] = {k: stats[k] for k in ("link", "compute_s_per_byte", "local_stage_share") if k in stats}
     return row
 

@@ -166,7 +166,7 @@ class Auto(Compressor):
         levels = comm.split_by_host() if hosts > 1 and per_host > 1 and hasattr(comm, "split_by_host") else None
         # the link inside a host, where a hierarchical schedule would use it: every host's probed,
         # the slowest agreed
-        inside = _agreed(comm, _probe(levels[0], numel)) if levels else None
+        inside = _probe(levels[0], numel, agree=comm) if levels else None
         known[key] = {"link": link, "compute": compute, "prepare_share": shares, "hosts": hosts,
                       "per_host": per_host, "contention": _contention(comm), "inside": inside,
                       "memory_pass": float(worst[0][-1])}
@@ -362,7 +362,7 @@ def _contention(comm: Communicator) -> float:
     return float(np.max(comm.allgather(np.array([mine]))))
 
 
-def _probe(comm: Communicator, largest: int = PROBE_SIZES[-1]) -> cost.Link:
+def _probe(comm: Communicator, largest: int = PROBE_SIZES[-1], agree: Communicator | None = None) -> cost.Link:
     """Latency and bandwidth of ``comm``'s allreduce, the slowest rank's, the same on every rank,
     from buckets of ``PROBE_SIZES`` and ``largest`` float32 values. Each is reduced as the
     reducer reduces an fp32 bucket (``Allreduce``'s ordered stage: the agreement, the allreduce in
@@ -392,7 +392,8 @@ def _probe(comm: Communicator, largest: int = PROBE_SIZES[-1]) -> cost.Link:
             fp32.checked_run(bucket, comm)
             times.append(time.perf_counter() - start)
         medians.append(float(np.median(times)))
-    worst = np.max(comm.allgather(np.array(medians)), axis=0)
+    # the slowest rank's medians; ``agree``: of every rank there (each host's link inside it)
+    worst = np.max((agree or comm).allgather(np.array(medians)), axis=0)
     N = comm.size
     t = cost.Traffic("allreduce", 0.0)
     cluster = cost.Cluster(N, 1, cost.Link(0, 1))
@@ -400,13 +401,6 @@ def _probe(comm: Communicator, largest: int = PROBE_SIZES[-1]) -> cost.Link:
              for n in sizes]
     alpha, inv_beta = cost._least_squares(pairs, [float(w) for w in worst])
     return cost.Link(max(alpha, 0.0), 1.0 / inv_beta if inv_beta > 0 else float("inf"))
-
-
-def _agreed(comm: Communicator, link: cost.Link) -> cost.Link:
-    """The slowest of every rank's ``link`` (latency and bandwidth apart), the same on every rank."""
-    mine = np.array([link.alpha, 1.0 / link.beta if link.beta > 0 else float("inf")])
-    alpha, inv_beta = np.max(comm.allgather(mine), axis=0)
-    return cost.Link(float(alpha), 1.0 / float(inv_beta) if inv_beta > 0 else float("inf"))
 
 
 def _memory_pass(numel: int = TIMED_MAX // 2, repeats: int = 5) -> float:
