@@ -404,3 +404,67 @@ def test_onebit_kernels_on_odd_byte_counts(dtype):
                                                np.empty(512, dtype))
         codec.decode(fast, want, Workspace())
         assert np.array_equal(streamed.view(np.uint8), want.view(np.uint8)), n
+
+
+def _owner_rows(rng, size, n, case):
+    """``size`` 1-bit messages of ``n`` values whose scales per chunk follow ``case`` (rows of a
+    multiple of 4 bytes, as the owner's compiled stage takes them)."""
+    chunks = chunk_count(n, 512)
+    rows = np.empty((size, 4 * chunks + -(-n // 32) * 4), np.uint8)
+    rows[:, 4 * chunks:] = rng.integers(0, 256, (size, rows.shape[1] - 4 * chunks), dtype=np.uint8)
+    scales = rows[:, :4 * chunks].view(np.float32)
+    scales[...] = rng.uniform(0.5, 1.5, (size, chunks))
+    if case == "equal":  # patterns whose mean is exactly zero (s - s), and +0 against -0
+        scales[...] = scales[0]
+    elif case == "zeros":
+        scales[size // 2] = 0.0
+    elif case == "span":  # magnitudes too far apart for an exact count: value by value
+        scales[-1, ::2] = 1e-9
+    elif case == "negative":  # not from this encoder, but a message all the same
+        scales[0, 1::2] *= -1
+    elif case == "bad":
+        scales[0, 0], scales[-1, 1] = np.nan, np.inf
+        scales[:, 2] = 3e38  # their sum overflows
+    elif case == "float64-inexact":  # sums that need more than float32's digits (float64 values)
+        scales[:, ::2] = 1.0 + rng.integers(1, 1 << 20, (size, (chunks + 1) // 2)) * 2.0 ** -23
+        scales[0, ::2] = 3.0 ** 0.5
+    return rows
+
+
+@pytest.mark.skipif(not COMPILED, reason="numba kernels unavailable")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", ["plain", "equal", "zeros", "span", "negative", "bad", "float64-inexact"])
+def test_onebit_owner_by_sign_patterns_gives_the_same_bits(case, dtype):
+    """The owner's stage without a residual counts sign patterns per chunk (up to
+    ``PATTERN_ROWS`` rows, where the magnitudes sum exactly) instead of decoding every value: at
+    1 to 5 rows, whole and short last chunks, its message against NumPy's steps (decode every row
+    into zeros in rank order, divide, encode)."""
+    from unittest import mock
+
+    from gradcomp.comm.pipeline import Workspace
+    from gradcomp.compressors.quantize import compiled, onebit
+
+    codec = onebit.OneBit()
+    rng = np.random.default_rng(31)
+    patterned = 0
+    for size in range(1, compiled.PATTERN_ROWS + 2):
+        for n in (512 * 6, 512 * 5 + 24):
+            rows = _owner_rows(rng, size, n, case)
+            got = np.empty(codec.message_size(n), np.uint8)
+            assert codec.average(rows, n, dtype, got, Workspace())
+            with mock.patch.object(onebit, "_compiled", lambda *a: None):
+                mine = np.zeros(n, dtype)
+                for r in range(size):
+                    codec.decode(rows[r], mine, Workspace(), add=True)
+                if size > 1:
+                    np.divide(mine, mine.dtype.type(size), out=mine)
+                want = np.empty_like(got)
+                codec.encode(mine, want, Workspace())
+            assert np.array_equal(got, want), (case, dtype, size, n)
+            if size <= compiled.PATTERN_ROWS:
+                vals = np.empty(1 << size, dtype)
+                patterned += sum(compiled._pattern_means.py_func(
+                    rows.view(np.float32), size, c, vals.dtype.type(size), vals, np.empty(1 << size),
+                    np.empty(1 << size, np.uint64)) for c in range(n // 512))
+    if case in ("plain", "equal", "zeros", "negative", "span"):
+        assert patterned, "no chunk took the pattern path"

@@ -23,7 +23,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ...jit import _bf16_decode, _f16_decode, _f32_bits, _f32_from_bits, _f64_from_bits, _store_fence, _stream
+from ...jit import (_bf16_decode, _f16_decode, _f32_bits, _f32_from_bits, _f64_from_bits, _popcount64, _store_fence,
+                    _stream)
 
 _kernel = njit(cache=True, boundscheck=False, nogil=True)
 
@@ -1058,6 +1059,106 @@ def _onebit_add(scale, bs, o, add):
     _from_signs(o, bs, o.shape[0] // 8, scale, add)
 
 
+#: the most rows (ranks) whose sign patterns the owner's stage counts (``_pattern_chunk``: 2**N
+#: patterns a chunk); above it, every value is decoded and summed
+PATTERN_ROWS = 4
+_EXACT_SPAN = 2.0 ** 19  # magnitudes within this ratio sum exactly (``_pattern_chunk``)
+
+
+@intrinsic
+def _word(typingctx, a, i):
+    """The 8 bytes of the uint8 array ``a`` from byte ``i``, as a little-endian uint64 (bit k of
+    byte j is bit 8j + k: value 8j + k of a sign code), at any alignment."""
+    if not (isinstance(a, types.Array) and a.dtype == types.uint8):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(64).as_pointer())
+        return builder.load(ptr, align=1)
+    return types.uint64(a, i), codegen
+
+
+@intrinsic
+def _put_word(typingctx, a, i, w):
+    """``_word(a, i)`` = ``w``: the 8 bytes from byte ``i`` of the uint8 array ``a``."""
+    if not (isinstance(a, types.Array) and a.dtype == types.uint8):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(64).as_pointer())
+        builder.store(args[2], ptr, align=1)
+        return context.get_dummy_value()
+    return types.none(a, i, types.uint64), codegen
+
+
+@njit(inline="always")
+def _pattern_means(row_scales, size, c, div, vals, mags, pos):
+    """For every sign pattern p of the rows (bit r: row r's sign bit is set), the mean the
+    per-value path makes of a value with that pattern: from zero, ``+/-`` each row's scale in rank
+    order, divided by ``div`` (``vals``, the values' dtype: the same operations in the same
+    order), its magnitude in float64 (``mags``) and whether it is >= 0 (``pos``: a mask of ones).
+    True when every mean is finite and of float32 precision and the nonzero magnitudes lie within
+    ``_EXACT_SPAN`` of each other: then any sum of up to 512 of them is exact in float64 (each a
+    multiple of 2**(e - 23), e the smallest one's exponent, the sum below 2**(e + 30))."""
+    lo = np.inf
+    hi = 0.0
+    ones = ~np.uint64(0)
+    vals[0] = 0
+    for r in range(size):  # the patterns of rows 0..r from those of rows 0..r-1: rank order
+        s = row_scales[r, c]
+        half = 1 << r
+        for p in range(half):
+            vals[p + half] = vals[p] + s
+            vals[p] = vals[p] + -s
+    for p in range(1 << size):
+        v = vals[p]
+        if size > 1:
+            v = v / div
+        m = np.float64(abs(v))
+        if not np.isfinite(m) or np.float64(np.float32(m)) != m:
+            return False
+        mags[p] = m
+        pos[p] = ones if v >= 0 else np.uint64(0)
+        if m > 0.0:
+            lo = min(lo, m)
+            hi = max(hi, m)
+    return hi <= lo * _EXACT_SPAN
+
+
+@njit(inline="always")
+def _pattern_chunk(rows, size, first, bits, out0, mags, pos, counts, mint):
+    """A whole chunk (512 values) of the owner's stage without a residual, by sign patterns
+    (``_pattern_means`` said yes): the 64 bytes of signs from byte ``first`` of each row, eight at
+    a time, split into the masks of each pattern (``mint``); the chunk's signs (from byte ``out0``
+    of ``bits``) are those of the patterns whose mean is >= 0, and its magnitude sum is the
+    patterns' counts times their magnitudes, which (exact) is the per-value path's eight-lane
+    float64 sum. Returns that sum. A rank's code decodes to its scale times a sign, so a chunk's
+    mean takes at most 2**size values: this reads the signs instead of decoding, summing and
+    re-encoding every value (the owner's stage at 1 rank: 1.8 ms for 100 MB against 4.6; at 4
+    ranks 2.1 against 3.2)."""
+    for p in range(1 << size):
+        counts[p] = 0
+    for w in range(8):
+        mint[0] = ~np.uint64(0)
+        for r in range(size):
+            b = _word(rows[r], first + 8 * w)
+            half = 1 << r
+            for p in range(half):
+                mint[p + half] = mint[p] & b
+                mint[p] = mint[p] & ~b
+        out = np.uint64(0)
+        for p in range(1 << size):
+            counts[p] += _popcount64(mint[p])
+            out |= mint[p] & pos[p]
+        _put_word(bits, out0 + 8 * w, out)
+    total = 0.0
+    for p in range(1 << size):
+        total += counts[p] * mags[p]
+    return total
+
+
 @_kernel
 def onebit_owner_chunks(rows, row_scales, chunks, width, n, div, feedback, e, scales, bits, tmp):
     """The slice owner's stage in one pass per block of chunks: the ``rows`` (one message per
@@ -1066,33 +1167,74 @@ def onebit_owner_chunks(rows, row_scales, chunks, width, n, div, feedback, e, sc
     of rows, with ``feedback`` ``e`` added (``div``: the number of rows in ``tmp``'s dtype),
     encoded into ``scales`` and ``bits`` and ``e`` left with the error: the operations of
     decoding each row into a zeroed slice, dividing and ``onebit_encode_chunks``, in the same
-    order, without the slice-sized sum. ``tmp`` as in that kernel (a block of chunks). Returns
-    the count of non-finite scales, as that kernel."""
+    order, without the slice-sized sum. ``tmp`` as in that kernel (a block of chunks). Without
+    feedback and with at most ``PATTERN_ROWS`` rows, each chunk whose patterns allow it is
+    counted instead (``_pattern_owner``; ``width`` 512; the same bits). Returns the count
+    of non-finite scales, as that kernel."""
     size = rows.shape[0]
     base = 4 * chunks
     bad = 0
     block = min(TOTALS_AT_ONCE, tmp.shape[0] // width)
     totals = np.zeros(TOTALS_AT_ONCE, np.float64)
+    if not feedback and width == 512:  # the row count a constant in each copy: its loops unroll (4x faster)
+        if size == 1:
+            return _pattern_owner(rows, row_scales, 1, chunks, width, n, div, e, scales, bits, tmp, totals)
+        if size == 2:
+            return _pattern_owner(rows, row_scales, 2, chunks, width, n, div, e, scales, bits, tmp, totals)
+        if size == 3:
+            return _pattern_owner(rows, row_scales, 3, chunks, width, n, div, e, scales, bits, tmp, totals)
+        if size == 4:
+            return _pattern_owner(rows, row_scales, 4, chunks, width, n, div, e, scales, bits, tmp, totals)
     for c0 in range(0, chunks, block):
-        start = c0 * width
-        m = min(block * width, n - start)
-        xb = tmp[:m]
-        for j in range(-(-m // width)):
-            lo = j * width
-            cn = min(width, m - lo)
-            at = start + lo
-            for r in range(size):  # into zeros: the first row written as 0 + value (mode 2)
-                _onebit_add(row_scales[r, c0 + j], rows[r, base + at // 8:base + (at + cn) // 8], xb[lo:lo + cn],
-                            2 if r == 0 else 1)
-        if size > 1:
-            for i in range(m):
-                xb[i] = xb[i] / div
-        eb = e[start:start + m]
-        if feedback:
-            for i in range(m):
-                xb[i] = xb[i] + eb[i]
-        bad += _onebit_block(xb, m, width, totals, eb, feedback, bits, scales, start, c0)
+        m = min(block * width, n - c0 * width)
+        bad += _owner_block(rows, row_scales, size, base, c0, m, width, div, feedback, e, scales, bits, tmp[:m],
+                            totals)
     return bad
+
+
+@njit(inline="always")
+def _pattern_owner(rows, row_scales, size, chunks, width, n, div, e, scales, bits, tmp, totals):
+    """``onebit_owner_chunks`` without feedback, chunk by chunk: whole chunks by sign patterns
+    where ``_pattern_means`` allows (``_pattern_chunk``), else value by value (``_owner_block``)."""
+    base = 4 * chunks
+    bad = 0
+    mags = np.empty(1 << size, np.float64)
+    pos = np.empty(1 << size, np.uint64)
+    counts = np.empty(1 << size, np.int64)
+    mint = np.empty(1 << size, np.uint64)
+    for c in range(chunks):
+        start = c * width
+        cn = min(width, n - start)
+        if cn == 512 and _pattern_means(row_scales, size, c, div, tmp[:1 << size], mags, pos):
+            total = _pattern_chunk(rows, size, base + start // 8, bits, start // 8, mags, pos, counts, mint)
+            scales[c] = np.float32(total / cn)
+        else:
+            bad += _owner_block(rows, row_scales, size, base, c, cn, width, div, False, e, scales, bits, tmp[:cn],
+                                totals)
+    return bad
+
+
+@_kernel
+def _owner_block(rows, row_scales, size, base, c0, m, width, div, feedback, e, scales, bits, xb, totals):
+    """``onebit_owner_chunks`` on the ``m`` values of the chunks from ``c0``, decoded into ``xb``
+    value by value (a call, not inlined: inside ``_pattern_owner``'s loop it made the pattern
+    path 2x slower)."""
+    start = c0 * width
+    for j in range(-(-m // width)):
+        lo = j * width
+        cn = min(width, m - lo)
+        at = start + lo
+        for r in range(size):  # into zeros: the first row written as 0 + value (mode 2)
+            _onebit_add(row_scales[r, c0 + j], rows[r, base + at // 8:base + (at + cn) // 8], xb[lo:lo + cn],
+                        2 if r == 0 else 1)
+    if size > 1:
+        for i in range(m):
+            xb[i] = xb[i] / div
+    eb = e[start:start + m]
+    if feedback:
+        for i in range(m):
+            xb[i] = xb[i] + eb[i]
+    return _onebit_block(xb, m, width, totals, eb, feedback, bits, scales, start, c0)
 
 
 @_kernel
