@@ -740,6 +740,19 @@ def quantize64_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tm
     return redone
 
 
+
+@njit(inline="always")
+def _mean_and_residual(xs, n, size, div, es, feedback):
+    """The owner's sum of ``size`` rows in ``xs[:n]`` divided by ``div`` (more than one row), then
+    with ``feedback`` the owner's residual ``es`` added: the runner's steps, in their order."""
+    if size > 1:
+        for i in range(n):
+            xs[i] = xs[i] / div
+    if feedback:
+        for i in range(n):
+            xs[i] = xs[i] + es[i]
+
+
 @_kernel
 def quantize64_owner_chunks(rows, row_params, chunks, width, levels, packed, feedback, e, params, codes,
                             redo, tmp, tmp_bits, ctmp, zero):
@@ -758,13 +771,8 @@ def quantize64_owner_chunks(rows, row_params, chunks, width, levels, packed, fee
             continue
         xs = tmp[:n]
         _decode_rows(rows, row_params, chunks, c, start, n, packed, xs, ctmp, size)
-        if size > 1:
-            for i in range(n):
-                xs[i] = xs[i] / div
         es = e[start:start + n]
-        if feedback:
-            for i in range(n):
-                xs[i] = xs[i] + es[i]
+        _mean_and_residual(xs, n, size, div, es, feedback)
         cs = _codes_of(codes, ctmp, start, n, packed)
         mark, lo, scale = _quantize_chunk64(xs, tmp_bits[:n], cs, n, top, params, c, False, zero)
         if mark:
@@ -1227,13 +1235,8 @@ def _owner_block(rows, row_scales, size, base, c0, m, width, div, feedback, e, s
         for r in range(size):  # into zeros: the first row written as 0 + value (mode 2)
             _onebit_add(row_scales[r, c0 + j], rows[r, base + at // 8:base + (at + cn) // 8], xb[lo:lo + cn],
                         2 if r == 0 else 1)
-    if size > 1:
-        for i in range(m):
-            xb[i] = xb[i] / div
     eb = e[start:start + m]
-    if feedback:
-        for i in range(m):
-            xb[i] = xb[i] + eb[i]
+    _mean_and_residual(xb, m, size, div, eb, feedback)
     return _onebit_block(xb, m, width, totals, eb, feedback, bits, scales, start, c0)
 
 
