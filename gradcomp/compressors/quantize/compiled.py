@@ -1184,7 +1184,7 @@ def onebit_owner_chunks(rows, row_scales, chunks, width, n, div, feedback, e, sc
     bad = 0
     block = min(TOTALS_AT_ONCE, tmp.shape[0] // width)
     totals = np.zeros(TOTALS_AT_ONCE, np.float64)
-    if not feedback and width == 512:  # the row count a constant in each copy: its loops unroll (4x faster)
+    if not feedback and width == 512:  # the row count a constant in each copy: its loops unroll (2-4x faster)
         if size == 1:
             return _pattern_owner(rows, row_scales, 1, chunks, width, n, div, e, scales, bits, tmp, totals)
         if size == 2:
