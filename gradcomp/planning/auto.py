@@ -152,14 +152,15 @@ class Auto(Compressor):
             compute, shares = _load_table(self.table)
         else:
             timed = _timed_shapes(shapes or [(numel,)])
-            compute, shares = _time_candidates(self.allowed, timed) if comm.rank == 0 else ({}, {})
+            # fp32's compute (its division) is in the probed link already, as ``cost.fit`` has it:
+            # not timed, zero below
+            methods = [n for n in self.allowed if n != "allreduce"]
+            compute, shares = _time_candidates(methods, timed) if comm.rank == 0 else ({}, {})
         names = list(self.allowed)
         memory = _memory_pass() if comm.rank == 0 else 0.0
         worst = np.max(comm.allgather(np.array([[compute.get(n, 0.0) for n in names] + [memory],
                                                 [shares.get(n, 0.0) for n in names] + [0.0]])), axis=0)
         compute = {n: float(v) for n, v in zip(names, worst[0])}
-        if not self.table and "allreduce" in compute:  # timed: its division is in the probed
-            compute["allreduce"] = 0.0                  # link already (as ``cost.fit`` has it)
         shares = {n: float(v) for n, v in zip(names, worst[1])}
         topo = getattr(comm, "topology", None)
         hosts, per_host = (topo.hosts, topo.local_size) if topo is not None else (comm.size, 1)
@@ -393,7 +394,7 @@ def _probe(comm: Communicator, largest: int = PROBE_SIZES[-1], agree: Communicat
             times.append(time.perf_counter() - start)
         medians.append(float(np.median(times)))
     # the slowest rank's medians; ``agree``: of every rank there (each host's link inside it)
-    worst = np.max((agree or comm).allgather(np.array(medians)), axis=0)
+    worst = np.max((comm if agree is None else agree).allgather(np.array(medians)), axis=0)
     N = comm.size
     t = cost.Traffic("allreduce", 0.0)
     cluster = cost.Cluster(N, 1, cost.Link(0, 1))

@@ -986,13 +986,20 @@ def _onebit_totals(xs, m, width, totals):
 
 
 @njit(inline="always")
+def _mean_magnitude(total, n):
+    """A chunk's scale from the float64 sum of its ``n`` magnitudes: one expression for both
+    owner paths (value by value and by sign patterns), so their bits cannot part."""
+    return np.float32(total / n)
+
+
+@njit(inline="always")
 def _onebit_chunk(xs, n, total, es, feedback):
     """The scale of the ``n`` values of ``xs`` (a chunk, in the L1 cache; ``n`` a multiple of 8)
     whose magnitudes sum to ``total`` (float64, eight lanes: lane k takes values 8j + k in order,
     then the lanes in order, as ``onebit`` does in NumPy; ``_onebit_totals``): their mean
     magnitude; with ``feedback`` ``es = xs - scale * sign``. Returns the scale (the sign bits
     are ``_onebit_block``'s)."""
-    scale = np.float32(total / n)
+    scale = _mean_magnitude(total, n)
     if feedback:
         neg = -scale
         for i in range(n):
@@ -1215,7 +1222,7 @@ def _pattern_owner(rows, row_scales, size, chunks, width, n, div, e, scales, bit
         cn = min(width, n - start)
         if cn == 512 and _pattern_means(row_scales, size, c, div, tmp[:1 << size], mags, pos):
             total = _pattern_chunk(rows, size, base + start // 8, bits, start // 8, mags, pos, counts, mint)
-            scales[c] = np.float32(total / cn)
+            scales[c] = _mean_magnitude(total, cn)
         else:
             bad += _owner_block(rows, row_scales, size, base, c, cn, width, div, False, e, scales, bits, tmp[:cn],
                                 totals)
