@@ -342,6 +342,10 @@ def test_worker_measures_each_path(tmp_path, path):
         assert 0 <= r["machine_cpu_s"] < 60, name
         assert r["machine_floor_vs_allreduce"] == pytest.approx(
             r["machine_cpu_s"] / os.cpu_count() / by["allreduce"]["time_s"]), name
+        # both ranks' run-queue wait (Linux schedstat, in ns: a real, finite count, never more
+        # than the threads of two ranks could wait within one step)
+        if os.path.exists("/proc/self/schedstat"):
+            assert 0 <= r["runq_wait_s"] < 64 * max(r["times_s"]), name
     fp32 = 2 * (2 - 1) / 2 * 4 * n
     for name in ("allreduce", "torch-allreduce") + (("ddp",) if path == "ddp" else ()):
         assert by[name]["bytes_per_rank"] == pytest.approx(fp32), name
@@ -660,3 +664,33 @@ def test_the_machine_busy_clock_counts_this_process_cpu():
     assert b0 is not None and b1 is not None
     assert b1 - b0 >= (c1 - c0) - 0.05  # USER_HZ ticks: 10 ms each, at both ends
     assert b1 - b0 <= (t1 - t0) * os.cpu_count() + 0.05
+
+
+def test_the_run_queue_clock_counts_a_wait_for_a_shared_core():
+    """``_runqueue_wait`` (the worker's ``runq_wait_s``) grows while this thread shares its one
+    core with a spinning process, and by no more than the time that passed."""
+    import time
+
+    from gradcomp.bench.worker import _runqueue_wait
+
+    if _runqueue_wait() is None:
+        pytest.skip("this kernel has no per-thread schedstat")
+    mine = os.sched_getaffinity(0)
+    core = min(mine)
+    rival = subprocess.Popen([sys.executable, "-c",
+                              f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+    try:
+        os.sched_setaffinity(0, {core})  # this thread only
+        spin = time.perf_counter()
+        while time.perf_counter() - spin < 0.2:  # the rival is running by now
+            pass
+        w0, t0 = _runqueue_wait(), time.perf_counter()
+        while time.perf_counter() - t0 < 0.5:
+            pass
+        w1, t1 = _runqueue_wait(), time.perf_counter()
+    finally:
+        os.sched_setaffinity(0, mine)
+        rival.kill()
+        rival.wait()
+    assert w0 is not None and w1 is not None
+    assert 0 < w1 - w0 <= t1 - t0

@@ -34,7 +34,7 @@ CSV_FIELDS = ["model", "ranks", "network", "method", "kind", "same_as", "time_s"
               # added with the two paths (after the original columns: readers by position keep working)
               "path", "tag", "label", "faults_per_step", "time_vs_ddp", "time_vs_backward",
               "rel_diff_vs_ddp", "cpu_s", "cpu_system_share", "cpu_floor_vs_allreduce",
-              "machine_cpu_s", "machine_floor_vs_allreduce"]
+              "machine_cpu_s", "machine_floor_vs_allreduce", "runq_wait_s"]
 #: Hours a job may run before it is killed as a hang (BERT-base with every method takes long).
 JOB_TIMEOUT_S = 12 * 3600
 #: What ``report`` reads and writes itself (never a per-run result).
@@ -302,11 +302,11 @@ def job_table(job) -> list[str]:
     ddp = any(r["method"] == "ddp" for r in job["results"])
     out = ["| method | step ms | / fp32 allreduce | / fp16 allreduce | / same method |"
            + (" / DDP |" if ddp else "") + " MiB per rank | ratio | rel. error |"
-           + (" vs DDP |" if ddp else "") + " faults/step | CPU s (all ranks) | CPU floor / fp32 | machine floor / fp32 |",
-           "|---|---|---|---|---|" + ("---|" if ddp else "") + "---|---|---|" + ("---|" if ddp else "") + "---|---|---|---|"]
+           + (" vs DDP |" if ddp else "") + " faults/step | CPU s (all ranks) | CPU floor / fp32 | machine floor / fp32 | run-queue wait s (all ranks) |",
+           "|---|---|---|---|---|" + ("---|" if ddp else "") + "---|---|---|" + ("---|" if ddp else "") + "---|---|---|---|---|"]
     for r in job["results"]:
         if "error" in r:
-            out.append(f"| {r['method']} | fails: {r['error'][:90]} |" + " |" * (10 + 2 * ddp))
+            out.append(f"| {r['method']} | fails: {r['error'][:90]} |" + " |" * (11 + 2 * ddp))
             continue
         cells = [r["method"], f"{r['time_s'] * 1e3:.1f}", _fmt(r.get("time_vs_allreduce"), ".3f"),
                  _fmt(r.get("time_vs_fp16"), ".3f"), _fmt(r.get("time_vs_same_method"), ".2f")]
@@ -317,7 +317,8 @@ def job_table(job) -> list[str]:
         if ddp:
             cells.append(_fmt(r.get("rel_diff_vs_ddp"), ".1e"))
         cells += [_fmt(r.get("faults_per_step"), ".0f"), _fmt(r.get("cpu_s"), ".3f"),
-                  _fmt(r.get("cpu_floor_vs_allreduce"), ".3f"), _fmt(r.get("machine_floor_vs_allreduce"), ".3f")]
+                  _fmt(r.get("cpu_floor_vs_allreduce"), ".3f"), _fmt(r.get("machine_floor_vs_allreduce"), ".3f"),
+                  _fmt(r.get("runq_wait_s"), ".3f")]
         out.append("| " + " | ".join(cells) + " |")
     return out
 

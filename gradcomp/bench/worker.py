@@ -45,7 +45,9 @@ whose floor is near its step time is bound by the CPU, not the wire. Rank 0 also
 machine's busy CPU seconds over each step (``machine_cpu_s``, from a barrier before the step to
 one after it whose ranks sleep while they wait; ``machine_floor_vs_allreduce`` spreads them over
 all cores): on ``bench/capped.sh``'s link that adds what the emulated hosts' network stacks do
-outside the ranks' own accounts. By default the timed steps
+outside the ranks' own accounts. ``runq_wait_s`` is the median over steps of the time every
+rank's threads spent runnable but not running (summed over ranks; Linux's per-thread schedstat):
+what ranks that share cores lose queueing for them. By default the timed steps
 go round-robin over the methods, so that a burst of load from other processes slows every method alike; ``--order blocks`` builds, warms up
 and times one method at a time (as a training run repeats one method; also only one method's
 memory is alive at a time, which BERT-sized runs with many methods need). The relative error is
@@ -115,6 +117,27 @@ def _machine_busy() -> float | None:
     ticks = [int(v) for v in fields[1:9]]
     busy = ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6] + (ticks[7] if len(ticks) > 7 else 0)
     return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _runqueue_wait() -> float | None:
+    """Seconds this rank's threads have so far spent runnable but not running (the second field
+    of Linux's per-thread ``/proc/self/task/*/schedstat``), or None where it cannot be read. Ranks
+    that share cores queue for them here; when the thread that waits is one whose next message
+    every rank needs (the pipeline's wire thread), that wait is step time that neither the link
+    nor the CPU floor accounts for."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    total, read = 0, False
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+            read = True
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile, or no such field here
+    return total / 1e9 if read else None
 
 
 def _quiet_barrier(world: Any) -> None:
@@ -217,6 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cpu: dict[str, list[tuple[float, float]]] = {}  # (user, system) seconds of each timed step
     link: dict[str, list[int]] = {}  # bytes this rank's host sent on its capped link, per timed step
     machine: dict[str, list[float]] = {}  # rank 0: the machine's busy CPU seconds, per timed step
+    waits: dict[str, list[float]] = {}  # this rank's run-queue wait seconds (NaN: unknown), per step
     errors: dict[str, float] = {}
     diffs: dict[str, float] = {}
 
@@ -247,9 +271,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         m0 = _machine_busy() if rank == 0 else None
         with case.timed():
             f0, u0, s0 = _usage()
+            w0 = _runqueue_wait()
             t0 = time.perf_counter()
             case.step()
             t = time.perf_counter() - t0
+            w1 = _runqueue_wait()
             f1, u1, s1 = _usage()
         _quiet_barrier(world)  # every rank has finished the step (and sent its bytes)
         if m0 is not None:
@@ -260,6 +286,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         times[case.name].append(t)
         faults[case.name].append(f1 - f0)
         cpu[case.name].append((u1 - u0, s1 - s0))
+        waits.setdefault(case.name, []).append(float("nan") if w0 is None or w1 is None else w1 - w0)
         if rep == 0:  # after the clock, kept as numbers (a copy per method would not fit in memory)
             if case.kind == "baseline":
                 errors[case.name] = 0.0
@@ -337,6 +364,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    rel_error=errors[name])
         if name in machine:
             row["machine_cpu_s"] = float(np.median(machine[name]))
+        waited = np.array(waits[name], dtype=np.float64)  # (a rank that cannot read it: NaN)
+        world.Allreduce(MPI.IN_PLACE, waited, op=MPI.SUM)
+        if np.isfinite(waited).all():
+            row["runq_wait_s"] = float(np.median(waited))
         if name in diffs:
             row[f"rel_diff_vs_{reference_name}"] = diffs[name]  # (a reference ran: a name)
         results.append(row)
