@@ -677,13 +677,12 @@ def test_the_run_queue_clock_counts_a_wait_for_a_shared_core():
         pytest.skip("this kernel has no per-thread schedstat")
     mine = os.sched_getaffinity(0)
     core = min(mine)
-    rival = subprocess.Popen([sys.executable, "-c",
-                              f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+    rival = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})\n"
+                              "print('spinning', flush=True)\nwhile True: pass"],
+                             stdout=subprocess.PIPE, text=True)
     try:
         os.sched_setaffinity(0, {core})  # this thread only
-        spin = time.perf_counter()
-        while time.perf_counter() - spin < 0.2:  # the rival is running by now
-            pass
+        assert rival.stdout is not None and rival.stdout.readline().strip() == "spinning"
         w0, t0 = _runqueue_wait(), time.perf_counter()
         while time.perf_counter() - t0 < 0.5:
             pass
@@ -691,6 +690,6 @@ def test_the_run_queue_clock_counts_a_wait_for_a_shared_core():
     finally:
         os.sched_setaffinity(0, mine)
         rival.kill()
-        rival.wait()
+        rival.communicate()
     assert w0 is not None and w1 is not None
     assert 0 < w1 - w0 <= t1 - t0
