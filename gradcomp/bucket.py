@@ -4,7 +4,9 @@ A bucket is what DDP hands a communication hook and what a compressor reduces. `
 PowerSGD see matrices again; ``keys`` name the tensors, and compressors keep their state
 (error-feedback residuals, warm-start factors) per key, so it follows each tensor through DDP's
 bucket rebuild and into a resumed model; ``is_last`` marks the end of a training step (step
-counters advance there); ``index`` is the bucket's position in the step.
+counters advance there); ``index`` is the bucket's position in the step. A ``scatter`` bucket asks
+for a reduce-scatter instead of an allreduce (FSDP's gradients leave that way): its buffer is
+``size`` equal rows, row r bound for rank r, and the result is the mean of this rank's row only.
 """
 from __future__ import annotations
 
@@ -49,10 +51,14 @@ class Bucket:
     the last bucket of a step. ``scratch``: the buffer
     may be overwritten by the compressor: a temporary of gradcomp's own (a wrapper's cast copy) or
     a DDP bucket, which DDP lets hooks overwrite (PyTorch's own hooks divide it in place). Buffers
-    passed to ``reduce`` / ``allreduce_gradients`` are never scratch (invariant 5).
+    passed to ``reduce`` / ``allreduce_gradients`` are never scratch (invariant 5). ``scatter``: the
+    buffer holds one equal row per rank (row r for rank r, tensors may straddle rows) and the
+    compressor returns the mean over ranks of this rank's row, ``numel / size`` values (the only
+    exception to "output has the input's length"); only compressors that declare ``scatters`` take
+    such a bucket.
     """
 
-    __slots__ = ("buffer", "index", "shapes", "keys", "is_last", "scratch")
+    __slots__ = ("buffer", "index", "shapes", "keys", "is_last", "scratch", "scatter")
 
     buffer: Array
     index: int
@@ -60,9 +66,11 @@ class Bucket:
     keys: tuple[str, ...]
     is_last: bool
     scratch: bool
+    scatter: bool
 
     def __init__(self, buffer: Array, index: int = 0, shapes: Sequence[Sequence[int]] | None = None,
-                 is_last: bool = True, scratch: bool = False, keys: Sequence[str] | None = None):
+                 is_last: bool = True, scratch: bool = False, keys: Sequence[str] | None = None,
+                 scatter: bool = False):
         problem = buffer_problem(buffer)
         if problem:
             raise ValueError(problem)
@@ -86,6 +94,7 @@ class Bucket:
         self.keys = names
         self.is_last = bool(is_last)
         self.scratch = bool(scratch)
+        self.scatter = bool(scatter)
 
     def __repr__(self) -> str:
         return (f"Bucket(numel={self.numel}, dtype={dtype_name(self.dtype)}, index={self.index}, "
@@ -120,7 +129,8 @@ class Bucket:
     def layout_text(self) -> str:
         """The layout in words (for error messages): length, dtype and each tensor's key and shape."""
         tensors = ", ".join(f"{k}:{'x'.join(map(str, s)) or 'scalar'}" for k, s in zip(self.keys, self.shapes))
-        return f"{self.numel} x {dtype_name(self.dtype)} [{tensors}]"
+        rows = " in rows (reduce-scatter)" if self.scatter else ""
+        return f"{self.numel} x {dtype_name(self.dtype)}{rows} [{tensors}]"
 
     def layout_key(self) -> int:
         """A stable 63-bit digest of the layout, equal on every rank for equal layouts."""
@@ -128,7 +138,7 @@ class Bucket:
 
     def with_buffer(self, buffer: Array, scratch: bool = False) -> Bucket:
         """The same layout over another buffer (a cast copy, say; ``scratch``: see the class)."""
-        return Bucket(buffer, self.index, self.shapes, self.is_last, scratch, self.keys)
+        return Bucket(buffer, self.index, self.shapes, self.is_last, scratch, self.keys, self.scatter)
 
 
 def group(arrays: Sequence[Array], bucket_cap_mb: float = 25.0) -> list[list[int]]:

@@ -111,6 +111,10 @@ class Schedule(Compressor):
         return any(c.error_feedback_on for c in self.compressors)
 
     @property
+    def scatters(self) -> bool:  # type: ignore[override]
+        return all(c.scatters for c in self.compressors)
+
+    @property
     def warmup_steps(self) -> int:
         return self.starts[-1] + self.compressors[-1].warmup_steps
 

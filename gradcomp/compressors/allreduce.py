@@ -27,8 +27,11 @@ class Allreduce(Compressor):
     """
 
     nan_effect = "element"
+    scatters = True
 
     def run(self, bucket: Bucket, comm: Communicator, prepared: Any = None) -> Array:
+        if bucket.scatter:
+            return mean_reduce_scatter(bucket, comm)
         return mean_allreduce(bucket, comm)
 
     def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray:
@@ -43,3 +46,13 @@ def mean_allreduce(bucket: Bucket, comm: Communicator) -> Array:
     # a scratch bucket (a wrapper's cast copy, a DDP bucket) is divided in place as well
     x = divide(bucket.buffer, comm.size, out=bucket.buffer if bucket.scratch else None)
     return comm.allreduce(x, overwrite=True)
+
+
+def mean_reduce_scatter(bucket: Bucket, comm: Communicator) -> Array:
+    """This rank's row of the mean of a ``scatter`` bucket: divided by the world size before the
+    sum, as ``mean_allreduce``, then one reduce-scatter of equal rows."""
+    if comm.size == 1:
+        return bucket.buffer if bucket.scratch else bucket.buffer.copy()
+    x = divide(bucket.buffer, comm.size, out=bucket.buffer if bucket.scratch else None)
+    rows = [bucket.numel // comm.size] * comm.size
+    return comm.reduce_scatter(x, counts=rows, overwrite=True)

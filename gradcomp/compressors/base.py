@@ -77,6 +77,10 @@ class Compressor:
     #: the update (the LM of BENCHMARKS.md section 6: +9% to +51% under AdamW); the torch adapter
     #: then points Adam users to ``OneBitAdam``, which compresses the momentum instead
     partial_update: bool = False
+    #: whether the method has a reduce-scatter form: it takes a ``Bucket.scatter`` bucket (one row
+    #: per rank) and returns the mean of this rank's row (FSDP's gradient reduce-scatter,
+    #: ``gradcomp.torch.fsdp``). Wrappers and schedules scatter where every method inside does
+    scatters: bool = False
 
     def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray | None:
         """Largest allowed ``|result - mean|`` per element of one step, given every rank's input
@@ -150,6 +154,8 @@ class Compressor:
     def checked_run(self, bucket: Bucket | Array, comm: Communicator, prepared: Any = None,
                     problem: str | None = None) -> Array:
         """``agree``, then ``run``, recording traffic and watching residuals (on the wire thread)."""
+        if problem is None and isinstance(bucket, Bucket) and bucket.scatter:
+            problem = scatter_problem(self, bucket, comm)
         guard = getattr(self, "_guard", None)
         if guard is None and self.error_feedback_on and getattr(self, "watched", True):
             guard = self._new_guard()
@@ -169,7 +175,9 @@ class Compressor:
         after_bytes, after_calls = method_traffic(comm)
         s["bytes_sent"] += after_bytes - before_bytes
         s["rounds"] += after_calls - before_calls
-        s["reference_bytes"] += wire_bytes("allreduce", bucket.buffer.nbytes, comm.size)
+        # the exact collective the caller would have run: an allreduce, or (FSDP) a reduce-scatter
+        reference = "reduce_scatter" if bucket.scatter else "allreduce"
+        s["reference_bytes"] += wire_bytes(reference, bucket.buffer.nbytes, comm.size)
         return out
 
     @property
@@ -289,6 +297,15 @@ class Compressor:
         for key, value in self.__getstate__().items():
             setattr(clone, key, copy.deepcopy(value, memo))
         return clone
+
+
+def scatter_problem(compressor: Compressor, bucket: Bucket, comm: Communicator) -> str | None:
+    """Why ``compressor`` cannot reduce-scatter ``bucket`` (a ``scatter`` bucket), or None."""
+    if not compressor.scatters:
+        return f"{compressor.describe()} has no reduce-scatter form"
+    if bucket.numel % comm.size:
+        return f"a reduce-scatter bucket of {bucket.numel} values does not split into {comm.size} equal rows"
+    return None
 
 
 def parts(compressor: Compressor) -> Iterator[Compressor]:

@@ -58,6 +58,10 @@ class Cast(Compressor):
         return self.inner.error_feedback_on
 
     @property
+    def scatters(self) -> bool:  # type: ignore[override]
+        return self.inner.scatters
+
+    @property
     def warmup_steps(self) -> int:
         return self.inner.warmup_steps
 
@@ -84,7 +88,9 @@ class Cast(Compressor):
     def finish(self, bucket: Bucket, comm: Communicator, prepared: _Half) -> Array:
         mean = run_stage(self.inner, prepared.bucket, comm, prepared.inner)
         # a scratch bucket (a DDP bucket) takes the widened mean itself: no new array per bucket
-        return cast(mean, bucket.dtype, out=bucket.buffer if bucket.scratch else None)
+        # (a reduce-scatter's mean is one row: a new array)
+        in_place = bucket.scratch and not bucket.scatter
+        return cast(mean, bucket.dtype, out=bucket.buffer if in_place else None)
 
     def agreement_state(self, bucket: Bucket, prepared: _Half | None) -> dict[str, Any]:
         inner = prepared.inner if prepared is not None else None

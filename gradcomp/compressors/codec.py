@@ -21,6 +21,12 @@ and declares which collective carries it (``collective``):
   several exchanges in flight, a large slice goes in up to four pieces, and the owner stage of
   one runs while the next one's alltoall is on the wire (``_Layout``; the same bits).
 
+Any codec whose messages are decoded one by one (every collective but ``"allreduce"``, whose
+coordinates are chosen per bucket) also reduce-scatters (``Bucket.scatter``, FSDP's gradients):
+each rank encodes its row for each destination as one message, an alltoall hands every rank the
+messages of its row, and the owner decodes and sums them in rank order and divides: the first stage
+of the two-stage runner, with the rows the caller laid out and no second stage.
+
 plus what it promises: ``error_bound`` (per element, against the exact mean, for the conformance
 kit) and ``nan_effect``. The runner (``Codec.prepare``/``finish``) does everything else once:
 widening half buckets to the codec's compute dtype, temporaries from the pipeline's workspace,
@@ -61,6 +67,10 @@ class Codec(Compressor):
     half_input: ClassVar[bool] = False
 
     # -- the codec proper ---------------------------------------------------------------------------
+    @property
+    def scatters(self) -> bool:  # type: ignore[override]
+        return self.collective != "allreduce"
+
     def message_size(self, n: int) -> int:
         raise NotImplementedError
 
@@ -199,7 +209,12 @@ def _prepare(codec: Codec, bucket: Bucket, comm: Communicator, workspace: Worksp
     compute = codec.compute_dtype(g.dtype)
     mtype = compute if codec.message_dtype is None else codec.message_dtype
     layout = None
-    if codec.collective == "two-stage":
+    if bucket.scatter:  # one message per destination row (see the module docstring)
+        slice_len, padded = n // comm.size, n
+        size = codec.message_size(slice_len)
+        message = workspace.array(codec, "message", comm.size * size, mtype, like=g)
+        pieces = [(r * slice_len, (r + 1) * slice_len, message[r * size:(r + 1) * size]) for r in range(comm.size)]
+    elif codec.collective == "two-stage":
         layout = _layout(codec, n, comm, g)
         slice_len = layout.slice_len
         padded = slice_len * comm.size
@@ -285,6 +300,8 @@ def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: _Prepare
     compute = codec.accumulator_dtype(prepared.x.dtype)
     size = comm.size
     message = prepared.message
+    if bucket.scatter:
+        return _scatter_finish(codec, bucket, comm, message, compute)
     if codec.collective == "allreduce":
         if size > 1:
             xp.divide(message, message.dtype.type(size), out=message)
@@ -336,6 +353,24 @@ def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: _Prepare
     gathering[-1].wait()
     _decode_piece(codec, layout, pieces - 1, back[-1], out, n, ws)
     return _narrow(bucket, out)
+
+
+def _scatter_finish(codec: Codec, bucket: Bucket, comm: Communicator, message: Array,
+                    compute: DTypeLike) -> Array:
+    """A reduce-scatter's second half: every rank's message of this rank's row, decoded and summed
+    in rank order, divided by their number; a new array of the row's length."""
+    g = bucket.buffer
+    ws = comm.workspace
+    xp = array_module(g)
+    rows = comm.alltoall(message, out=ws.array(codec, "rows", message.shape[0], message.dtype, like=g))
+    acc = xp.empty(bucket.numel // comm.size, compute)
+    if not codec.decode_mean(rows, acc, ws):
+        acc[...] = 0
+        for r in range(comm.size):
+            codec.decode(rows[r], acc, ws, add=True)
+        if comm.size > 1:
+            xp.divide(acc, acc.dtype.type(comm.size), out=acc)
+    return acc if acc.dtype == g.dtype else cast(acc, g.dtype)
 
 
 def _decode_piece(codec: Codec, layout: _Layout, p: int, gathered: Array, out: Array, n: int,

@@ -48,6 +48,10 @@ class ErrorFeedback(Compressor):
         return self.inner.nan_effect
 
     @property
+    def scatters(self) -> bool:  # type: ignore[override]
+        return self.inner.scatters
+
+    @property
     def error_feedback_on(self) -> bool:
         return True  # the accumulated error is what is bounded (see the conformance kit)
 
