@@ -4,15 +4,17 @@
     launch = gt.init_process_group()           # under `mpiexec -n 4 python train.py`, or torchrun
     model = DistributedDataParallel(net.to(launch.device))
     gt.register(model, gradcomp.FP16(gradcomp.Allreduce()))
+    # or an FSDP2 model: fully_shard(block) for each block, fully_shard(net); gt.register(net, "int8")
 
 Importing ``gradcomp`` never imports torch (DESIGN invariant 6); only ``import gradcomp.torch`` does.
 ``TorchCommunicator`` runs the compressors over torch.distributed instead of MPI (torchrun picks
 it). ``HookState.state_dict()`` checkpoints a compressor as tensors (``torch.save``).
 """
 from .communicator import TorchCommunicator
+from .fsdp import FSDPState
 from .hook import HookState, comm_hook, default_comm, gradcomp_hook, register
 from .launch import Launch, init_process_group
 from .optim import DGC, OneBitAdam, local_hook
 
 __all__ = ["register", "comm_hook", "init_process_group", "Launch", "TorchCommunicator",
-           "HookState", "gradcomp_hook", "default_comm", "OneBitAdam", "DGC", "local_hook"]
+           "HookState", "FSDPState", "gradcomp_hook", "default_comm", "OneBitAdam", "DGC", "local_hook"]

@@ -268,9 +268,11 @@ def comm_hook(compressor: Compressor | str,
 
 
 def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | None,
-             comm: Communicator | None = None, state: HookState | None = None,
-             hierarchical: bool | None = None) -> HookState:
-    """Make ``ddp_model`` (a ``DistributedDataParallel``) average its gradients with ``compressor``.
+             comm: Communicator | None = None, state: Any = None,
+             hierarchical: bool | None = None) -> Any:
+    """Make ``ddp_model`` (a ``DistributedDataParallel``) average its gradients with ``compressor``;
+    or, given the root of an FSDP2 model (``fully_shard``), make every FSDP module reduce-scatter
+    its gradients with it (``gradcomp.torch.fsdp.register``, which returns an ``FSDPState``).
 
     Call it on every rank, before the first ``backward()``, once per model (DDP's rule).
     ``comm=None`` chooses the transport: MPI (gradcomp's default ``MPICommunicator``, CUDA-aware
@@ -288,11 +290,20 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
     only part of each gradient (onebit, topk, randomk, PowerSGD) warns once at the first step of an
     Adam-like optimizer over the model, pointing to ``OneBitAdam`` (``gradcomp.torch.advice``).
     """
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
+    if isinstance(ddp_model, FSDPModule):
+        from . import fsdp
+
+        if hierarchical:
+            raise ValueError("gradcomp.torch.register: hierarchical=True is for DDP models; an FSDP2 model "
+                             "reduce-scatters over its 1-D mesh")
+        return fsdp.register(ddp_model, compressor, comm, state)
     if not isinstance(ddp_model, DistributedDataParallel):
-        raise TypeError(f"gradcomp.torch.register expects a DistributedDataParallel model, got "
-                        f"{type(ddp_model).__name__}; wrap it first: DistributedDataParallel(model)")
+        raise TypeError(f"gradcomp.torch.register expects a DistributedDataParallel model or the root of an "
+                        f"FSDP2 model (fully_shard), got {type(ddp_model).__name__}; wrap it first: "
+                        "DistributedDataParallel(model), or fully_shard(model)")
     if comm is None:
         group = getattr(ddp_model, "process_group", None)
         if group is not None and dist.get_world_size(group) != dist.get_world_size():

@@ -1,0 +1,270 @@
+"""FSDP2 (``fully_shard``): every FSDP module's gradient reduce-scatter through a gradcomp compressor.
+
+Under FSDP2 a module's gradients leave each rank through one reduce-scatter per FSDP module and
+step, not an allreduce: FSDP copies every parameter's gradient into a flat buffer laid out as one
+row per destination rank (row r holds shard r of each parameter, each shard padded to equal
+length), and each rank keeps the reduced row of its own shards. torch 2.13 lets that collective
+be replaced (``FSDPModule.set_custom_reduce_scatter``); ``register`` puts a ``_ReduceScatter`` on
+every FSDP module of the tree, which hands the flat buffer to the compressor as a ``scatter``
+bucket (``gradcomp.bucket``): each rank encodes its row for each destination, an alltoall moves
+the messages, and the owner decodes and averages its row. No second copy of any quantizer: the
+codecs' own reduce-scatter form does the work (``gradcomp.compressors.codec``).
+
+What the bucket carries, so that state follows parameters (``HookState``'s promise under DDP):
+
+* keys ``"<parameter name>#<r>of<N>"``, one per parameter shard in the row for rank r, so error
+  feedback residuals are checkpointed per parameter shard, as plain tensors, and a resume into a
+  freshly built model on the same number of ranks continues bit for bit; a checkpoint saved on
+  another number of ranks names shards that never come, and the first step refuses it;
+* ``is_last`` on the last FSDP module to reduce in a step (the number of modules with trainable
+  parameters is counted at ``register``), so recipes' warm-up steps count training steps. A
+  module whose parameters got no gradient in a step (FSDP then skips its reduce-scatter) would
+  shift that count; the next forward raises an error that says so instead.
+
+FSDP asks for ``op`` AVG (float32 and bfloat16 reduce dtypes), SUM (float16: FSDP divides before
+and after), or PREMUL_SUM (a custom divide factor, refused here). Methods without a reduce-scatter
+form (PowerSGD, random-k, ``auto``, the hierarchical wrapper) are refused at ``register``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from ..arrays import FLOAT_DTYPES, cast, is_device_array, synchronize
+from ..bucket import Bucket
+from ..comm import Communicator
+from ..compressors import Compressor, make
+from ..compressors.base import parts
+from ..registry import REGISTRY
+from .checkpoint import from_torch_state, to_torch_state
+from .tensors import as_array, wait_for_torch
+
+
+class FSDPState:
+    """What ``register`` returns for an FSDP2 model: the compressor (``.compressor.stats()``:
+    ``bytes_sent``, and ``compression_ratio`` against FSDP's own reduce-scatter of the same
+    shards), the communicator, and the checkpoint pair ``state_dict()``/``load_state_dict()``
+    (tensors and plain values, ``torch.save``-able; save it beside FSDP's model and optimizer
+    state dicts, between steps)."""
+
+    def __init__(self, compressor: Compressor, comm: Communicator | None, modules: int):
+        self.compressor = compressor
+        self.comm = comm
+        self.modules = modules          # FSDP modules with trainable parameters: reduces per step
+        self.calls = 0                  # reduce-scatters so far in this step
+        self.shapes: dict[str, tuple[int, ...]] = {}  # every shard key -> (length,)
+
+    def __repr__(self) -> str:
+        return f"FSDPState({self.compressor!r}, {self.comm!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["comm"] = None  # threads and MPI handles never travel
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The compressor's state as tensors and plain values."""
+        if self.calls:
+            raise RuntimeError(f"gradcomp.torch.fsdp: state_dict() in the middle of a step ({self.calls} of "
+                               f"{self.modules} FSDP modules reduced); take it between steps")
+        return {"compressor": self.compressor.describe(), "fsdp": True,
+                "state": to_torch_state(self.compressor.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output; checked before anything changes."""
+        if not isinstance(state, dict) or "state" not in state or not state.get("fsdp"):
+            raise ValueError("gradcomp.torch.fsdp: expected the output of FSDPState.state_dict() "
+                             "(a dict with 'compressor', 'fsdp' and 'state'); a DDP hook's state does not "
+                             "load into an FSDP model")
+        saved = state.get("compressor")
+        if saved != self.compressor.describe():
+            raise ValueError(f"gradcomp.torch.fsdp: this checkpoint was saved by {saved}, but this model "
+                             f"runs {self.compressor.describe()}")
+        self.compressor.load_state_dict(from_torch_state(state["state"]), self.shapes or None)
+        self.calls = 0
+
+
+class _ReduceScatter(ReduceScatter):
+    """One FSDP module's reduce-scatter through ``state.compressor`` (see the module docstring)."""
+
+    def __init__(self, state: FSDPState, module_name: str, shards: list[tuple[str, Any]]):
+        self.state = state
+        self.module_name = module_name or "<root>"
+        self.shards = shards  # (parameter name, FSDPParam) in FSDP's order
+        self._layouts: dict[tuple[int, tuple[str, ...]], tuple[list[str], list[tuple[int]]]] = {}
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def layout(self, ranks: int) -> tuple[list[str], list[tuple[int]]]:
+        """Keys and shapes of the bucket: each trainable parameter's padded shard, row by row."""
+        names = tuple(name for name, p in self.shards if p.sharded_param.requires_grad)
+        cached = self._layouts.get((ranks, names))
+        if cached is None:
+            sizes = [_row_length(p, ranks) for _, p in self.shards if p.sharded_param.requires_grad]
+            keys = [f"{name}#{r}of{ranks}" for r in range(ranks) for name in names]
+            shapes = [(size,) for _ in range(ranks) for size in sizes]
+            cached = self._layouts[(ranks, names)] = (keys, shapes)
+            self.state.shapes.update(zip(keys, shapes))
+        return cached
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> None:
+        state = self.state
+        if state.comm is None:
+            from .hook import default_comm
+
+            state.comm = default_comm()
+        comm = state.comm
+        ranks = dist.get_world_size(group)
+        if ranks != comm.size:
+            raise ValueError(f"gradcomp.torch.fsdp: FSDP module {self.module_name!r} reduce-scatters over "
+                             f"{ranks} ranks but gradcomp's communicator has {comm.size}; gradcomp reduces "
+                             "1-D FSDP over the whole job (HSDP meshes are not supported)")
+        factor = _sum_factor(op, ranks)
+        if input_tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise TypeError(f"gradcomp.torch.fsdp: reduce dtype {input_tensor.dtype} is not one of "
+                            f"{', '.join(FLOAT_DTYPES)} (MixedPrecisionPolicy.reduce_dtype)")
+        keys, shapes = self.layout(ranks)
+        expected = sum(math.prod(s) for s in shapes)
+        if input_tensor.numel() != expected:
+            raise ValueError(
+                f"gradcomp.torch.fsdp: FSDP module {self.module_name!r} reduce-scatters {input_tensor.numel()} "
+                f"values, but its trainable parameters' padded shards hold {expected}: some parameter got no "
+                "gradient this step (call module.set_reduce_scatter_unused_params(True) so FSDP reduces "
+                "zeros for it)")
+        state.calls += 1
+        index, is_last = state.calls - 1, state.calls >= state.modules
+        if is_last:
+            state.calls = 0
+        if input_tensor.is_cuda:
+            wait_for_torch(input_tensor)
+        array = as_array(input_tensor)
+        bucket = Bucket(array, index, shapes, is_last, scratch=True, keys=keys, scatter=True)
+        row = state.compressor.reduce(bucket, comm).result()
+        out = as_array(output_tensor)
+        if factor != 1:
+            row = row * row.dtype.type(factor)
+        if row.dtype != out.dtype:
+            row = cast(row, out.dtype)
+        out[...] = row
+        if is_device_array(out):
+            synchronize(out)
+        return None
+
+
+def _row_length(param: Any, ranks: int) -> int:
+    """Values of ``param``'s gradient in each destination row: FSDP pads dim 0 to a multiple of
+    the ranks (``Shard(0)``) or cuts another dim evenly (``Shard(d)``)."""
+    size = tuple(param._orig_size)
+    if not size:
+        return 1
+    dim = param.fsdp_placement.dim
+    if dim == 0:
+        return -(-size[0] // ranks) * math.prod(size[1:])
+    return math.prod(size) // ranks
+
+
+def _sum_factor(op: Any, ranks: int) -> float:
+    """What the mean is multiplied by for FSDP's ``op``: 1 for AVG, the ranks for SUM."""
+    if op == dist.ReduceOp.AVG:
+        return 1
+    if op == dist.ReduceOp.SUM:
+        return ranks
+    raise ValueError(f"gradcomp.torch.fsdp: FSDP asked for reduce op {op!r}; gradcomp reduces with AVG or SUM "
+                     "(a custom gradient divide factor, set_gradient_divide_factor, is not supported)")
+
+
+def scatter_names() -> list[str]:
+    """The registered names that have a reduce-scatter form (what ``register`` takes for FSDP)."""
+    import warnings
+
+    names = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # some factories warn when built (randomk)
+        for name in REGISTRY:
+            try:
+                if make(name).scatters:
+                    names.append(name)
+            except Exception:  # a third-party factory that cannot be built without arguments
+                continue
+    return names
+
+
+def register(model: FSDPModule, compressor: Compressor | str | None, comm: Communicator | None = None,
+             state: FSDPState | None = None) -> FSDPState:
+    """Make every FSDP module of ``model`` (the root ``fully_shard`` returned) reduce-scatter its
+    gradients with ``compressor``; ``gradcomp.torch.register`` calls it for FSDP2 models.
+
+    Call it on every rank after ``fully_shard`` and before the first ``backward()``. ``comm``:
+    as for DDP (MPI under mpiexec, torch.distributed under torchrun). ``state``: an ``FSDPState``
+    to reuse (its compressor is used). Returns the state (see ``FSDPState``).
+    """
+    if state is not None:
+        compressor = state.compressor
+    if isinstance(compressor, str):
+        compressor = make(compressor)
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"gradcomp.torch.register: expected a gradcomp Compressor or a registry name, "
+                        f"got {type(compressor).__name__}")
+    lacking = [p.describe() for p in parts(compressor) if not p.scatters]
+    if not compressor.scatters:
+        raise ValueError(f"gradcomp.torch.register: {compressor.describe()} has no reduce-scatter form "
+                         f"({', '.join(lacking[:1]) or 'it'} cannot reduce FSDP's gradient shards); under FSDP2 "
+                         f"use one of: {', '.join(scatter_names())}")
+    names = {id(p): name for name, p in model.named_parameters()}
+    modules = []
+    for module_name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise ValueError(f"gradcomp.torch.register: FSDP module {module_name or '<root>'!r} has "
+                             f"{len(groups)} parameter groups (shard_placement_fn with several meshes); "
+                             "FSDP's custom reduce-scatter takes one")
+        if not groups:
+            continue
+        group = groups[0]
+        if getattr(group, "_is_hsdp", False):
+            raise ValueError(f"gradcomp.torch.register: FSDP module {module_name or '<root>'!r} is HSDP "
+                             "(a 2-D mesh); gradcomp reduces 1-D FSDP meshes")
+        shards = [(names[id(p.sharded_param)], p) for p in group.fsdp_params]
+        modules.append((module_name, module, shards))
+    trainable = sum(any(p.sharded_param.requires_grad for _, p in shards) for _, _, shards in modules)
+    if state is None:
+        if comm is None:
+            from .hook import default_comm
+
+            comm = default_comm()
+        state = FSDPState(compressor, comm, trainable)
+    else:
+        state.modules, state.calls = trainable, 0
+        if comm is not None or state.comm is None:
+            from .hook import default_comm
+
+            state.comm = comm if comm is not None else default_comm()
+    for module_name, module, shards in modules:
+        scatter = _ReduceScatter(state, module_name, shards)
+        module.set_custom_reduce_scatter(scatter)
+        ranks = module._get_fsdp_state()._fsdp_param_groups[0].mesh_info.shard_mesh_size
+        scatter.layout(ranks)  # so that a checkpoint loads before the first step
+    model.register_forward_pre_hook(_step_check(state))
+    return state
+
+
+def _step_check(state: FSDPState) -> Any:
+    """A forward pre-hook on the root: the previous step reduced every FSDP module or none."""
+    def check(module: Any, args: Any) -> None:
+        if state.calls:
+            done, state.calls = state.calls, 0
+            raise RuntimeError(
+                f"gradcomp.torch.fsdp: the last backward reduce-scattered {done} of {state.modules} FSDP "
+                "modules with trainable parameters: the others got no gradient, so gradcomp cannot tell "
+                "where a training step ends (call model.set_reduce_scatter_unused_params(True), or freeze "
+                "the unused parameters before register())")
+    return check
