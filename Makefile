@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.gradcomp-installed
 NP     ?= 4
 
-.PHONY: install test demo bench bench-capped clean
+.PHONY: install test demo bench bench-capped docs clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,13 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The documentation tools (setup.cfg's docs extra) on top of the same venv, installed on first use.
+DOCS_STAMP := $(VENV)/.gradcomp-docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
 
 # The type check (mypy, configured in setup.cfg), then the whole suite, multi-rank tests under
 # real mpiexec included.
@@ -28,8 +35,14 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m gradcomp bench
 
+# The documentation site (mkdocs.yml, docs/) into site/; any warning is an error (--strict), then
+# an offline check of every link and anchor in the built pages.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+	$(PY) scripts/check_site_links.py site
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache
 
 # ResNet-50-sized step times on a tbf-capped network (needs root; see bench/capped.sh).
 bench-capped: $(STAMP)
