@@ -253,3 +253,54 @@ def test_resume_is_bit_exact_under_torchrun(tmp_path):
     done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script)], env=env,
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def rank_accumulation_and_unused():
+    """Gradient accumulation (no reduce on the first micro-step) stays exact; a parameter without
+    a gradient is named by a clear error, and set_reduce_scatter_unused_params(True) mends it."""
+    import gradcomp.torch as gt
+    from torch import nn
+
+    launch = gt.init_process_group()
+    rank = launch.rank
+    own, ours = _shard(_model()), _shard(_model())
+    state = gt.register(ours, "allreduce")
+    for m in (own, ours):
+        m.set_requires_gradient_sync(False)
+        _backward(m, 0, rank)
+        m.set_requires_gradient_sync(True)
+        _backward(m, 1, rank)
+    for a, b in zip(_grads(own), _grads(ours)):
+        assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max()), (a, b)
+    assert state.compressor.stats()["steps"] == 1
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(12, 5), nn.Linear(12, 5)
+
+        def forward(self, x):
+            return self.used(x)
+
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    branchy = fully_shard(Branchy())
+    gt.register(branchy, "int8")
+    try:
+        _backward(branchy, 0, rank)
+    except Exception as exc:
+        assert "set_reduce_scatter_unused_params" in str(exc), exc
+    else:
+        raise AssertionError("a parameter without a gradient went unnoticed")
+    torch.manual_seed(0)
+    mended = fully_shard(Branchy())
+    mended.set_reduce_scatter_unused_params(True)
+    mended_state = gt.register(mended, "int8")
+    _backward(mended, 0, rank)
+    assert mended_state.compressor.stats()["steps"] == 1
+    leave_before_torch_teardown(state.comm)
+
+
+def test_accumulation_and_unused_parameters():
+    run_ranks(2, "tests.test_torch_fsdp:rank_accumulation_and_unused", timeout=180)
