@@ -29,7 +29,10 @@ The checks (``checks.CHECKS``):
   compressors) one rank a few steps ahead all raise ``CollectiveError`` on every rank, and the
   communicator stays usable;
 * ``schedule``: inside ``Schedule`` the compressor reduces exactly as alone and hands its
-  error-feedback residuals to the next stage.
+  error-feedback residuals to the next stage;
+* ``scatter``: where the compressor declares a reduce-scatter form (``scatters``, what FSDP2's
+  gradients need), each rank gets its row of the mean with the ``accuracy`` promise; where it
+  does not, a reduce-scatter bucket is refused on every rank.
 
 Writing a compressor: a single-collective method subclasses ``gradcomp.Codec`` (``message_size``,
 ``encode``, ``decode``, the collective, and what it promises: ``error_bound``, ``nan_effect``,

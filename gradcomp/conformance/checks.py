@@ -323,9 +323,54 @@ def check_schedule(kit: Kit) -> None:
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"Schedule differs at step {step}"
 
 
+def check_scatter(kit: Kit) -> None:
+    """The reduce-scatter form (``Bucket.scatter``, what FSDP2 uses), where the compressor declares
+    one (``scatters``): each rank gets its row of the structured signal's mean, of the row's
+    length and the input's dtype, with the accuracy promise of ``accuracy`` on the rows (over
+    half as many steps). A compressor without one refuses such a bucket on every rank."""
+    comp = kit.build()
+    pad = -numel(LAYOUT) % kit.size
+    layout = [*LAYOUT, (pad,)] if pad else list(LAYOUT)
+    n = numel(LAYOUT) + pad
+    row = slice(kit.rank * n // kit.size, (kit.rank + 1) * n // kit.size)
+    if not comp.scatters:
+        try:
+            comp.reduce(gc.Bucket(np.ones(n, np.float32), 0, layout, scatter=True), kit.comm).result()
+        except gc.CollectiveError:
+            return
+        raise AssertionError("scatters is False, but a reduce-scatter bucket was reduced")
+    warm, steps = comp.warmup_steps, LONG // 2
+    shared, own = np.random.default_rng(21), np.random.default_rng([22, kit.rank])
+    signal = np.concatenate([structured(LAYOUT, shared, own), np.zeros(pad)])
+    sum_out, sum_mean = np.zeros(n // kit.size), np.zeros(n // kit.size)
+    lags, errors = {}, []
+    for step in range(warm + steps):
+        x = (signal + 0.3 * np.abs(signal).mean() * own.standard_normal(n)).astype(np.float32)
+        mean = kit.inputs(x).mean(axis=0)[row]
+        out = comp.reduce(gc.Bucket(x, 0, layout, scatter=True), kit.comm).result()
+        assert out.dtype == x.dtype and out.shape == (n // kit.size,), (
+            f"a reduce-scatter returned {out.shape} {out.dtype}, not this rank's row ({n // kit.size},) {x.dtype}")
+        if step < warm:
+            continue
+        errors.append(relative_error(out, mean))
+        sum_out += out
+        sum_mean += mean
+        if step + 1 - warm in (steps // 2, steps):
+            lags[step + 1 - warm] = relative_error(sum_out, sum_mean)
+    if comp.error_feedback_on:
+        half, full = lags[steps // 2], lags[steps]
+        assert full <= 0.5, f"reduce-scatter with error feedback: summed rows off by {full:.3g} (allowed 0.5)"
+        assert full <= 0.02 or full <= 0.9 * half, (
+            f"reduce-scatter with error feedback: the accumulated error does not shrink ({half:.3g}, then {full:.3g})")
+    else:
+        worst = max(errors[STEPS:])
+        assert worst <= comp.relative_error_limit, (
+            f"reduce-scatter: relative error {worst:.3g} exceeds the declared limit {comp.relative_error_limit}")
+
+
 CHECKS = {"shapes": check_shapes, "dtypes": check_dtypes, "accuracy": check_accuracy,
           "non-finite": check_non_finite, "checkpoint": check_checkpoint,
-          "mismatches": check_mismatches, "schedule": check_schedule}
+          "mismatches": check_mismatches, "schedule": check_schedule, "scatter": check_scatter}
 
 
 def _savez_round_trip(state: dict) -> dict:
