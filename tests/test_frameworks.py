@@ -15,8 +15,9 @@ own checkpointing, resumes in a fresh trainer, and reports one ``RESULT`` line. 
 * a checkpoint of another compressor is refused (Lightning, Accelerate).
 
 They skip only when the framework is not installed (``make install`` installs all three: the
-``integrations`` extra). ``find_spec``, not ``importorskip``: the pytest process itself never
-imports torch (tests in test_torch_adapter check that ``import gradcomp`` leaves torch alone).
+``integrations`` extra). ``find_spec``, not ``importorskip``: deciding to skip imports nothing
+(Lightning or transformers take seconds to import, and the jobs import them in their own
+processes). A job's refusals of a strategy without DDP and of foreign state are checked too.
 """
 from __future__ import annotations
 
@@ -82,3 +83,60 @@ def test_hf_trainer_callback_compresses_checkpoints_and_resumes(tmp_path):
     assert result["ranks_saved_their_own"] and result["residuals_nonzero"], result
     assert result["resumed_steps"] == 20, result  # the resumed run trained its 20 steps compressed
     assert result["afresh_max_diff"] > 0, result  # the control: without the restored state it differs
+
+
+LIGHTNING_WITHOUT_DDP = """
+import torch, pytorch_lightning as pl
+from gradcomp.torch.lightning import Compression
+class M(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(2, 1)
+    def training_step(self, batch, _):
+        return self.net(batch[0]).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)), batch_size=2)
+trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, callbacks=[Compression("int8")])
+try:
+    trainer.fit(M(), data)
+except TypeError as exc:
+    print("REFUSED", exc)
+"""
+
+
+@needs("torch", "pytorch_lightning")
+def test_lightning_callback_refuses_a_strategy_without_ddp():
+    """One process on the CPU: SingleDeviceStrategy, no DDP wrapper; the error names the strategy."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for var in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "HYDI_CONTROL_FD", "RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    done = subprocess.run([sys.executable, "-c", LIGHTNING_WITHOUT_DDP], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    out = done.stdout + done.stderr
+    assert "REFUSED" in done.stdout and "SingleDeviceStrategy" in done.stdout, out
+    assert "strategy='ddp'" in done.stdout, out
+
+
+@needs("torch")
+def test_every_rank_state_refuses_other_world_sizes_and_foreign_dicts():
+    """Outside a process group the world is one rank: a checkpoint of 2 ranks is refused with the
+    reason, and so is a plain HookState.state_dict() (one rank's, not every rank's)."""
+    import gradcomp
+    from gradcomp.torch.hook import HookState
+    from gradcomp.torch.ranks import EveryRankState, gather_every_rank, own_rank_state
+
+    state = HookState(gradcomp.make("int8"), None)
+    mine = gather_every_rank(state)
+    assert mine["world_size"] == 1 and own_rank_state(mine) == mine["ranks"][0]
+    with pytest.raises(ValueError, match="holds the compressor state of 2 ranks, but this job has 1"):
+        own_rank_state({**mine, "world_size": 2, "ranks": mine["ranks"] * 2})
+    with pytest.raises(ValueError, match="expected every rank's compressor state"):
+        own_rank_state(state.state_dict())
+    with pytest.raises(ValueError, match="holds no rank's entries"):
+        own_rank_state({**mine, "ranks": None})
+    wrapped = EveryRankState(state)
+    wrapped.load_state_dict(wrapped.state_dict())
+    with pytest.raises(ValueError, match="saved by"):  # another compressor: HookState refuses it
+        EveryRankState(HookState(gradcomp.make("int4"), None)).load_state_dict(mine)
