@@ -104,6 +104,11 @@ class Compression(TrainerCallback):
             self.hook_state.load_state_dict(self._loaded)
             self._loaded = None
 
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._watch is not None:  # training ended before any training forward (max_steps reached)
+            self._watch.remove()
+            self._watch = None
+
     # -- checkpoints --------------------------------------------------------------------------------------
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.hook_state is None:
