@@ -30,8 +30,12 @@ from .ranks import gather_every_rank, own_rank_state
 
 try:
     import pytorch_lightning as pl
-except ImportError:  # the unified package: pip install lightning
-    import lightning.pytorch as pl  # type: ignore[no-redef]
+except ImportError:
+    try:  # the unified package (pip install lightning); a Trainer of the other package rejects this callback
+        import lightning.pytorch as pl  # type: ignore[no-redef]
+    except ImportError as exc:
+        raise ImportError("gradcomp.torch.lightning needs PyTorch Lightning: "
+                          "pip install 'gradcomp[torch,integrations]'") from exc
 
 
 class Compression(pl.Callback):

@@ -27,7 +27,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import TrainerCallback
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:
+    raise ImportError("gradcomp.torch.transformers needs transformers: "
+                      "pip install 'gradcomp[torch,integrations]'") from exc
 
 from ..comm import Communicator
 from ..compressors import Compressor
