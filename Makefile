@@ -7,10 +7,11 @@ NP     ?= 4
 
 .PHONY: install test demo bench bench-capped docs clean
 
-$(STAMP): setup.cfg pyproject.toml
+# constraints.txt pins the versions CI tests (torch among them); setup.cfg states ranges.
+$(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[mpi,torch,test,bench,jax]'
+	$(PY) -m pip install --quiet -e '.[mpi,torch,test,bench,jax,integrations]' -c constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)

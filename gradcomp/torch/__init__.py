@@ -9,6 +9,11 @@
 Importing ``gradcomp`` never imports torch (DESIGN invariant 6); only ``import gradcomp.torch`` does.
 ``TorchCommunicator`` runs the compressors over torch.distributed instead of MPI (torchrun picks
 it). ``HookState.state_dict()`` checkpoints a compressor as tensors (``torch.save``).
+
+The frameworks that wrap models in DDP themselves have their own entry points, imported on their
+own (each imports its framework): ``gradcomp.torch.lightning.Compression`` (a Lightning callback),
+``gradcomp.torch.accelerate.register`` and ``gradcomp.torch.transformers.Compression`` (a
+Trainer callback); see docs/guides/frameworks.md.
 """
 from .communicator import TorchCommunicator
 from .fsdp import FSDPState

@@ -1,0 +1,50 @@
+"""Hugging Face Accelerate: register gradcomp's hook on the prepared model, and put the compressor
+state into ``accelerator.save_state`` / ``load_state``.
+
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    state = gradcomp.torch.accelerate.register(accelerator, model, "int8")
+    accelerator.load_state(folder)             # when resuming: after register, as for any object
+
+Why not ``DistributedDataParallelKwargs(comm_hook=...)``: Accelerate takes only its own hook names
+there (``DDPCommunicationHookType``); a callable is silently ignored. ``accelerator.prepare``
+returns the DDP-wrapped model in a multi-process job, which ``gradcomp.torch.register`` takes.
+
+Why not ``accelerator.register_for_checkpointing(state)`` on the ``HookState`` itself: Accelerate
+writes the main process's ``state_dict()`` only, and every rank loads that file, so every rank
+would resume with rank 0's error-feedback residuals. ``register`` hands Accelerate an
+``EveryRankState`` instead (``gradcomp.torch.ranks``): the main process's file holds each rank's
+state, each rank loads its own, and a checkpoint of another compressor or another number of ranks
+is refused. A checkpoint saved without it is refused by Accelerate itself (its count of custom
+objects differs).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..comm import Communicator
+from ..compressors import Compressor
+from . import hook
+from .hook import HookState
+from .ranks import EveryRankState
+
+
+def register(accelerator: Any, model: Any, compressor: Compressor | str,
+             comm: Communicator | None = None, hierarchical: bool | None = None) -> HookState:
+    """Compress ``model``'s gradient averaging with ``compressor`` (a gradcomp ``Compressor`` or a
+    registry name) and checkpoint the compressor with ``accelerator``'s ``save_state``.
+
+    ``model``: what ``accelerator.prepare`` returned (a ``DistributedDataParallel`` in a job of
+    several processes). Call it on every rank, before the first backward and before
+    ``accelerator.load_state``. ``comm``, ``hierarchical``: ``gradcomp.torch.register``'s.
+    Returns the ``HookState`` (``.compressor.stats()``: the traffic figures)."""
+    try:
+        state = hook.register(model, compressor, comm, hierarchical=hierarchical)
+    except TypeError as exc:
+        raise TypeError(
+            f"gradcomp.torch.accelerate.register compresses a model that Accelerate wrapped in "
+            f"DistributedDataParallel (accelerator.prepare(model) in a job of several processes, "
+            f"e.g. under torchrun or `accelerate launch`); this accelerator runs "
+            f"{accelerator.distributed_type} with {accelerator.num_processes} process(es): {exc}") from exc
+    everywhere = bool(getattr(accelerator.project_configuration, "save_on_each_node", False))
+    accelerator.register_for_checkpointing(EveryRankState(state, everywhere=everywhere))
+    return state
