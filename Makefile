@@ -20,7 +20,7 @@ install: $(STAMP)
 DOCS_STAMP := $(VENV)/.gradcomp-docs-installed
 
 $(DOCS_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[docs]'
+	$(PY) -m pip install --quiet -e '.[docs]' -c constraints.txt
 	touch $(DOCS_STAMP)
 
 # The type check (mypy, configured in setup.cfg), then the whole suite, multi-rank tests under
