@@ -304,3 +304,48 @@ def rank_accumulation_and_unused():
 
 def test_accumulation_and_unused_parameters():
     run_ranks(2, "tests.test_torch_fsdp:rank_accumulation_and_unused", timeout=180)
+
+
+def _shard_on(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def rank_across_hosts(name, tolerance):
+    """2 hosts x 2 ranks: FSDP inside each host, gradcomp's allreduce across hosts (the all-reduce
+    hook) gives the gradients of FSDP over all 4 ranks; only the cross-host bytes are counted."""
+    import gradcomp.torch as gt
+    from torch.distributed.device_mesh import init_device_mesh
+
+    launch = gt.init_process_group()
+    rank = launch.rank
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("host", "local"))
+    own = _shard(_model())
+    ours = _shard_on(_model(), mesh["local"])
+    state = gt.register(ours, name)
+    assert state.comm.size == 2
+    for step in range(STEPS):
+        for m in (own, ours):
+            m.zero_grad()
+            _backward(m, step, rank)
+        for a, b in zip(own.parameters(), ours.parameters()):
+            full_a, full_b = a.grad.full_tensor(), b.grad.full_tensor()
+            assert float((full_a - full_b).abs().max()) <= tolerance * float(full_a.abs().max()), (name, full_a, full_b)
+    stats = state.compressor.stats()
+    assert stats["steps"] == STEPS and stats["calls"] == 3 * STEPS, stats
+    # the host's replicas are the same bits: each rank's shard equals the same local rank's on the other host
+    digests = [float(p.grad.to_local().double().sum()) for p in ours.parameters()]
+    t = torch.tensor(digests, dtype=torch.float64)
+    gathered = [torch.zeros_like(t) for _ in range(4)]
+    torch.distributed.all_gather(gathered, t)
+    assert torch.equal(gathered[rank], gathered[rank ^ 2]), gathered
+    leave_before_torch_teardown(state.comm)
+
+
+@pytest.mark.parametrize("name, tolerance", [("allreduce", 1e-5), ("int8:warmup=0", 0.05), ("powersgd:start_iter=2", 1.0)])
+def test_fsdp_inside_hosts_gradcomp_across(name, tolerance):
+    run_ranks(4, "tests.test_torch_fsdp:rank_across_hosts", name, tolerance, timeout=300)

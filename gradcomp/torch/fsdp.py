@@ -21,6 +21,13 @@ What the bucket carries, so that state follows parameters (``HookState``'s promi
   module whose parameters got no gradient in a step (FSDP then skips its reduce-scatter) would
   shift that count; the next forward raises an error that says so instead.
 
+Across hosts (ZeRO++'s shape): shard inside each host (``fully_shard(..., mesh=mesh["local"])``
+of a ``(hosts, local)`` device mesh), and ``register`` leaves FSDP's own reduce-scatter inside the
+host, over the fast local path, and compresses only what crosses hosts: FSDP's all-reduce hook
+(``set_all_reduce_hook``) receives each rank's reduced row, and ``_AcrossHosts`` averages it with
+the ranks of the same local position on the other hosts (a communicator of its own), in place.
+Every host then holds the same shards, bit for bit.
+
 FSDP asks for ``op`` AVG (float32 and bfloat16 reduce dtypes), SUM (float16: FSDP divides before
 and after), or PREMUL_SUM (a custom divide factor, refused here). Methods without a reduce-scatter
 form (PowerSGD, random-k, ``auto``, the hierarchical wrapper) are refused at ``register``.
@@ -89,73 +96,104 @@ class FSDPState:
         self.calls = 0
 
 
-class _ReduceScatter(ReduceScatter):
-    """One FSDP module's reduce-scatter through ``state.compressor`` (see the module docstring)."""
+class _Module:
+    """One FSDP module's parameters and the bucket layouts gradcomp gives its gradients."""
 
     def __init__(self, state: FSDPState, module_name: str, shards: list[tuple[str, Any]]):
         self.state = state
         self.module_name = module_name or "<root>"
         self.shards = shards  # (parameter name, FSDPParam) in FSDP's order
-        self._layouts: dict[tuple[int, tuple[str, ...]], tuple[list[str], list[tuple[int]]]] = {}
+        self._layouts: dict[tuple, tuple[list[str], list[tuple[int]]]] = {}
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def layout(self, ranks: int) -> tuple[list[str], list[tuple[int]]]:
-        """Keys and shapes of the bucket: each trainable parameter's padded shard, row by row."""
+    def layout(self, ranks: int, rows: range | None = None) -> tuple[list[str], list[tuple[int]]]:
+        """Keys and shapes of each trainable parameter's padded shard for ``ranks`` shards, in the
+        ``rows`` given (default: all of them, row by row: a reduce-scatter's input)."""
+        rows = range(ranks) if rows is None else rows
         names = tuple(name for name, p in self.shards if p.sharded_param.requires_grad)
-        cached = self._layouts.get((ranks, names))
+        cached = self._layouts.get((ranks, tuple(rows), names))
         if cached is None:
             sizes = [_row_length(p, ranks) for _, p in self.shards if p.sharded_param.requires_grad]
-            keys = [f"{name}#{r}of{ranks}" for r in range(ranks) for name in names]
-            shapes = [(size,) for _ in range(ranks) for size in sizes]
-            cached = self._layouts[(ranks, names)] = (keys, shapes)
+            keys = [f"{name}#{r}of{ranks}" for r in rows for name in names]
+            shapes = [(size,) for _ in rows for size in sizes]
+            cached = self._layouts[(ranks, tuple(rows), names)] = (keys, shapes)
             self.state.shapes.update(zip(keys, shapes))
         return cached
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op: Any, async_op: bool = False) -> None:
-        state = self.state
-        if state.comm is None:
-            from .hook import default_comm
-
-            state.comm = default_comm()
-        comm = state.comm
-        ranks = dist.get_world_size(group)
-        if ranks != comm.size:
-            raise ValueError(f"gradcomp.torch.fsdp: FSDP module {self.module_name!r} reduce-scatters over "
-                             f"{ranks} ranks but gradcomp's communicator has {comm.size}; gradcomp reduces "
-                             "1-D FSDP over the whole job (HSDP meshes are not supported)")
-        factor = _sum_factor(op, ranks)
-        if input_tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            raise TypeError(f"gradcomp.torch.fsdp: reduce dtype {input_tensor.dtype} is not one of "
-                            f"{', '.join(FLOAT_DTYPES)} (MixedPrecisionPolicy.reduce_dtype)")
-        keys, shapes = self.layout(ranks)
+    def bucket(self, tensor: torch.Tensor, keys: list[str], shapes: list[tuple[int]], scatter: bool) -> Bucket:
+        """``tensor`` as this step's next bucket (counting FSDP modules to find the step's end)."""
         expected = sum(math.prod(s) for s in shapes)
-        if input_tensor.numel() != expected:
+        if tensor.numel() != expected:
             raise ValueError(
-                f"gradcomp.torch.fsdp: FSDP module {self.module_name!r} reduce-scatters {input_tensor.numel()} "
-                f"values, but its trainable parameters' padded shards hold {expected}: some parameter got no "
+                f"gradcomp.torch.fsdp: FSDP module {self.module_name!r} reduces {tensor.numel()} values, "
+                f"but its trainable parameters' padded shards hold {expected}: some parameter got no "
                 "gradient this step (call module.set_reduce_scatter_unused_params(True) so FSDP reduces "
                 "zeros for it)")
+        if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise TypeError(f"gradcomp.torch.fsdp: reduce dtype {tensor.dtype} is not one of "
+                            f"{', '.join(FLOAT_DTYPES)} (MixedPrecisionPolicy.reduce_dtype)")
+        state = self.state
         state.calls += 1
         index, is_last = state.calls - 1, state.calls >= state.modules
         if is_last:
             state.calls = 0
-        if input_tensor.is_cuda:
-            wait_for_torch(input_tensor)
-        array = as_array(input_tensor)
-        bucket = Bucket(array, index, shapes, is_last, scratch=True, keys=keys, scatter=True)
-        row = state.compressor.reduce(bucket, comm).result()
-        out = as_array(output_tensor)
-        if factor != 1:
-            row = row * row.dtype.type(factor)
-        if row.dtype != out.dtype:
-            row = cast(row, out.dtype)
+        if tensor.is_cuda:
+            wait_for_torch(tensor)
+        return Bucket(as_array(tensor), index, shapes, is_last, scratch=True, keys=keys, scatter=scatter)
+
+    def comm(self) -> Communicator:
+        if self.state.comm is None:
+            from .hook import default_comm
+
+            self.state.comm = default_comm()
+        return self.state.comm
+
+
+def _write(out_tensor: torch.Tensor, row: Any, factor: float = 1) -> None:
+    """``out_tensor[...] = row * factor`` (``row`` a NumPy or CuPy array)."""
+    out = as_array(out_tensor)
+    if factor != 1:
+        row = row * row.dtype.type(factor)
+    if row.dtype != out.dtype:
+        row = cast(row, out.dtype)
+    if row is not out:
         out[...] = row
-        if is_device_array(out):
-            synchronize(out)
+    if is_device_array(out):
+        synchronize(out)
+
+
+class _ReduceScatter(_Module, ReduceScatter):
+    """One FSDP module's reduce-scatter through ``state.compressor`` (see the module docstring)."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> None:
+        comm = self.comm()
+        ranks = dist.get_world_size(group)
+        if ranks != comm.size:
+            raise ValueError(f"gradcomp.torch.fsdp: FSDP module {self.module_name!r} reduce-scatters over "
+                             f"{ranks} ranks but gradcomp's communicator has {comm.size}")
+        factor = _sum_factor(op, ranks)
+        keys, shapes = self.layout(ranks)
+        bucket = self.bucket(input_tensor, keys, shapes, scatter=True)
+        _write(output_tensor, self.state.compressor.reduce(bucket, comm).result(), factor)
         return None
+
+
+class _AcrossHosts(_Module):
+    """FSDP's all-reduce hook of one module sharded inside a host: this rank's reduced row (the
+    mean over its host) averaged with the same row of every other host, in place."""
+
+    def __init__(self, state: FSDPState, module_name: str, shards: list[tuple[str, Any]], local: int,
+                 local_size: int):
+        super().__init__(state, module_name, shards)
+        self.local, self.local_size = local, local_size
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        keys, shapes = self.layout(self.local_size, range(self.local, self.local + 1))
+        bucket = self.bucket(reduce_output, keys, shapes, scatter=False)
+        _write(reduce_output, self.state.compressor.reduce(bucket, self.comm()).result())
 
 
 def _row_length(param: Any, ranks: int) -> int:
@@ -212,17 +250,12 @@ def register(model: FSDPModule, compressor: Compressor | str | None, comm: Commu
     if not isinstance(compressor, Compressor):
         raise TypeError(f"gradcomp.torch.register: expected a gradcomp Compressor or a registry name, "
                         f"got {type(compressor).__name__}")
-    lacking = [p.describe() for p in parts(compressor) if not p.scatters]
-    if not compressor.scatters:
-        raise ValueError(f"gradcomp.torch.register: {compressor.describe()} has no reduce-scatter form "
-                         f"({', '.join(lacking[:1]) or 'it'} cannot reduce FSDP's gradient shards); under FSDP2 "
-                         f"use one of: {', '.join(scatter_names())}")
     names = {id(p): name for name, p in model.named_parameters()}
     modules = []
     for module_name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        groups = module._get_fsdp_state()._fsdp_param_groups
+        groups = module._get_fsdp_state()._fsdp_param_groups  # (torch 2.13's FSDP internals)
         if len(groups) > 1:
             raise ValueError(f"gradcomp.torch.register: FSDP module {module_name or '<root>'!r} has "
                              f"{len(groups)} parameter groups (shard_placement_fn with several meshes); "
@@ -236,25 +269,72 @@ def register(model: FSDPModule, compressor: Compressor | str | None, comm: Commu
         shards = [(names[id(p.sharded_param)], p) for p in group.fsdp_params]
         modules.append((module_name, module, shards))
     trainable = sum(any(p.sharded_param.requires_grad for _, p in shards) for _, _, shards in modules)
+    meshes = {tuple(dist.get_process_group_ranks(_group(m).mesh_info.shard_process_group)) for _, m, _ in modules}
+    if len(meshes) > 1:
+        raise ValueError(f"gradcomp.torch.register: the FSDP modules are sharded over different groups of "
+                         f"ranks ({sorted(meshes)}); gradcomp takes one mesh for the whole model")
+    shard_ranks = list(meshes.pop()) if meshes else []
+    across = 0 < len(shard_ranks) < dist.get_world_size()
+    if not across and not compressor.scatters:
+        lacking = [p.describe() for p in parts(compressor) if not p.scatters]
+        raise ValueError(f"gradcomp.torch.register: {compressor.describe()} has no reduce-scatter form "
+                         f"({lacking[0] if lacking else 'it'} cannot reduce FSDP's gradient shards); under "
+                         f"FSDP2 use one of: {', '.join(scatter_names())}")
     if state is None:
         if comm is None:
-            from .hook import default_comm
-
-            comm = default_comm()
+            comm = _across_hosts_comm(shard_ranks) if across else _default_comm()
         state = FSDPState(compressor, comm, trainable)
     else:
         state.modules, state.calls = trainable, 0
         if comm is not None or state.comm is None:
-            from .hook import default_comm
-
-            state.comm = comm if comm is not None else default_comm()
+            state.comm = comm if comm is not None else (
+                _across_hosts_comm(shard_ranks) if across else _default_comm())
     for module_name, module, shards in modules:
-        scatter = _ReduceScatter(state, module_name, shards)
-        module.set_custom_reduce_scatter(scatter)
-        ranks = module._get_fsdp_state()._fsdp_param_groups[0].mesh_info.shard_mesh_size
-        scatter.layout(ranks)  # so that a checkpoint loads before the first step
+        if across:
+            local = shard_ranks.index(dist.get_rank())
+            hook = _AcrossHosts(state, module_name, shards, local, len(shard_ranks))
+            module.set_all_reduce_hook(hook)
+            hook.layout(len(shard_ranks), range(local, local + 1))  # so that a checkpoint loads before the first step
+        else:
+            scatter = _ReduceScatter(state, module_name, shards)
+            module.set_custom_reduce_scatter(scatter)
+            scatter.layout(len(shard_ranks))  # so that a checkpoint loads before the first step
     model.register_forward_pre_hook(_step_check(state))
     return state
+
+
+def _group(module: FSDPModule) -> Any:
+    """The FSDP parameter group of ``module`` (one: ``register`` checked it)."""
+    return module._get_fsdp_state()._fsdp_param_groups[0]
+
+
+def _default_comm() -> Communicator:
+    from .hook import default_comm
+
+    return default_comm()
+
+
+def _across_hosts_comm(shard_ranks: list[int]) -> Communicator:
+    """A communicator of the ranks at this rank's place in every FSDP shard group (one per host:
+    consecutive blocks of ranks), MPI's under mpiexec, torch.distributed's otherwise."""
+    from ..comm import launched_by_mpi
+
+    world, local_size = dist.get_world_size(), len(shard_ranks)
+    first = shard_ranks[0]
+    if world % local_size or shard_ranks != list(range(first, first + local_size)) or first % local_size:
+        raise ValueError(f"gradcomp.torch.register: FSDP shards over ranks {shard_ranks} of {world}; gradcomp "
+                         "compresses across hosts for meshes of consecutive blocks of equal size "
+                         "(init_device_mesh(device, (hosts, per_host))['<the second dim>'])")
+    local = dist.get_rank() - first
+    if launched_by_mpi():
+        from ..comm import MPICommunicator, default_communicator
+
+        world_comm: Any = default_communicator()
+        return MPICommunicator(world_comm.comm.Split(local, dist.get_rank()))
+    from .communicator import TorchCommunicator
+
+    groups = [dist.new_group(list(range(l, world, local_size))) for l in range(local_size)]
+    return TorchCommunicator(groups[local])
 
 
 def _step_check(state: FSDPState) -> Any:
