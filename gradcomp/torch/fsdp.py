@@ -234,7 +234,7 @@ def scatter_names() -> list[str]:
     return names
 
 
-def register(model: FSDPModule, compressor: Compressor | str | None, comm: Communicator | None = None,
+def register(model: Any, compressor: Compressor | str | None, comm: Communicator | None = None,
              state: FSDPState | None = None) -> FSDPState:
     """Make every FSDP module of ``model`` (the root ``fully_shard`` returned) reduce-scatter its
     gradients with ``compressor``; ``gradcomp.torch.register`` calls it for FSDP2 models.
