@@ -91,9 +91,10 @@ def train(args) -> dict:
         sched.load_state_dict(saved["schedule"])
         if state is not None:
             state.load_state_dict(saved["gradcomp"])
-    curve = []
+    curve, step_seconds = [], []
     start, eval_seconds = time.perf_counter(), 0.0
     for step in range(args.first_step, args.first_step + args.steps):
+        began = time.perf_counter()
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
         starts = torch.randint(0, len(train_text) - args.context - 1, (args.batch_size,), generator=gen)
         x, y = windows(train_text, starts.to(device), args.context)
@@ -103,6 +104,7 @@ def train(args) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        step_seconds.append(time.perf_counter() - began)
         last = step + 1 == args.first_step + args.steps
         if (step + 1) % args.eval_every == 0 or last:
             t = time.perf_counter()
@@ -118,8 +120,9 @@ def train(args) -> dict:
                     "gradcomp": state.state_dict() if state is not None else None},
                    f"{args.save}.rank{rank}.pt")
     stats = state.compressor.stats() if state is not None else {}
+    timed = sorted(step_seconds[min(5, len(step_seconds) - 1):])  # past the first steps' allocations
     return dict(compressor=args.compressor, ranks=size, steps=args.steps, final_val_loss=curve[-1][1],
-                val_curve=curve, seconds=seconds, bytes_sent_per_step=stats.get("bytes_sent_per_step"),
+                val_curve=curve, seconds=seconds, step_ms_median=1e3 * timed[len(timed) // 2], bytes_sent_per_step=stats.get("bytes_sent_per_step"),
                 compression_ratio=stats.get("compression_ratio"))
 
 
@@ -130,7 +133,8 @@ def main(argv=None):
         ratio = result["compression_ratio"]
         extra = f", {ratio:.2f}x fewer bytes than FSDP's reduce-scatter" if ratio else ""
         print(f"{result['compressor']} under FSDP2 on {result['ranks']} ranks: val loss "
-              f"{result['final_val_loss']:.4f} after {result['steps']} steps, {result['seconds']:.1f} s{extra}")
+              f"{result['final_val_loss']:.4f} after {result['steps']} steps, {result['seconds']:.1f} s "
+              f"(median step {result['step_ms_median']:.0f} ms){extra}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
