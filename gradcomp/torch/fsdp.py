@@ -35,6 +35,7 @@ form (PowerSGD, random-k, ``auto``, the hierarchical wrapper) are refused at ``r
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ from ..arrays import FLOAT_DTYPES, cast, is_device_array, synchronize
 from ..bucket import Bucket
 from ..comm import Communicator
 from ..compressors import Compressor, make
-from ..compressors.base import parts
+from ..compressors.base import parts, sends_part
 from ..registry import REGISTRY
 from .checkpoint import from_torch_state, to_torch_state
 from .tensors import as_array, wait_for_torch
@@ -220,8 +221,6 @@ def _sum_factor(op: Any, ranks: int) -> float:
 
 def scatter_names() -> list[str]:
     """The registered names that have a reduce-scatter form (what ``register`` takes for FSDP)."""
-    import warnings
-
     names = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # some factories warn when built (randomk)
@@ -300,6 +299,12 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
             module.set_custom_reduce_scatter(scatter)
             scatter.layout(len(shard_ranks))  # so that a checkpoint loads before the first step
     model.register_forward_pre_hook(_step_check(state))
+    if sends_part(compressor) and dist.get_rank() == 0:
+        warnings.warn(f"gradcomp.torch.register: {compressor.describe()} sends a sparse, low-rank or 1-bit part of "
+                      "each gradient; under Adam(W), which steps every coordinate by about the same size, most of "
+                      "each update then waits in the residual, and gradcomp's OneBitAdam (which compresses the "
+                      "momentum instead) does not run under FSDP2. Measure it against 'int8' or 'int4' on your "
+                      "model (docs/guides/fsdp.md)", RuntimeWarning, stacklevel=3)
     return state
 
 
