@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 import warnings
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch_lm import TinyLM, stdlib_corpus, validation_loss, windows
 
@@ -50,21 +52,28 @@ def parse_args(argv=None):
     p.add_argument("--val-windows", type=int, default=256)
     p.add_argument("--corpus-mb", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mesh", choices=("world", "local"), default="world",
+                   help="shard over every rank (world), or inside each host and compress across hosts "
+                        "(local: hosts from GRADCOMP_RANKS_PER_HOST or torchrun's LOCAL_WORLD_SIZE)")
     p.add_argument("--save", metavar="PREFIX", help="checkpoint here at the end (PREFIX.rankN.pt)")
     p.add_argument("--load", metavar="PREFIX", help="resume from a --save checkpoint")
     p.add_argument("--json", metavar="PATH", help="write a summary here (rank 0)")
     return p.parse_args(argv)
 
 
-def build(args, device):
-    """TinyLM with each block and the root as FSDP modules."""
+def build(args, device, size):
+    """TinyLM with each block and the root as FSDP modules (sharded over ``--mesh``)."""
     # FSDP2 warns when a module returns a view (the head's output); this loop does nothing in place on it
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     torch.manual_seed(args.seed)
     model = TinyLM(args.layers, args.d_model, args.heads, args.context).to(device)
+    mesh = None
+    if args.mesh == "local":
+        per_host = int(os.environ.get("GRADCOMP_RANKS_PER_HOST") or os.environ.get("LOCAL_WORLD_SIZE") or size)
+        mesh = init_device_mesh(device.type, (size // per_host, per_host), mesh_dim_names=("host", "local"))["local"]
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -75,7 +84,7 @@ def train(args) -> dict:
     train_text, val_text = (t.to(device) for t in stdlib_corpus(args.corpus_mb * 1e6))
     val_starts = torch.randint(0, len(val_text) - args.context - 1, (args.val_windows,),
                                generator=torch.Generator().manual_seed(12345))
-    model = build(args, device)
+    model = build(args, device, size)
     state = None if args.compressor == "none" else gt.register(model, gradcomp.make(args.compressor))
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() != 2]
