@@ -49,7 +49,7 @@ class Bucket:
     the last bucket of a step. ``scratch``: the buffer
     may be overwritten by the compressor: a temporary of gradcomp's own (a wrapper's cast copy) or
     a DDP bucket, which DDP lets hooks overwrite (PyTorch's own hooks divide it in place). Buffers
-    passed to ``reduce`` / ``allreduce_gradients`` are never scratch (invariant 5).
+    passed to ``reduce`` / ``allreduce_gradients`` are never scratch (DESIGN invariant 7).
     """
 
     __slots__ = ("buffer", "index", "shapes", "keys", "is_last", "scratch")
