@@ -22,15 +22,17 @@ and declares which collective carries it (``collective``):
   one runs while the next one's alltoall is on the wire (``_Layout``; the same bits).
 
 plus what it promises: ``error_bound`` (per element, against the exact mean, for the conformance
-kit) and ``nan_effect``. The runner (``Codec.prepare``/``finish``) does everything else once:
+kit) and ``nan_effect``; its traffic (``traffic``, what the cost model prices) follows from the
+collective and ``message_size``. The runner (``Codec.prepare``/``finish``) does everything else once:
 widening half buckets to the codec's compute dtype, temporaries from the pipeline's workspace,
 the collective, the averaging, writing into a scratch bucket, and error feedback
-(``ErrorFeedback``) when a codec is wrapped in it. A new codec is one short module.
+through the runner's ``Feedback`` interface (``ErrorFeedback``) when a codec is wrapped in it. A
+new codec is one short module.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, Sequence
 
 import numpy as np

@@ -13,8 +13,8 @@ transfer; the ordered stage sends it, computes the second factor, sends that and
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
