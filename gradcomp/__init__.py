@@ -11,9 +11,9 @@ compressor: ``gradcomp.Codec`` and the conformance kit, ``python -m gradcomp.con
 from .bucket import Bucket
 from .comm import (CollectiveError, Communicator, CommunicatorBroken, MPICommunicator,
                    default_communicator)
-from .compressors import (BF16, FP16, REGISTRY, Allgather, Allreduce, Codec, Compressor,
-                          ErrorFeedback, OneBit, QuantizedAllreduce, QuantizePerChannel,
-                          QuantizePerTensor, RandomK, TopK, make, register)
+from .compressors import (BF16, FP16, Allgather, Allreduce, Codec, Compressor, ErrorFeedback, OneBit,
+                          QuantizedAllreduce, QuantizePerChannel, QuantizePerTensor, RandomK, TopK)
+from .registry import REGISTRY, make, register
 from .powersgd import BatchedPowerSGD, PowerSGD
 from .reducer import GradientReducer, allreduce_gradients
 from .schedule import Schedule

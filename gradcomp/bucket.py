@@ -51,8 +51,8 @@ class Bucket:
     the last bucket of a step. ``scratch``: the buffer
     may be overwritten by the compressor: a temporary of gradcomp's own (a wrapper's cast copy) or
     a DDP bucket, which DDP lets hooks overwrite (PyTorch's own hooks divide it in place). Buffers
-    passed to ``reduce`` / ``allreduce_gradients`` are never scratch (invariant 5). ``scatter``: the
-    buffer holds one equal row per rank (row r for rank r, tensors may straddle rows) and the
+    passed to ``reduce`` / ``allreduce_gradients`` are never scratch (DESIGN invariant 7). ``scatter``:
+    the buffer holds one equal row per rank (row r for rank r, tensors may straddle rows) and the
     compressor returns the mean over ranks of this rank's row, ``numel / size`` values (the only
     exception to "output has the input's length"); only compressors that declare ``scatters`` take
     such a bucket.

@@ -18,7 +18,7 @@ The float32 -> float16 conversion follows the branch-free scheme of M. Dukhan's 
 float16's smallest normal) so that the FPU itself rounds to float16's precision, ties to even, for
 normal and subnormal results alike; the float16 bits are then read off the sum with two masks.
 No per-element selection means no data-dependent branches (a masked select between a "normal"
-and a "subnormal" path ran 2-3x slower on gradients, where many values are tiny). float16 ->
+and a "subnormal" path is slow on gradients, where many values are tiny). float16 ->
 float32 moves exponent and mantissa into place with a shift and rescales the exponent with one
 float multiply by 2**112, which also normalizes subnormals exactly.
 """

@@ -19,7 +19,7 @@ from .bucket import Bucket, digest, group
 from .comm import CollectiveError, Communicator, default_communicator
 from .compressors.agreement import gather_texts
 from .compressors.base import Compressor
-from .planning.cost import scheduled
+from .compressors.hierarchical import scheduled
 
 
 class GradientReducer:
@@ -38,7 +38,7 @@ class GradientReducer:
     average exactly inside each host and run the compressor across hosts only
     (``gradcomp.compressors.hierarchical``); None (default) does so wherever the topology has more
     than one host and more than one rank per host and the method is one the hierarchy was
-    measured to speed up (``gradcomp.planning.cost.hierarchical_pays``: at most 8x compression),
+    measured to speed up (``Compressor.hierarchical_pays``: at most 8x compression),
     False never, True insists. ``compressor`` is
     then ``self.compressor.inner``.
 

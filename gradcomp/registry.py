@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from .compressors.base import Compressor
+
 if TYPE_CHECKING:
     from _collections_abc import dict_items, dict_keys, dict_values
     from importlib.metadata import EntryPoint
-
-    from .compressors.base import Compressor
 
 ENTRY_POINT_GROUP = "gradcomp.compressors"
 
@@ -151,8 +151,6 @@ def make(spec: str, **overrides: Any) -> Compressor:
     """A fresh compressor by registry name (``gradcomp.REGISTRY`` lists the names), with the
     factory's defaults overridden by keyword: ``make("powersgd", rank=4)``, or in one string,
     as the ``--compressor`` options take it: ``make("powersgd:rank=4,start_iter=100")``."""
-    from .compressors.base import Compressor
-
     name, kwargs = parse_spec(spec)
     kwargs.update(overrides)
     try:
@@ -169,3 +167,27 @@ def make(spec: str, **overrides: Any) -> Compressor:
         raise TypeError(f"the factory registered as {name!r} returned {type(comp).__name__}, "
                         "not a gradcomp Compressor")
     return comp
+
+
+#: The parameters that shorten a registered name's warm-up to nothing (a recipe's exact warm-up
+#: and sparsity ramp; PowerSGD's ``start_iter``, 2 being the least it takes with error feedback).
+STEADY = ({"warmup": 0, "ramp": 0}, {"warmup": 0}, {"start_iter": 2})
+
+
+def steady(spec: str, keep_given: bool = False) -> str:
+    """``spec`` with its warm-up shortened to nothing where its factory takes such a parameter:
+    what the benchmarks time and the tests check (the method itself, from the first step).
+    ``keep_given``: only where ``spec`` does not set the parameter itself (an optimizer that runs
+    its own warm-up before the method, e.g. ``OneBitAdam(compressor="topk:stages=2")``)."""
+    name, given = parse_spec(spec)
+    as_given = make(spec).describe()
+    for overrides in STEADY:
+        items = {**overrides, **given} if keep_given else {**given, **overrides}
+        try:
+            shortened = make(name, **items)
+        except ValueError:
+            continue
+        if shortened.describe() == as_given:  # no warm-up to shorten (quantize-channel)
+            return spec
+        return name + (":" + ",".join(f"{k}={v!r}" for k, v in items.items()) if items else "")
+    return spec

@@ -18,7 +18,7 @@ import numpy as np
 from .arrays import Array, cast
 from .bucket import Bucket
 from .comm import Communicator, Workspace
-from .compressors.base import Compressor, run_stage
+from .compressors.base import Compressor, Traffic, run_stage
 from .state import reject_leftovers, take_int
 
 
@@ -140,6 +140,9 @@ class Schedule(Compressor):
 
     def finish(self, bucket: Bucket, comm: Communicator, prepared: _Stage) -> Array:
         return run_stage(self.compressors[prepared.stage], prepared.bucket, comm, prepared.inner)
+
+    def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
+        return self.compressors[-1].traffic(shapes, ranks, itemsize)  # the steady state
 
     def agreement_state(self, bucket: Bucket, prepared: _Stage | None) -> dict[str, Any]:
         if prepared is None:

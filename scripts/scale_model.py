@@ -56,7 +56,7 @@ def spec_of(row: dict, several: bool) -> tuple[str, bool]:
     spec = row.get("spec") or name
     if name.startswith(("hier-", "flat-")):
         return spec, name.startswith("hier-")
-    return spec, several and cost.hierarchical_pays(make(spec))
+    return spec, several and make(spec).hierarchical_pays()
 
 
 def runs_of(path: Path) -> list[dict]:

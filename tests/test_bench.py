@@ -223,7 +223,7 @@ def test_method_list_follows_the_registry():
     import gradcomp
     from gradcomp.bench import methods
 
-    from gradcomp.planning.names import steady
+    from gradcomp.registry import steady
 
     names = [m.name for m in methods.select("all", with_torch=False)]
     for name in gradcomp.REGISTRY:

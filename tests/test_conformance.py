@@ -12,7 +12,7 @@ import pytest
 
 import gradcomp as gc
 from gradcomp.conformance import run as run_kit
-from gradcomp.planning.names import steady
+from gradcomp.registry import steady
 
 #: every registered name, and the variants a name's parameter switches to another codec
 NAMES = sorted(gc.REGISTRY) + ["topk:stages=2", "int4:chunk=64", "int4:exact_zero=False", "powersgd:factor_bits=8"]

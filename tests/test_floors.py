@@ -7,7 +7,7 @@ import pytest
 
 import gradcomp as gc
 from gradcomp.bench import floors
-from gradcomp.planning.names import steady
+from gradcomp.registry import steady
 
 N = 1 << 20  # values; a float32 bucket of 4 MiB
 B = 4 * N

@@ -150,7 +150,7 @@ def test_an_optimizer_drops_a_named_codes_warmup_unless_given():
     """``OneBitAdam(compressor=NAME)`` runs its own exact warm-up first, so the name's warm-up and
     ramp become 0 (the code from the freeze), unless the name sets them."""
     from gradcomp.optim import OneBitAdam
-    from gradcomp.planning.names import steady
+    from gradcomp.registry import steady
 
     assert steady("topk:stages=2,ratio=0.02", keep_given=True) == \
         "topk:warmup=0,ramp=0,stages=2,ratio=0.02"

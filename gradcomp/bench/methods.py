@@ -19,7 +19,7 @@ an entry point) adds it to the benchmark with no edit here:
   MPI-versus-gloo (needs torch). Any spec may be named with the prefix.
 * ``hier-SPEC`` and ``flat-SPEC`` (by name only): the compressor with ``hierarchical=True``
   (exact inside each host, the method across hosts) and ``False`` (one flat schedule), where
-  ``SPEC`` alone gets the default (``gradcomp.planning.cost.hierarchical_pays``): the two
+  ``SPEC`` alone gets the default (``Compressor.hierarchical_pays``): the two
   schedules compared in one run, on a topology of several hosts of several ranks.
 
 Method names (what ``--methods`` takes and what result rows carry) are the specs with their
@@ -131,9 +131,9 @@ def canonical(spec: str) -> str:
 
 
 def registered_specs() -> list[str]:
-    """The registry's names as benchmarked: in steady state (``gradcomp.planning.names.steady``:
+    """The registry's names as benchmarked: in steady state (``gradcomp.registry.steady``:
     ``NAME:start_iter=2`` for PowerSGD, ``NAME:warmup=0`` and ``ramp=0`` for the recipes)."""
-    from ..planning.names import steady
+    from ..registry import steady
 
     return [steady(name) for name in REGISTRY]
 

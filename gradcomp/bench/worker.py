@@ -401,7 +401,7 @@ def warmup_warnings(methods: list[Method], untimed: int) -> list[str]:
     """A line per gradcomp method whose exact warm-up outlasts the ``untimed`` steps: some of its
     timed steps would be fp32 allreduces (``int8`` averages its first 50 exactly). Names the spec
     of the method itself (``steady``); a spec with nothing to shorten (``auto``) is not named."""
-    from ..planning.names import steady
+    from ..registry import steady
 
     out = []
     for m in methods:
@@ -505,8 +505,23 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _two_stage_pieces() -> None:
+    """The pieces ablation: ``GRADCOMP_TWO_STAGE_PIECES=N`` cuts a two-stage slice into at most N
+    pieces in this job (``gradcomp.compressors.codec.MAX_PIECES``; 1: whole slices, same bits)."""
+    text = os.environ.get("GRADCOMP_TWO_STAGE_PIECES")
+    if text is None:
+        return
+    value = int(text) if text.strip().isdigit() else 0
+    if value < 1:
+        raise ValueError(f"GRADCOMP_TWO_STAGE_PIECES must be a whole number >= 1, got {text!r}")
+    from ..compressors import codec
+
+    codec.MAX_PIECES = value
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    _two_stage_pieces()
     if args.warmup < 3:
         print("warning: fewer than 3 warm-up steps: PowerSGD (start_iter=2) is timed before it "
               "compresses", file=sys.stderr)

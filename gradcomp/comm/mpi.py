@@ -6,10 +6,10 @@ Only the buffer (upper-case) mpi4py API is used: nothing received from a peer is
 Allreduce is bandwidth-optimal whatever MPICH's default: buffers of at least
 ``large_allreduce_bytes`` (256 KiB by default) are summed by a ring reduce-scatter
 (``MPI_Sendrecv`` and gradcomp's own adds) and ``MPI_Allgatherv``, each rank sending ``2(N-1)/N``
-of the buffer; smaller ones by ``MPI_Allreduce``, whose latency-bound algorithms win there. On a
-1 Gbit/s link at 4 ranks (BENCHMARKS.md, "Allreduce algorithm") MPICH's default for ResNet-50's
-25 MB buckets took 1.4x (float32) to 1.7x (float16) as long; the ring matched MPICH's own ring,
-which only an environment variable set before MPI starts selects. The adds being gradcomp's,
+of the buffer; smaller ones by ``MPI_Allreduce``, whose latency-bound algorithms win there.
+MPICH's default algorithm for large buckets is slower on a slow link; the ring matches MPICH's
+own ring, which only an environment variable set before MPI starts selects (BENCHMARKS.md,
+"Allreduce algorithm"). The adds being gradcomp's,
 float16/bfloat16 need no MPI operation, and device buffers given to a CUDA-aware MPI are summed
 the same way.
 """
@@ -267,8 +267,8 @@ class MPICommunicator(OrderedCommunicator):
         arriving from its left into its own copy, so each rank sends (N-1)/N of the buffer and
         every block's sum is built once, along one chain, in a fixed order (replicas get the same
         bits after the allgather). The adds are gradcomp's own kernels, so float16/bfloat16 need
-        no MPI operation, on host or device buffers. On a 1 Gbit/s link this matched MPICH's ring
-        allreduce and beat MPI_Reduce_scatter's pairwise exchange (BENCHMARKS.md)."""
+        no MPI operation, on host or device buffers. It matches MPICH's ring allreduce, and beats
+        MPI_Reduce_scatter's pairwise exchange on a slow link (BENCHMARKS.md)."""
         right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         incoming = self._block(buf, max(counts))
         self._count("reduce_scatter", buf.nbytes)

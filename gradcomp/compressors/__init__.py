@@ -8,7 +8,6 @@ built-in names are recipes (``gradcomp.planning``).
 """
 from __future__ import annotations
 
-from ..registry import REGISTRY, make, register
 from .allgather import Allgather
 from .allreduce import Allreduce
 from .base import Compressor
@@ -21,4 +20,4 @@ from .sparse import RandomK, ReducedTopK, TopK
 
 __all__ = ["Compressor", "Codec", "ErrorFeedback", "Allreduce", "Allgather", "Cast", "FP16", "BF16",
            "QuantizePerTensor", "QuantizePerChannel", "QuantizedAllreduce", "OneBit", "TopK", "ReducedTopK",
-           "RandomK", "REGISTRY", "register", "make"]
+           "RandomK"]

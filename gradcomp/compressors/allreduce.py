@@ -1,7 +1,8 @@
 """Plain averaging allreduce: the exact baseline every other method is measured against."""
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -9,7 +10,7 @@ from ..arrays import Array, DTypeLike, divide
 from ..bucket import Bucket
 from ..comm import Communicator
 from .allgather import exact_bound
-from .base import Compressor
+from .base import Compressor, Traffic
 
 
 class Allreduce(Compressor):
@@ -33,6 +34,9 @@ class Allreduce(Compressor):
         if bucket.scatter:
             return mean_reduce_scatter(bucket, comm)
         return mean_allreduce(bucket, comm)
+
+    def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
+        return Traffic("allreduce", sum(math.prod(s) for s in shapes) * itemsize)
 
     def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray:
         return exact_bound(inputs, dtype)

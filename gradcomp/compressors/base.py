@@ -23,7 +23,8 @@ from __future__ import annotations
 import inspect
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -40,6 +41,17 @@ def _on_device(device: Any, fn: Callable[..., Any], *args: Any) -> Any:
     that done-callbacks, which run on the wire thread right after ``fn``, copy on the same GPU."""
     device.use()
     return fn(*args)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One bucket's communication: ``kind`` ("allreduce", "allgather" or "two-stage"), message
+    bytes, collectives in sequence (what ``Compressor.traffic`` declares; the cost model,
+    ``gradcomp.planning.cost``, prices it)."""
+    kind: str
+    message_bytes: float
+    pieces: int = 1  # collectives of this kind in sequence, each with its share of the bytes
+    extra: tuple["Traffic", ...] = field(default=())  # further collectives (PowerSGD's second round)
 
 
 def run_stage(compressor: Compressor, bucket: Bucket, comm: Communicator, prepared: Any = None) -> Array:
@@ -74,8 +86,7 @@ class Compressor:
     runaway_advice: str = ADVICE
     #: whether the method sends only a sparse, low-rank or sign-only part of each gradient. Adam(W)
     #: steps every coordinate by about the same size, so at the gradient such a code delays most of
-    #: the update (the LM of BENCHMARKS.md section 6: +9% to +51% under AdamW); the torch adapter
-    #: then points Adam users to ``OneBitAdam``, which compresses the momentum instead
+    #: the update and trains worse under AdamW; the torch adapter then points Adam users to ``OneBitAdam``, which compresses the momentum instead
     partial_update: bool = False
     #: whether the method has a reduce-scatter form: it takes a ``Bucket.scatter`` bucket (one row
     #: per rank) and returns the mean of this rank's row (FSDP's gradient reduce-scatter,
@@ -86,6 +97,28 @@ class Compressor:
         """Largest allowed ``|result - mean|`` per element of one step, given every rank's input
         (a (ranks, n) float64 array) and the bucket dtype; None when there is no analytic bound."""
         return None
+
+    def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
+        """This method's traffic on a bucket of tensors of ``shapes`` (values of ``itemsize`` bytes)
+        exchanged over ``ranks``, in steady state (a recipe's last stage, PowerSGD past its
+        warm-up). A ``TypeError`` where the method does not declare it (``auto``, which plans per
+        bucket)."""
+        raise TypeError(f"the cost model does not know {type(self).__name__}")
+
+    def hierarchical_pays(self) -> bool:
+        """Whether the hierarchical schedule (``Hierarchical``) is the better default for this
+        method on several hosts of several ranks: where it sends at least 1/8 of fp32's bytes
+        (fp32, fp16, bf16, int8, int4, the allgathered 8-bit codes: the link bounds their step,
+        and the hierarchy cuts what crosses it). Below (onebit, topk, randomk, PowerSGD) the CPU
+        bounds the step, and the exact stages inside the host cost more than the bytes they save.
+        Judged on a 1024 x 1024 float32 matrix at 2 ranks (``traffic``); a method that does not
+        declare its traffic stays flat."""
+        try:
+            t = self.traffic([(1024, 1024)], 2)
+        except TypeError:
+            return False
+        sent = sum(part.message_bytes for part in (t,) + t.extra)
+        return sent >= 4 * 1024 * 1024 / 8 * 0.95  # (int4's codes and scales: 1/7.8)
 
     @property
     def error_feedback_on(self) -> bool:

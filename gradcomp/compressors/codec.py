@@ -28,26 +28,43 @@ messages of its row, and the owner decodes and sums them in rank order and divid
 of the two-stage runner, with the rows the caller laid out and no second stage.
 
 plus what it promises: ``error_bound`` (per element, against the exact mean, for the conformance
-kit) and ``nan_effect``. The runner (``Codec.prepare``/``finish``) does everything else once:
+kit) and ``nan_effect``; its traffic (``traffic``, what the cost model prices) follows from the
+collective and ``message_size``. The runner (``Codec.prepare``/``finish``) does everything else once:
 widening half buckets to the codec's compute dtype, temporaries from the pipeline's workspace,
 the collective, the averaging, writing into a scratch bucket, and error feedback
-(``ErrorFeedback``) when a codec is wrapped in it. A new codec is one short module.
+through the runner's ``Feedback`` interface (``ErrorFeedback``) when a codec is wrapped in it. A
+new codec is one short module.
 """
 from __future__ import annotations
 
-import os
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol, Sequence
 
 import numpy as np
 
 from ..arrays import Array, DTypeLike, add_into, array_module, cast, dtype_name
 from ..bucket import Bucket
 from ..comm import Communicator, Workspace
-from .base import Compressor
+from .base import Compressor, Traffic
 
-if TYPE_CHECKING:
-    from .feedback import ErrorFeedback
+
+class Feedback(Protocol):
+    """What the runner asks of error feedback (``ErrorFeedback`` is the one kind): the residual
+    store of the workers and of the slice owners, and how to settle what a message missed."""
+
+    owner_feedback: bool
+
+    def residual(self, bucket: Bucket, dtype: DTypeLike, like: Array) -> Array: ...
+
+    def add_residual(self, bucket: Bucket, x: Array) -> None: ...
+
+    def keep_residual(self, bucket: Bucket, x: Array, own: Array) -> None: ...
+
+    def keep(self, flat: Array, x: Array, own: Array) -> None: ...
+
+    def owner_residual(self, bucket: Bucket, comm: Communicator, slice_len: int, dtype: DTypeLike,
+                       like: Array) -> Array: ...
 
 
 class Codec(Compressor):
@@ -125,33 +142,40 @@ class Codec(Compressor):
         """The dtype messages are decoded and summed in (allgather and two-stage)."""
         return np.dtype(np.float64) if dtype_name(compute) == "float64" else np.dtype(np.float32)
 
-    # -- the runner -----------------------------------------------------------------------------------
-    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Prepared:
-        return _prepare(self, bucket, comm, workspace, None)
+    def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
+        n = sum(math.prod(s) for s in shapes)
+        unit = itemsize if self.message_dtype is None else np.dtype(self.message_dtype).itemsize
+        if self.collective == "two-stage":  # one message per rank's slice of whole chunks
+            chunks = -(-(-(-n // self.chunk)) // max(ranks, 1))
+            pieces = max(1, min(MAX_PIECES, chunks // PIECE_CHUNKS)) if self.independent_chunks else 1
+            return Traffic("two-stage", max(ranks, 1) * self.message_size(chunks * self.chunk) * unit, pieces)
+        return Traffic(self.collective, self.message_size(n) * unit)
 
-    def finish(self, bucket: Bucket, comm: Communicator, prepared: _Prepared) -> Array:
-        return _finish(self, bucket, comm, prepared, None)
+    # -- the runner -----------------------------------------------------------------------------------
+    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace,
+                feedback: Feedback | None = None) -> Prepared:
+        """The local stage: widen, encode (with ``feedback``'s residual where given)."""
+        return _prepare(self, bucket, comm, workspace, feedback)
+
+    def finish(self, bucket: Bucket, comm: Communicator, prepared: Prepared,
+               feedback: Feedback | None = None) -> Array:
+        """The ordered stage: the collective, the owners' stage (with ``feedback``'s owner
+        residual where given), the mean."""
+        return _finish(self, bucket, comm, prepared, feedback)
 
 
 @dataclass
-class _Prepared:
+class Prepared:
+    """A codec's local stage, handed to its ordered stage."""
     x: Any               # the (widened, error-corrected) vector that was encoded
     message: Any         # this rank's message (two-stage: see ``_Layout``)
     decision: Any = None  # what ``Codec.start`` returned
     layout: Any = None   # two-stage: the ``_Layout``
 
 
-def _pieces_from_env() -> int:
-    text = os.environ.get("GRADCOMP_TWO_STAGE_PIECES", "4")
-    value = int(text) if text.strip().isdigit() else 0
-    if value < 1:
-        raise ValueError(f"GRADCOMP_TWO_STAGE_PIECES must be a whole number >= 1, got {text!r}")
-    return value
-
-
-#: a two-stage slice is cut into at most this many pieces (``GRADCOMP_TWO_STAGE_PIECES``; 1: whole
-#: slices, the schedule before pieces), of at least ``PIECE_CHUNKS`` chunks
-MAX_PIECES = _pieces_from_env()
+#: a two-stage slice is cut into at most this many pieces (1: whole slices, the schedule before
+#: pieces; the same bits either way), of at least ``PIECE_CHUNKS`` chunks
+MAX_PIECES = 4
 PIECE_CHUNKS = 128
 
 
@@ -202,7 +226,7 @@ def _layout(codec: Codec, n: int, comm: Communicator, like: Array) -> _Layout:
 
 
 def _prepare(codec: Codec, bucket: Bucket, comm: Communicator, workspace: Workspace,
-             feedback: ErrorFeedback | None) -> _Prepared:
+             feedback: Feedback | None) -> Prepared:
     g = bucket.buffer
     n = bucket.numel
     decision = codec.start(bucket, comm, workspace)
@@ -228,7 +252,7 @@ def _prepare(codec: Codec, bucket: Bucket, comm: Communicator, workspace: Worksp
     direct = g.dtype == compute or (codec.half_input and compute == np.float32
                                     and dtype_name(g.dtype) in ("float16", "bfloat16"))
     if feedback is not None and direct and _fused(codec, bucket, pieces, workspace, feedback, compute):
-        return _Prepared(g, message, decision, layout)
+        return Prepared(g, message, decision, layout)
     if feedback is None and g.dtype == compute and padded == n:
         x = g  # read only
     else:
@@ -244,11 +268,11 @@ def _prepare(codec: Codec, bucket: Bucket, comm: Communicator, workspace: Worksp
         for start, stop, part in pieces:
             codec.decode(part, own[start:stop], workspace)
         feedback.keep_residual(bucket, x[:n], own[:n])
-    return _Prepared(x, message, decision, layout)
+    return Prepared(x, message, decision, layout)
 
 
 def _fused(codec: Codec, bucket: Bucket, pieces: list[tuple[int, int, Array]], workspace: Workspace,
-           feedback: ErrorFeedback, compute: DTypeLike) -> bool:
+           feedback: Feedback, compute: DTypeLike) -> bool:
     """Encode with the residual in one pass where the codec can (``encode_with_feedback``),
     straight from the bucket and the residual store (of the ``compute`` dtype, as the steps keep
     it); False (and nothing changed) where not."""
@@ -291,8 +315,8 @@ def _narrow(bucket: Bucket, mean: Array) -> Array:
     return cast(mean, g.dtype, out=g if bucket.scratch else None)
 
 
-def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: _Prepared,
-            feedback: ErrorFeedback | None) -> Array:
+def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: Prepared,
+            feedback: Feedback | None) -> Array:
     g = bucket.buffer
     n = bucket.numel
     xp = array_module(g)
@@ -388,7 +412,7 @@ def _decode_piece(codec: Codec, layout: _Layout, p: int, gathered: Array, out: A
             out[start:n] = tail[:n - start]
 
 
-def _owner_stage(codec: Codec, comm: Communicator, feedback: ErrorFeedback | None, residual: Array | None,
+def _owner_stage(codec: Codec, comm: Communicator, feedback: Feedback | None, residual: Array | None,
                  rows: Array, compute: DTypeLike, layout: _Layout, p: int) -> Array:
     """The slice owner's message for piece ``p``: the rows decoded and summed in rank order,
     divided by their number, encoded (with the owner's ``residual`` where it keeps one), in one
@@ -418,7 +442,7 @@ def _owner_stage(codec: Codec, comm: Communicator, feedback: ErrorFeedback | Non
     return second
 
 
-def _encode_owner(codec: Codec, comm: Communicator, feedback: ErrorFeedback, residual: Array,
+def _encode_owner(codec: Codec, comm: Communicator, feedback: Feedback, residual: Array,
                   mine: Array, second: Array) -> None:
     """The slice owner's error feedback: encode ``mine`` plus the owner's ``residual`` into
     ``second`` and keep what the codes miss, in one pass where the codec can

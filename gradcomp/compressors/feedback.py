@@ -16,7 +16,7 @@ is reset to zero, so one bad step does not poison the following ones.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -25,8 +25,8 @@ from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
 from ..params import check_bool
 from ..state import ClaimCheck, TensorStore, pop_shapes, reject_leftovers, shape_entries, tensor_arrays
-from .base import Compressor
-from .codec import Codec, _finish, _prepare, _Prepared
+from .base import Compressor, Traffic
+from .codec import Codec, Prepared
 
 
 class ErrorFeedback(Compressor):
@@ -62,15 +62,18 @@ class ErrorFeedback(Compressor):
     def agreement_state(self, bucket: Bucket, prepared: Any) -> dict[str, Any]:
         return self.inner.agreement_state(bucket, prepared)
 
-    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Prepared:
-        prepared = _prepare(self.inner, bucket, comm, workspace, self)
+    def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
+        return self.inner.traffic(shapes, ranks, itemsize)
+
+    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> Prepared:
+        prepared = self.inner.prepare(bucket, comm, workspace, feedback=self)
         self._claims.saw(bucket.keys, bucket.is_last, [self.store], type(self).__name__)
         return prepared
 
-    def finish(self, bucket: Bucket, comm: Communicator, prepared: _Prepared) -> Array:
-        return _finish(self.inner, bucket, comm, prepared, self)
+    def finish(self, bucket: Bucket, comm: Communicator, prepared: Prepared) -> Array:
+        return self.inner.finish(bucket, comm, prepared, feedback=self)
 
-    # -- hooks called by the codec runner --------------------------------------------------------------
+    # -- the runner's Feedback interface (codec.Feedback) --------------------------------------------
     def residual(self, bucket: Bucket, dtype: DTypeLike, like: Array) -> Array:
         """The bucket's residual (one flat region of the per-tensor store, updated in place)."""
         return self.store.region(bucket.placements(), bucket.numel, dtype, like=like)[0]

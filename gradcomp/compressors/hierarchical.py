@@ -26,14 +26,14 @@ its host. A bucket whose one tensor is larger than the others together goes to o
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from ..arrays import Array, array_module, cast, divide, dtype_name
 from ..bucket import Bucket
 from ..comm import Communicator
-from .base import Compressor
+from .base import Compressor, Traffic
 
 
 def wrap(compressor: Compressor, comm: Communicator, hierarchical: bool | None) -> Compressor:
@@ -55,6 +55,16 @@ def wrap(compressor: Compressor, comm: Communicator, hierarchical: bool | None) 
                              "simulate hosts")
         return compressor
     return Hierarchical(compressor)
+
+
+def scheduled(compressor: Compressor, comm: Communicator, hierarchical: bool | None) -> Compressor:
+    """``compressor`` in the schedule it runs in on ``comm`` (the one place the reducer and the
+    DDP hook decide it): ``Hierarchical`` where ``hierarchical`` is True, or, by default (None),
+    where the topology has several hosts of several ranks and the method says a hierarchy pays
+    (``Compressor.hierarchical_pays``); flat otherwise (``wrap``)."""
+    if hierarchical is None and not compressor.hierarchical_pays():
+        hierarchical = False
+    return wrap(compressor, comm, hierarchical)
 
 
 def groups(bucket: Bucket, parts: int) -> list[tuple[int, int]]:
@@ -110,6 +120,9 @@ class Hierarchical(Compressor):
 
     def error_bound(self, inputs: np.ndarray, dtype: Any) -> np.ndarray | None:
         return self.inner.error_bound(inputs, dtype)
+
+    def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
+        return self.inner.traffic(shapes, ranks, itemsize)  # what crosses the hosts
 
     def agreement_state(self, bucket: Bucket, prepared: Any) -> dict[str, Any]:
         # the inner method's step state, agreed by every rank here (its cross-host exchanges agree

@@ -73,7 +73,8 @@ def run(target: str, ranks: Sequence[int] = (1, 2, 3), checks: Sequence[str] | N
     """Run the kit on ``target`` (``module:factory``, ``registry:SPEC`` or ``optimizer:SPEC``) at
     each rank count. ``hosts``: the hierarchical run, ``Hierarchical(compressor)`` on that many
     simulated hosts (``GRADCOMP_RANKS_PER_HOST`` = ranks / hosts)."""
-    from .checks import CHECKS, HIERARCHICAL_ENV, REPORT_ENV
+    from .checks import CHECKS
+    from .job import HIERARCHICAL_ENV, REPORT_ENV
     from .optimizers import CHECKS as OPTIMIZER_CHECKS
 
     known = OPTIMIZER_CHECKS if target.startswith("optimizer:") else CHECKS
@@ -90,7 +91,7 @@ def run(target: str, ranks: Sequence[int] = (1, 2, 3), checks: Sequence[str] | N
                 if n % hosts:
                     raise ValueError(f"{n} ranks cannot form {hosts} hosts of equal size")
                 env.update({HIERARCHICAL_ENV: "1", "GRADCOMP_RANKS_PER_HOST": str(n // hosts)})
-            result = launch(n, ["-m", "gradcomp.conformance.checks", target, *names], timeout=timeout,
+            result = launch(n, ["-m", "gradcomp.conformance.job", target, *names], timeout=timeout,
                             env=env, cwd=cwd)
             # The report files hold every result line even when MPI_Abort cut the output short.
             reports = [p.read_text() for p in sorted(Path(report).iterdir())]

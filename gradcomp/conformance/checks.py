@@ -1,23 +1,8 @@
-"""The conformance checks, run on every rank of one ``mpiexec`` job.
-
-    mpiexec -n 3 python -m gradcomp.conformance.checks TARGET [CHECK ...]
-
-TARGET is ``module:factory`` (importable from the current directory) or ``registry:SPEC``. Every
-check is collective and ends with every rank agreeing; an assertion that fails on one rank prints
-``CONFORMANCE-FAIL <check>: <why>`` and aborts the job (a failed check must not leave the other
-ranks waiting in the next collective). Rank 0 prints ``CONFORMANCE-PASS <check>`` per check.
-
-Each line is also appended to ``$GRADCOMP_CONFORMANCE_REPORT/rank<r>`` when the kit sets that
-folder: ``MPI_Abort`` can end the job before mpiexec forwards what the failing rank printed (seen
-in CI: a failed job with no output at all), and a file written before the abort cannot be lost.
+"""The conformance checks of compressors (``CHECKS``), each collective: every check ends with
+every rank agreeing. ``job`` runs them on every rank of one ``mpiexec`` job.
 """
 from __future__ import annotations
 
-import importlib
-import io
-import os
-import sys
-import traceback
 from typing import Any
 
 import ml_dtypes
@@ -25,7 +10,7 @@ import numpy as np
 
 import gradcomp as gc
 
-from .signals import LAYOUT, LENGTHS, digest, numel, relative_error, structured, tensor_of
+from .signals import LAYOUT, LENGTHS, digest, numel, relative_error, savez_round_trip, structured, tensor_of
 
 STEPS = 14          # steps of each check past the compressor's warm-up (``warmup_steps``)
 LONG = 300          # steps of the accumulated-error check past the warm-up (random-k at 1% needs a few hundred)
@@ -200,7 +185,7 @@ def check_checkpoint(kit: Kit) -> None:
     for step in steps[:stop]:
         for i, lay, last, g in step:
             kit.reduce(first, g, i, lay, last)
-    saved = _savez_round_trip(first.state_dict())
+    saved = savez_round_trip(first.state_dict())
     resumed = kit.build()
     resumed.load_state_dict(saved)
     for k, step in enumerate(steps[stop:], start=stop):
@@ -208,12 +193,12 @@ def check_checkpoint(kit: Kit) -> None:
             got = kit.reduce(resumed, g, i, lay, last)
             assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), \
                 f"resumed run differs at step {k}, bucket {i}"
-    end_a, end_b = _savez_round_trip(straight.state_dict()), _savez_round_trip(resumed.state_dict())
+    end_a, end_b = savez_round_trip(straight.state_dict()), savez_round_trip(resumed.state_dict())
     assert sorted(end_a) == sorted(end_b), "final states have different keys"
     for key in end_a:
         assert np.array_equal(np.asarray(end_a[key]), np.asarray(end_b[key])), f"final state {key!r} differs"
     # damaged states: refused, nothing changed
-    before = _savez_round_trip(resumed.state_dict())
+    before = savez_round_trip(resumed.state_dict())
     damaged: list[tuple[str, dict]] = []
     if saved:
         damaged.append(("an empty state", {}))
@@ -230,7 +215,7 @@ def check_checkpoint(kit: Kit) -> None:
             pass
         else:
             raise AssertionError(f"load_state_dict accepted {what}")
-        after = _savez_round_trip(resumed.state_dict())
+        after = savez_round_trip(resumed.state_dict())
         assert sorted(after) == sorted(before) and all(
             np.array_equal(np.asarray(after[k]), np.asarray(before[k])) for k in before), \
             f"a refused load ({what}) changed the state"
@@ -282,7 +267,7 @@ def _check_state_mismatch(kit: Kit) -> None:
         for _ in range(STEPS):
             ahead.reduce(gc.Bucket(np.ones(numel(LAYOUT), np.float32), 0, LAYOUT), alone).result()
         alone.close()
-        comp.load_state_dict(_savez_round_trip(ahead.state_dict()))
+        comp.load_state_dict(savez_round_trip(ahead.state_dict()))
     probe = gc.Bucket(np.ones(numel(LAYOUT), np.float32), 0, LAYOUT)
     state = comp.agreement_state(probe, None)
     differs = len(set(kit.everyone(repr(state)))) > 1
@@ -371,81 +356,3 @@ def check_scatter(kit: Kit) -> None:
 CHECKS = {"shapes": check_shapes, "dtypes": check_dtypes, "accuracy": check_accuracy,
           "non-finite": check_non_finite, "checkpoint": check_checkpoint,
           "mismatches": check_mismatches, "schedule": check_schedule, "scatter": check_scatter}
-
-
-def _savez_round_trip(state: dict) -> dict:
-    for key, value in state.items():
-        assert isinstance(key, str), f"state key {key!r} is not a string"
-        assert isinstance(value, (np.ndarray, np.generic, int, float, str)) and not isinstance(value, bool) \
-            or isinstance(value, (np.ndarray, np.generic)), f"state {key!r} is not a plain array or number: {type(value)}"
-    buf = io.BytesIO()
-    np.savez(buf, **state)
-    buf.seek(0)
-    with np.load(buf, allow_pickle=False) as f:
-        return {k: (f[k].item() if f[k].shape == () and f[k].dtype.kind in "iufU" else f[k]) for k in f.files}
-
-
-def load_factory(target: str):
-    """``module:attr`` (a factory or class, importable from the current directory) or
-    ``registry:SPEC``."""
-    kind, _, rest = target.partition(":")
-    if kind == "registry":
-        return lambda: gc.make(rest)
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")
-    factory = getattr(importlib.import_module(kind), rest)
-    comp = factory()
-    if not isinstance(comp, gc.Compressor):
-        raise TypeError(f"{target}() returned {type(comp).__name__}, not a gradcomp.Compressor")
-    return factory
-
-
-REPORT_ENV = "GRADCOMP_CONFORMANCE_REPORT"
-#: set by the kit's hierarchical run (``--hosts``): every compressor is wrapped in ``Hierarchical``
-HIERARCHICAL_ENV = "GRADCOMP_CONFORMANCE_HIERARCHICAL"
-
-
-def say(rank: int, line: str) -> None:
-    """Print a result line, and keep it in this rank's report file when the kit asked for one."""
-    folder = os.environ.get(REPORT_ENV)
-    if folder:  # first: the file is what the kit reads
-        with open(os.path.join(folder, f"rank{rank}"), "a") as f:
-            f.write(line + "\n")
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-def main(argv) -> None:
-    from ..comm.exits import guard
-
-    target = argv[0]
-    comm = gc.MPICommunicator()
-    if target.startswith("optimizer:"):
-        from . import optimizers
-
-        checks: dict = optimizers.CHECKS
-        kit: Any = optimizers.OptimizerKit(optimizers.optimizer_factory(target[len("optimizer:"):]), comm)
-    else:
-        build = load_factory(target)
-        if os.environ.get(HIERARCHICAL_ENV):  # the hierarchical run: the same checks, through it
-            from ..compressors.hierarchical import Hierarchical
-
-            flat = build
-            build = lambda: Hierarchical(flat())  # noqa: E731
-        checks, kit = CHECKS, Kit(build, comm)
-    names = argv[1:] or list(checks)
-    for name in names:
-        try:
-            checks[name](kit)
-        except BaseException as exc:
-            detail = f"{type(exc).__name__}: {exc}" if isinstance(exc, AssertionError) else traceback.format_exc()
-            say(comm.rank, f"CONFORMANCE-FAIL {name} (rank {comm.rank} of {comm.size}): {detail}")
-            guard().abort(f"conformance check {name} failed")
-        comm.comm.Barrier()
-        if comm.rank == 0:
-            say(0, f"CONFORMANCE-PASS {name}")
-    comm.close()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -22,7 +22,7 @@ import numpy as np
 
 import gradcomp as gc
 
-from .signals import digest
+from .signals import digest, savez_round_trip
 
 OPTIMIZERS: dict[str, Callable[..., Any]] = {"dgc": gc.optim.DGC, "onebitadam": gc.optim.OneBitAdam}
 SHAPES = [(40, 30), (30,), (1,), (600,)]
@@ -94,8 +94,6 @@ def check_replicas(kit: OptimizerKit) -> None:
 
 
 def check_checkpoint(kit: OptimizerKit) -> None:
-    from .checks import _savez_round_trip
-
     straight_params, first_params = kit.start(), kit.start()
     straight, first = kit.build(straight_params, kit.comm), kit.build(first_params, kit.comm)
     total = kit.steps(straight) + 4
@@ -103,7 +101,7 @@ def check_checkpoint(kit: OptimizerKit) -> None:
     for step in range(stop):
         straight.step(kit.grads(straight_params, kit.rank, step), lr=kit.lr(straight))
         first.step(kit.grads(first_params, kit.rank, step), lr=kit.lr(first))
-    saved = _savez_round_trip(first.state_dict())
+    saved = savez_round_trip(first.state_dict())
     resumed_params = [p.copy() for p in first_params]
     resumed = kit.build(resumed_params, kit.comm)
     resumed.load_state_dict(saved)
@@ -112,7 +110,7 @@ def check_checkpoint(kit: OptimizerKit) -> None:
         resumed.step(kit.grads(resumed_params, kit.rank, step), lr=kit.lr(resumed))
         for i, (a, b) in enumerate(zip(straight_params, resumed_params)):
             assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"resumed run differs at step {step}, parameter {i}"
-    before = _savez_round_trip(resumed.state_dict())
+    before = savez_round_trip(resumed.state_dict())
     array_key = next(k for k, v in saved.items() if isinstance(v, np.ndarray) and v.size > 1)
     damaged = [("an empty state", {}),
                (f"{array_key!r} truncated", dict(saved, **{array_key: saved[array_key].reshape(-1)[:-1]})),
@@ -124,7 +122,7 @@ def check_checkpoint(kit: OptimizerKit) -> None:
             pass
         else:
             raise AssertionError(f"load_state_dict accepted {what}")
-        after = _savez_round_trip(resumed.state_dict())
+        after = savez_round_trip(resumed.state_dict())
         assert sorted(after) == sorted(before) and all(
             np.array_equal(np.asarray(after[k]), np.asarray(before[k])) for k in before), \
             f"a refused load ({what}) changed the state"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 
 import ml_dtypes
@@ -55,3 +56,17 @@ def tensor_of(layout, position: int) -> slice:
 
 def eps(dtype) -> float:
     return float(ml_dtypes.finfo(dtype).eps)
+
+
+def savez_round_trip(state: dict) -> dict:
+    """``state`` through ``numpy.savez`` and back without pickling, after checking it holds only
+    plain arrays and numbers."""
+    for key, value in state.items():
+        assert isinstance(key, str), f"state key {key!r} is not a string"
+        assert isinstance(value, (np.ndarray, np.generic, int, float, str)) and not isinstance(value, bool) \
+            or isinstance(value, (np.ndarray, np.generic)), f"state {key!r} is not a plain array or number: {type(value)}"
+    buf = io.BytesIO()
+    np.savez(buf, **state)
+    buf.seek(0)
+    with np.load(buf, allow_pickle=False) as f:
+        return {k: (f[k].item() if f[k].shape == () and f[k].dtype.kind in "iufU" else f[k]) for k in f.files}

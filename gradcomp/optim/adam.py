@@ -8,7 +8,7 @@ followed here:
 1. **Warm-up** (``warmup`` steps): plain AdamW on averaged gradients (the same update as
    ``torch.optim.AdamW``, bias corrections included). The variance settles. The gradients are
    averaged through ``warmup_compressor``: ``int8`` by default (its own 50 exact steps first, then
-   8-bit codes with error feedback, a hook that keeps AdamW within 0.1% on BENCHMARKS.md's LM),
+   8-bit codes with error feedback, a hook that keeps AdamW close to exact averaging),
    as DeepSpeed's 1-bit Adam warms up on half-precision gradients; ``"allreduce"`` is exact.
    Its residual, a gradient's error, is dropped at the freeze, where the momentum starts to
    travel instead.
@@ -51,8 +51,7 @@ from ..compressors.base import Compressor
 from ..compressors.feedback import ErrorFeedback
 from ..compressors.quantize import OneBit
 from ..params import check_bool, check_float, check_int
-from ..planning.names import steady
-from ..registry import make
+from ..registry import make, steady
 from ..schedule import Schedule
 from .base import Hyper, Optimizer
 
@@ -67,15 +66,13 @@ class OneBitAdam(Optimizer):
 
     ``warmup``: steps of AdamW before the variance freezes (1-bit Adam used 15-25% of
     training), on gradients averaged through ``warmup_compressor`` (default ``"int8"``: about 4x
-    fewer bytes than fp32; ``"allreduce"``: exact). On BENCHMARKS.md's LM at 50 Mbit/s the int8
-    warm-up brought OneBitAdam to exact AdamW's loss in 0.41x fp32's time, the exact one in 0.55x.
+    fewer bytes than fp32; ``"allreduce"``: exact); the int8 warm-up reaches exact AdamW's loss
+    sooner than the exact one on a slow link.
 
-    A sparse or low-rank code delays the update more than 1 bit does and needs the longer warm-up
-    (measured with the exact one): on BENCHMARKS.md's LM, top 2% ended +0.75% from exact AdamW
-    after 600 of 3000 steps of warm-up, +2.2% after 200. PowerSGD needs rank 8 there as well (rank
-    4 ended +2.4% after 750): ``"fp16-powersgd:rank=8,factor_bits=8"`` sends rank 8 in rank 4's
-    half-precision bytes (29x fewer than fp32) and ended +1.2% after 750. Top 0.5%
-    (``"topk:stages=2,ratio=0.005"``, 100x) ended +2.7% after 600, and a point down on digits.
+    A sparse or low-rank code delays the update more than 1 bit does and needs a longer warm-up
+    (a fifth of training rather than a fifteenth), and PowerSGD a rank of 8:
+    ``"fp16-powersgd:rank=8,factor_bits=8"`` sends rank 8 in rank 4's half-precision bytes;
+    ``"topk:stages=2,ratio=0.02"`` is the sparse choice (BENCHMARKS.md, section 6, has the runs).
 
     ``compressor``: the momentum's exchange after the warm-up, a gradcomp compressor or a registry
     name (default ``ErrorFeedback(OneBit())``: 1-bit codes with both residuals; a name's own exact

@@ -169,7 +169,7 @@ class Optimizer:
         """A reducer over arrays shaped like the parameters, averaging with ``compressor`` on one
         flat schedule (DGC's masking reads each rank's own residual, which a hierarchical one
         keeps on one rank of the host; and the 25x+ codes these optimizers send were measured
-        slower hierarchical, ``gradcomp.planning.cost.hierarchical_pays``)."""
+        slower hierarchical, ``Compressor.hierarchical_pays``)."""
         like = [array_module(p).zeros(p.shape, p.dtype) for p in self.params]
         self.reducer = GradientReducer(like, _Agreed(compressor, self), self.comm, self.bucket_cap_mb,
                                        hierarchical=False)

@@ -20,13 +20,13 @@ what the method's compute costs here. ``Auto`` measures all three once:
   On several hosts of several ranks every candidate is also priced in the hierarchical schedule
   (``Hierarchical``: exact inside the host, the method across it; labelled ``hier-NAME``), with
   the link inside a host probed too (every host's, the slowest agreed) and a memory pass timed:
-  a flat-only choice there lost to the fixed methods' own default schedule (2 emulated hosts x
-  2 ranks at 100 Mbit/s: int4 flat 2333 ms, hierarchical 1180, BENCHMARKS.md section 9).
+  a flat-only choice there lost to the fixed methods' own default schedule (BENCHMARKS.md,
+  section 9).
   On one host there is no link to spare: shared memory moves bytes at memory speed, so a
   method's casts and codes cost about what they save, and fp32 beat every compressed method
   there (BENCHMARKS.md, sections 1 and 9). So a one-host job keeps the first allowed method
   (``allreduce`` by default) unless a ``table`` says otherwise; ``stats()`` still holds every
-  candidate's prediction (0.96-1.12 of the measured step there, BENCHMARKS.md section 1).
+  candidate's prediction (BENCHMARKS.md, section 1, compares them with measured steps).
 
 (measured at the first bucket's ordered stage, after every rank agreed on the configuration). For
 each bucket layout it then predicts every candidate's time with ``cost.Model`` and takes the
@@ -204,7 +204,7 @@ class Auto(Compressor):
         order = []  # options in tie order: the allowed order, each name's default schedule first
         for k, comp in enumerate(self.candidates):
             schedules = [False, True] if several else [False]
-            if several and cost.hierarchical_pays(comp):
+            if several and comp.hierarchical_pays():
                 schedules.reverse()
             order += [k + n * hier for hier in schedules]
         stages, times, paced = {}, {}, {}
@@ -215,8 +215,7 @@ class Auto(Compressor):
             local, cpu, total = model.stages(name, t, bucket.numel, cluster, hierarchical=hier)
             # a hierarchical schedule runs wholly on the wire thread: no local stage to overlap. The
             # overlap also needs a core: with c ranks on each, a rank's compute thread finds one
-            # 1/c of the time (at 4 ranks on 2 cores, 1 Gbit/s, int4 took 240-260 ms a step; this
-            # predicted 230-256, the whole local stage overlapped 191-211)
+            # 1/c of the time
             stages[label] = (0.0, cpu, total) if hier else (local / m["contention"], cpu, total)
             times[label] = total
             paced[label] = cost.pipelined([stages[label]] * PACED_BUCKETS) / PACED_BUCKETS
@@ -448,8 +447,7 @@ def _time_candidates(names: Sequence[str], shapes: Sequence[tuple[int, ...]] = (
     from mpi4py import MPI
 
     from ..comm.mpi import MPICommunicator
-    from ..registry import make
-    from .names import steady
+    from ..registry import make, steady
 
     alone = MPICommunicator(MPI.COMM_SELF, blas_threads=None)
     numel = sum(math.prod(s) for s in shapes)

@@ -40,6 +40,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..compressors.base import Traffic
+
 KINDS = ("allreduce", "allgather", "two-stage")
 
 
@@ -72,93 +74,13 @@ class Cluster:
         return max(1.0, self.per_host / self.cores_per_host)
 
 
-@dataclass(frozen=True)
-class Traffic:
-    """One bucket's communication: ``kind`` (``KINDS``), message bytes, collectives in sequence."""
-    kind: str
-    message_bytes: float
-    pieces: int = 1  # collectives of this kind in sequence, each with its share of the bytes
-    extra: tuple["Traffic", ...] = field(default=())  # further collectives (PowerSGD's second round)
-
-
 def traffic(compressor: Any, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
     """``compressor``'s traffic on a bucket of tensors of ``shapes`` (float32) exchanged over
-    ``ranks`` (a two-stage code pads its slices to whole chunks), from what it declares; steady
-    state (a recipe's last stage, PowerSGD past its warm-up)."""
-    from ..compressors.allreduce import Allreduce
-    from ..compressors.cast import Cast
-    from ..compressors.codec import Codec
-    from ..compressors.allgather import Allgather
-    from ..compressors.feedback import ErrorFeedback
-    from ..compressors.hierarchical import Hierarchical
-    from ..powersgd import PowerSGD
-    from ..schedule import Schedule
-
-    n = sum(math.prod(s) for s in shapes)
-    comp = compressor
-    while True:
-        if isinstance(comp, (Hierarchical,)):
-            comp = comp.inner
-        elif isinstance(comp, Schedule):
-            comp = comp.compressors[-1]
-        elif isinstance(comp, ErrorFeedback):
-            comp = comp.inner
-        else:
-            break
-    if isinstance(comp, Cast):  # its inner method sees half-precision values
-        return traffic(comp.inner, shapes, ranks, 2)
-    if isinstance(comp, Allreduce):
-        return Traffic("allreduce", n * itemsize)
-    if isinstance(comp, Allgather):
-        return Traffic("allgather", n * itemsize)
-    if isinstance(comp, PowerSGD):
-        from ..powersgd.plan import Plan
-
-        keys = [str(i) for i in range(len(shapes))]
-        plan = Plan([tuple(s) for s in shapes], keys, n, comp.rank, comp.min_compression_rate,
-                    comp.batched, comp.batch_same_shape, "cost")
-        first = Traffic("allreduce", (plan.n_unc + plan.p_size) * itemsize)
-        if comp.rounds == 1:
-            return first
-        return Traffic("allreduce", first.message_bytes, extra=(Traffic("allreduce", plan.q_size * itemsize),))
-    if isinstance(comp, Codec):
-        unit = itemsize if comp.message_dtype is None else np.dtype(comp.message_dtype).itemsize
-        if comp.collective == "two-stage":  # one message per rank's slice of whole chunks
-            from ..compressors.codec import MAX_PIECES, PIECE_CHUNKS
-
-            chunks = -(-(-(-n // comp.chunk)) // max(ranks, 1))
-            pieces = max(1, min(MAX_PIECES, chunks // PIECE_CHUNKS)) if comp.independent_chunks else 1
-            return Traffic("two-stage", max(ranks, 1) * comp.message_size(chunks * comp.chunk) * unit, pieces)
-        return Traffic(comp.collective, comp.message_size(n) * unit)
-    raise TypeError(f"the cost model does not know {type(comp).__name__}")
-
-
-def hierarchical_pays(compressor: Any) -> bool:
-    """Whether the hierarchical schedule is the better default for ``compressor`` on several
-    hosts of several ranks: where it sends at least 1/8 of fp32's bytes (fp32, fp16, bf16, int8,
-    int4, the allgathered 8-bit codes: the link bounds their step, and the hierarchy cuts what
-    crosses it). Below (onebit, topk, randomk, PowerSGD) the CPU bounds the step, and the exact
-    stages inside the host cost more than the bytes they save: measured on 2 emulated hosts x 2
-    ranks at 1 Gbit/s, BENCHMARKS.md section 9. Judged on a 1024 x 1024 float32 matrix, in steady
-    state; a compressor the model does not know (``auto``, which plans per bucket) stays flat."""
-    try:
-        t = traffic(compressor, [(1024, 1024)], 2)
-    except TypeError:
-        return False
-    sent = sum(part.message_bytes for part in (t,) + t.extra)
-    return sent >= 4 * 1024 * 1024 / 8 * 0.95  # (int4's codes and scales: 1/7.8)
-
-
-def scheduled(compressor: Any, comm: Any, hierarchical: bool | None) -> Any:
-    """``compressor`` in the schedule it runs in on ``comm`` (the one place the reducer and the
-    DDP hook decide it): ``Hierarchical`` where ``hierarchical`` is True, or, by default (None),
-    where the topology has several hosts of several ranks and ``hierarchical_pays``; flat
-    otherwise (``gradcomp.compressors.hierarchical.wrap``)."""
-    from ..compressors.hierarchical import wrap
-
-    if hierarchical is None and not hierarchical_pays(compressor):
-        hierarchical = False
-    return wrap(compressor, comm, hierarchical)
+    ``ranks``, as it declares it (``Compressor.traffic``); steady state."""
+    declared = getattr(compressor, "traffic", None)
+    if declared is None:
+        raise TypeError(f"the cost model does not know {type(compressor).__name__}")
+    return declared(shapes, ranks, itemsize)
 
 
 def host_link_bytes(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
@@ -178,9 +100,9 @@ def host_link_bytes(t: Traffic, cluster: Cluster, hierarchical: bool) -> float:
 #: what the hierarchical schedule's exact stages inside a host cost, in bytes of the link inside
 #: the host (the one a one-host allreduce runs over) per byte they send: about twice. They are two
 #: collectives on a communicator of their own, a division and copies besides their messages, and
-#: each host runs them at once on the shared cores. Fitted on BENCHMARKS.md section 9's commands (re-run 12-04),
-#: the model is within 16% of every 2x2 row with it, and 34-39% under on hierarchical onebit, topk,
-#: randomk and PowerSGD priced at their bytes alone
+#: each host runs them at once on the shared cores. Fitted on the hierarchical runs of
+#: BENCHMARKS.md, section 9; without it the model prices hierarchical onebit, topk, randomk and
+#: PowerSGD well under their measured steps
 IN_HOST_COST = 2.0
 
 

@@ -10,10 +10,11 @@ from functools import partial
 from typing import Any
 
 from ..compressors import (BF16, FP16, Allgather, Allreduce, OneBit, QuantizedAllreduce,
-                           QuantizePerChannel, QuantizePerTensor, RandomK, ReducedTopK, TopK, register)
+                           QuantizePerChannel, QuantizePerTensor, RandomK, ReducedTopK, TopK)
 from ..compressors.quantize.twostage import CHUNK
 from ..powersgd import PowerSGD
 from ..params import check_choice
+from ..registry import register
 from .recipes import codec_recipe, sparse_recipe
 
 
@@ -33,18 +34,16 @@ def _quantized(name: str, bits: int, warmup: int, feedback: str, chunk: int, exa
 
 
 #: the exact warm-up of the 8-bit codes (``int8``, ``quantize-tensor``). Without it their final
-#: loss on the transformer LM spread over seeds to +0.58% / +0.77% of exact averaging, while fp32
-#: summed in another order moved it by 0.001%: the spread is the codes' error, set, we think, in
-#: the first steps, when AdamW's second moment rests on a few gradients. With 50 exact steps every
-#: seed of both ended within +0.23% (3 seeds, 1000 steps; BENCHMARKS.md section 6), for 14% (int8)
-#: and 5% (quantize-tensor) more bytes over those 1000 steps. ``int4`` gained nothing from it
-#: (its steady rounding is its loss).
+#: loss spread over seeds far more than fp32 summed in another order: the codes' error, set, we
+#: think, in the first steps, when AdamW's second moment rests on a few gradients. 50 exact steps
+#: closed most of that spread for a few percent more bytes. ``int4`` gained nothing from it (its
+#: steady rounding is its loss).
 WARMUP_8BIT = 50
 
 
 def int8(warmup: int = WARMUP_8BIT, feedback: str = "both", chunk: int = CHUNK, exact_zero: bool = False) -> Any:
     """8-bit two-stage codes per ``chunk`` values after an exact warm-up (``WARMUP_8BIT``); error
-    feedback at both stages (the workers' alone: +1.37% on the LM's worst seed, against +0.58%)."""
+    feedback at both stages (the workers' alone trained worse)."""
     return _quantized("int8", 8, warmup, feedback, chunk, exact_zero, False)
 
 
@@ -54,17 +53,16 @@ def int4(warmup: int = 0, feedback: str = "both", chunk: int = CHUNK, exact_zero
     values set, so most values are within a step of zero. With zero on the grid they go out as
     exact zeros until their residual reaches a step; on the min-max grid (``exact_zero=False``,
     the earlier definition) each went out as a rounding error every step (noise that, we think,
-    inflates Adam's second moment): on the transformer LM +0.54% from exact averaging (worst seed
-    +0.92%) against +1.14% (+1.60%) after 1000 steps, 3 seeds, for the same bytes; after 3000 both
-    end about +0.9% (BENCHMARKS.md section 6): it gets there sooner, not further. ``int4:chunk=128`` rounds finer for 9% more bytes and 1.5x the compute, and did
-    not reliably train better."""
+    inflates Adam's second moment): zero on the grid gets as far sooner, for the same bytes.
+    ``int4:chunk=128`` rounds finer for more bytes and compute, and did not reliably train
+    better."""
     return _quantized("int4", 4, warmup, feedback, chunk, exact_zero, True)
 
 
 def _allgathered(name: str, codec_factory: Any, default_warmup: int) -> Any:
     """quantize-tensor / -channel: the codec after ``default_warmup`` exact steps, without error
-    feedback (the workers' feedback, the only kind an allgathered code has, cost quantize-tensor
-    +1.32% on the LM's worst seed, against +0.77% without); ``warmup=0``: the codec alone."""
+    feedback (the workers' feedback, the only kind an allgathered code has, trained worse);
+    ``warmup=0``: the codec alone."""
     def factory(warmup: int = default_warmup, feedback: str = "none", **kwargs: Any) -> Any:
         feedback = check_choice(f"{name} feedback", feedback, ("none", "worker"))
         if not warmup and feedback == "none":
@@ -75,8 +73,8 @@ def _allgathered(name: str, codec_factory: Any, default_warmup: int) -> Any:
 
 def onebit(warmup: int = 100, feedback: str = "none") -> Any:
     """Signs and a scale per 512 values, two stages, after an exact warm-up. Without error
-    feedback: under momentum SGD and AdamW both residuals, or the workers' alone, trained worse
-    (the CNN: 89% against 97.8% without; the LM: +18% against +9.5%). With Adam, prefer
+    feedback: under momentum SGD and AdamW both residuals, or the workers' alone, trained worse.
+    With Adam, prefer
     ``gradcomp.optim.OneBitAdam``, where the feedback works on the frozen-variance momentum."""
     return codec_recipe("onebit", OneBit, warmup, feedback)
 
@@ -100,9 +98,8 @@ def randomk(ratio: float = 0.01, warmup: int = 100, ramp: int = 0, feedback: str
     only the exact warm-up trains the model. It warns so at construction."""
     import warnings
 
-    warnings.warn("gradcomp: randomk is not recommended: with error feedback it diverged on every "
-                  "workload measured, without it it drops 99% of each gradient (BENCHMARKS.md, "
-                  "section 6); use topk, onebit or int4 instead",
+    warnings.warn("gradcomp: randomk is not recommended (with error feedback it diverges; without, "
+                  "it drops most of each gradient); use topk, onebit or int4 instead",
                   RuntimeWarning, stacklevel=3)
     return sparse_recipe("randomk", RandomK, ratio, warmup, ramp, feedback, seed=seed)
 
@@ -119,7 +116,7 @@ def register_builtins() -> None:
     register("fp16-powersgd", _half(FP16, powersgd))
     # (PowerSGD's one-round variant, powersgd:rounds=1, and gradcomp.BatchedPowerSGD, which mixes
     # layers in one square, are not names of their own: every name must train as shipped, and the
-    # batched square was the worst method on the language model, +48%.)
+    # batched square was the worst method on the language model.)
     register("int8", int8)
     register("int4", int4)
     register("onebit", onebit)
@@ -132,29 +129,3 @@ def _auto(**kwargs: Any) -> Any:
     from .auto import Auto
 
     return Auto(**kwargs)
-
-
-#: The parameters that shorten a registered name's warm-up to nothing (a recipe's exact warm-up
-#: and sparsity ramp; PowerSGD's ``start_iter``, 2 being the least it takes with error feedback).
-STEADY = ({"warmup": 0, "ramp": 0}, {"warmup": 0}, {"start_iter": 2})
-
-
-def steady(spec: str, keep_given: bool = False) -> str:
-    """``spec`` with its warm-up shortened to nothing where its factory takes such a parameter:
-    what the benchmarks time and the tests check (the method itself, from the first step).
-    ``keep_given``: only where ``spec`` does not set the parameter itself (an optimizer that runs
-    its own warm-up before the method, e.g. ``OneBitAdam(compressor="topk:stages=2")``)."""
-    from ..registry import make, parse_spec
-
-    name, given = parse_spec(spec)
-    as_given = make(spec).describe()
-    for overrides in STEADY:
-        items = {**overrides, **given} if keep_given else {**given, **overrides}
-        try:
-            shortened = make(name, **items)
-        except ValueError:
-            continue
-        if shortened.describe() == as_given:  # no warm-up to shorten (quantize-channel)
-            return spec
-        return name + (":" + ",".join(f"{k}={v!r}" for k, v in items.items()) if items else "")
-    return spec

@@ -9,44 +9,56 @@ tensor key K: ``residual/K`` (shaped like the tensor), ``q/K`` (m x r) and, for 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping, NoReturn
+from typing import Any, Iterable, Mapping, NamedTuple, NoReturn
 
 import numpy as np
 
-from ..state import check_array, pop_shapes, reject_leftovers, shape_entries, take_int, tensor_arrays
-
-if TYPE_CHECKING:
-    from .compressor import PowerSGD
+from ..state import (TensorStore, check_array, pop_shapes, reject_leftovers, shape_entries, take_int,
+                     tensor_arrays)
 
 
-def powersgd_state(comp: PowerSGD) -> dict[str, Any]:
-    kind, keys, pos, has_gauss, gauss = comp._rng.get_state()
+def saved(config: str, step: int, rng: np.random.RandomState, counts: Mapping[str, int],
+          errors: TensorStore, q: TensorStore, p: TensorStore) -> dict[str, Any]:
+    """The checkpoint of a compressor of configuration ``config`` (``describe()``) at ``step``."""
+    kind, keys, pos, has_gauss, gauss = rng.get_state()
     out: dict[str, Any] = {
-        "config": comp.describe(),
-        "step": comp._step,
+        "config": config,
+        "step": step,
         "rng/keys": np.array(keys, dtype=np.uint32),
         "rng/pos": int(pos), "rng/has_gauss": int(has_gauss), "rng/gauss": float(gauss),
     }
-    for k, v in comp._counts.items():
+    for k, v in counts.items():
         out[k] = int(v)
-    for prefix, store in (("residual/", comp._errors), ("q/", comp._q), ("p/", comp._p)):
+    for prefix, store in (("residual/", errors), ("q/", q), ("p/", p)):
         for key, value in store.arrays().items():
             out[prefix + key] = value
-    out.update(shape_entries(comp._errors))
+    out.update(shape_entries(errors))
     return out
 
 
-def load_powersgd(comp: PowerSGD, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None) -> None:
-    owner = type(comp).__name__
+class Checked(NamedTuple):
+    """A checkpoint's content, every part checked: what ``load_state_dict`` then sets."""
+    step: int
+    rng: tuple           # for ``RandomState.set_state``
+    counts: dict[str, int]
+    residuals: dict[str, Any]
+    q: dict[str, Any]
+    p: dict[str, Any]
+
+
+def checked(owner: str, config: str, rank: int, counters: Iterable[str], state: Mapping[str, Any],
+            shapes: Mapping[str, tuple] | None) -> Checked:
+    """``state`` checked against the configuration ``config`` of a compressor (type ``owner``) of
+    rank ``rank`` with statistics ``counters``: a ``ValueError`` names the first thing wrong."""
     state = dict(state)
     if not state:
         raise ValueError(f"{owner} state: empty (expected the output of state_dict())")
-    config = state.pop("config", None)
-    if config is None:
+    saved_by = state.pop("config", None)
+    if saved_by is None:
         raise ValueError(f"{owner} state: missing 'config'")
-    if str(np.asarray(config)) != comp.describe():
-        raise ValueError(f"{owner} state: saved by {str(np.asarray(config))}, but this compressor is "
-                         f"{comp.describe()} (another configuration)")
+    if str(np.asarray(saved_by)) != config:
+        raise ValueError(f"{owner} state: saved by {str(np.asarray(saved_by))}, but this compressor is "
+                         f"{config} (another configuration)")
     step = take_int(state, "step", owner)
     rng_keys = check_array(state.pop("rng/keys") if "rng/keys" in state else _missing(owner, "rng/keys"),
                            "rng/keys", owner, (624,), ("uint32", "int64"))
@@ -60,7 +72,7 @@ def load_powersgd(comp: PowerSGD, state: Mapping[str, Any], shapes: Mapping[str,
     gauss = state.pop("rng/gauss", None)
     if gauss is None or np.asarray(gauss).shape != () or not np.isfinite(float(np.asarray(gauss))):
         raise ValueError(f"{owner} state: 'rng/gauss' must be a finite number, got {gauss!r}")
-    counts = {k: take_int(state, k, owner) if k in state else 0 for k in comp._counts}
+    counts = {k: take_int(state, k, owner) if k in state else 0 for k in counters}
     shapes = pop_shapes(state, owner, shapes)
     residuals = tensor_arrays(state, "residual/", owner, shapes)
     missing = sorted(k for k in residuals if k not in shapes)
@@ -71,28 +83,22 @@ def load_powersgd(comp: PowerSGD, state: Mapping[str, Any], shapes: Mapping[str,
         values = tensor_arrays(state, f"{which}/", owner)
         for key, value in values.items():
             name = f"{which}/{key}"
-            if value.ndim != 2 or not 1 <= value.shape[1] <= comp.rank:
+            if value.ndim != 2 or not 1 <= value.shape[1] <= rank:
                 raise ValueError(f"{owner} state: {name!r} must be (rows, r) with 1 <= r <= rank "
-                                 f"{comp.rank}, got shape {value.shape}")
+                                 f"{rank}, got shape {value.shape}")
             if not np.isfinite(value).all():
                 raise ValueError(f"{owner} state: {name!r} holds NaN or Inf")
             if key in shapes and len(shapes[key]) >= 2:
                 shape = tuple(shapes[key])
-                r = min(shape[0], math.prod(shape[1:]), comp.rank)
+                r = min(shape[0], math.prod(shape[1:]), rank)
                 expect = (rows_of(shape), r)
                 if value.shape != expect:
                     raise ValueError(f"{owner} state: {name!r} must have shape {expect} for a tensor of "
                                      f"shape {shape}, got {value.shape}")
         factors[which] = values
     reject_leftovers(state, owner)
-    # everything checked: now change
-    comp._step = step
-    comp._rng.set_state(("MT19937", rng_keys, pos, has_gauss, float(np.asarray(gauss))))
-    comp._counts.update(counts)
-    comp._errors.load(residuals)
-    comp._q.load(factors["q"])
-    comp._p.load(factors["p"])
-    comp._claims.loaded()
+    return Checked(step, ("MT19937", rng_keys, pos, has_gauss, float(np.asarray(gauss))), counts,
+                   residuals, factors["q"], factors["p"])
 
 
 def _missing(owner: str, key: str) -> NoReturn:

@@ -13,8 +13,9 @@ transfer; the ordered stage sends it, computes the second factor, sends that and
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -22,10 +23,10 @@ from ..arrays import Array, ArrayModule, add_into, array_module, cast, dtype_nam
 from ..bucket import Bucket
 from ..comm import Communicator, Workspace
 from ..compressors.allreduce import mean_allreduce
-from ..compressors.base import Compressor
+from ..compressors.base import Compressor, Traffic
 from ..params import check_bool, check_choice, check_float, check_int
 from ..state import ClaimCheck, TensorStore
-from .checkpoint import load_powersgd, powersgd_state
+from .checkpoint import checked, saved
 from .plan import Plan, orthogonalize
 from .products import Products
 from ..compressors.quantize import QuantizedAllreduce
@@ -417,6 +418,16 @@ class PowerSGD(Compressor):
                 self._p.region(plan.p_placements, plan.p_size, w.compute, like=w.mx)[0][...] = p
         return result
 
+    def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
+        n = sum(math.prod(s) for s in shapes)
+        keys = [str(i) for i in range(len(shapes))]
+        plan = Plan([tuple(s) for s in shapes], keys, n, self.rank, self.min_compression_rate,
+                    self.batched, self.batch_same_shape, "cost")
+        first = Traffic("allreduce", (plan.n_unc + plan.p_size) * itemsize)
+        if self.rounds == 1:
+            return first
+        return Traffic("allreduce", first.message_bytes, extra=(Traffic("allreduce", plan.q_size * itemsize),))
+
     # -- declared state, hand-over, statistics, checkpoints ----------------------------------------------------
     def agreement_state(self, bucket: Bucket, prepared: _Work | None) -> dict[str, Any]:
         if prepared is None:
@@ -453,10 +464,18 @@ class PowerSGD(Compressor):
 
     def state_dict(self) -> dict[str, Any]:
         """Plain arrays and numbers (``numpy.savez``-able); host copies, never views of live state."""
-        return powersgd_state(self)
+        return saved(self.describe(), self._step, self._rng, self._counts, self._errors, self._q, self._p)
 
     def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
-        load_powersgd(self, state, shapes)
+        got = checked(type(self).__name__, self.describe(), self.rank, self._counts, state, shapes)
+        # everything checked: now change
+        self._step = got.step
+        self._rng.set_state(got.rng)
+        self._counts.update(got.counts)
+        self._errors.load(got.residuals)
+        self._q.load(got.q)
+        self._p.load(got.p)
+        self._claims.loaded()
 
 
 class BatchedPowerSGD(PowerSGD):

@@ -2,10 +2,9 @@
 
 Adam(W) divides each coordinate's momentum by its own running magnitude, so every coordinate
 steps by about the same size. A code that sends only part of each gradient (``partial_update``:
-onebit, topk, randomk, PowerSGD) leaves most coordinates' updates waiting in its residual, which
-cost the transformer LM of BENCHMARKS.md section 6 +9% to +51% of validation loss after 1000 AdamW
-steps, against +0.5% for int4 at the hook and -0.01% for ``OneBitAdam``, which compresses Adam's
-momentum instead. The hook cannot see the optimizer, so ``register`` asks torch to call
+onebit, topk, randomk, PowerSGD) leaves most coordinates' updates waiting in its residual, and
+trains measurably worse than int4 at the hook or ``OneBitAdam``, which compresses Adam's momentum
+instead (BENCHMARKS.md, section 6). The hook cannot see the optimizer, so ``register`` asks torch to call
 ``_before_step`` before any optimizer's step: the first step of an Adam-like optimizer (one whose
 parameter groups have ``betas``; gradcomp's own optimizers excepted) over a watched model's
 parameters warns once, on every rank (each steps its own optimizer). The result is not changed.
@@ -73,9 +72,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
             warnings.warn(
                 f"gradcomp: the DDP hook runs {method} a sparse, low-rank or 1-bit part "
                 f"of each gradient, and {type(optimizer).__name__} steps every coordinate by about "
-                "the same size, so most of each update waits in the residual (on the transformer LM "
-                "of BENCHMARKS.md section 6 these hooks ended 9-51% above exact averaging under "
-                "AdamW). For Adam(W), let the optimizer compress its momentum: "
+                "the same size, so most of each update waits in the residual and training ends "
+                "worse than exact averaging. For Adam(W), let the optimizer compress its momentum: "
                 "gradcomp.torch.OneBitAdam(model.parameters(), ..., model=model), with "
                 "compressor='topk:stages=2,ratio=0.02' or 'fp16-powersgd:rank=8,factor_bits=8' for "
                 "a sparse or low-rank exchange; or int8 / int4 at the hook",

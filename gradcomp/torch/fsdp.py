@@ -46,9 +46,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from ..arrays import FLOAT_DTYPES, cast, is_device_array, synchronize
 from ..bucket import Bucket
 from ..comm import Communicator
-from ..compressors import Compressor, make
+from ..compressors import Compressor
 from ..compressors.base import parts, sends_part
-from ..registry import REGISTRY
+from ..registry import REGISTRY, make
 from .checkpoint import from_torch_state, to_torch_state
 from .tensors import as_array, wait_for_torch
 

@@ -40,8 +40,9 @@ import torch.distributed as dist
 from ..arrays import array_module, is_device_array, synchronize
 from ..bucket import Bucket
 from ..comm import Communicator, launched_by_mpi
-from ..compressors import Compressor, make
-from ..planning.cost import scheduled
+from ..compressors import Compressor
+from ..compressors.hierarchical import scheduled
+from ..registry import make
 from . import advice
 from .checkpoint import from_torch_state, to_torch_state
 from .sparse import reduce_sparse
