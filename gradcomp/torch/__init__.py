@@ -10,9 +10,10 @@ Importing ``gradcomp`` never imports torch (DESIGN invariant 6); only ``import g
 it). ``HookState.state_dict()`` checkpoints a compressor as tensors (``torch.save``).
 """
 from .communicator import TorchCommunicator
-from .hook import HookState, comm_hook, default_comm, gradcomp_hook, register
+from .hook import HookState, comm_hook, default_comm, gradcomp_hook, plain_ddp_stats, register
 from .launch import Launch, init_process_group
 from .optim import DGC, OneBitAdam, local_hook
 
 __all__ = ["register", "comm_hook", "init_process_group", "Launch", "TorchCommunicator",
-           "HookState", "gradcomp_hook", "default_comm", "OneBitAdam", "DGC", "local_hook"]
+           "HookState", "gradcomp_hook", "default_comm", "OneBitAdam", "DGC", "local_hook",
+           "plain_ddp_stats"]
