@@ -228,7 +228,36 @@ def rank_hook_state_without_names_is_refused():
     print(f"rank {launch.rank}: ok", flush=True)
 
 
-@pytest.mark.parametrize("check", ["rank_onebit_adam_is_adamw_then_compresses", "rank_dgc_on_ddp",
+def rank_ddp_parameters_need_the_model():
+    """OneBitAdam and DGC over a DDP model's parameters without model= would let DDP average in
+    fp32 first (nothing compressed): refused on every rank, naming model=; with the model's hook
+    already gradcomp's, the message names that hook. A model running local_hook, and a model
+    without DDP, are accepted."""
+    torch, gt, launch, model, x, y = _setup()
+    import gradcomp
+    from torch.nn.parallel import DistributedDataParallel
+
+    from examples.torch_ddp import DigitsCNN
+
+    for make in (lambda ps: gt.OneBitAdam(ps, lr=1e-3), lambda ps: gt.DGC(ps, lr=0.1)):
+        with pytest.raises(ValueError, match=r"belong to a DistributedDataParallel model, which averages "
+                                             r"their gradients in fp32 .* model=ddp_model"):
+            make(model.parameters())
+    hooked = DistributedDataParallel(DigitsCNN(), bucket_cap_mb=0.01)
+    gt.register(hooked, gradcomp.make("fp16"))
+    with pytest.raises(ValueError, match=r"through its communication hook \(gradcomp_hook\[FP16"):
+        gt.DGC(list(hooked.parameters()), lr=0.1)
+    local = DistributedDataParallel(DigitsCNN(), bucket_cap_mb=0.01)
+    local.register_comm_hook(None, gt.local_hook)
+    gt.DGC(local.parameters(), lr=0.1)
+    plain = DigitsCNN()
+    gt.OneBitAdam(plain.parameters(), lr=1e-3)
+    gt.DGC(model.parameters(), lr=0.1, model=model)  # the refused model, passed as it should be
+    print(f"rank {launch.rank}: ok", flush=True)
+
+
+@pytest.mark.parametrize("check", ["rank_ddp_parameters_need_the_model",
+                                   "rank_onebit_adam_is_adamw_then_compresses", "rank_dgc_on_ddp",
                                    "rank_onebit_adam_resumes_inside_a_lossy_warmup",
                                    "rank_hook_state_without_names_is_refused"])
 def test_torch_optimizers(check):
