@@ -185,8 +185,8 @@ def make(spec: str, **overrides: Any) -> Compressor:
     except KeyError:
         raise ValueError(f"unknown compressor {name!r}; known: {', '.join(REGISTRY)}") from None
     accepted = parameters(factory)
-    unknown = sorted(set(kwargs) - set(accepted or ())) if accepted is not None else []
-    if unknown:
+    unknown = sorted(set(kwargs) - set(accepted)) if accepted is not None else []
+    if accepted is not None and unknown:
         raise ValueError(f"compressor {name!r} does not take {_listed(unknown, accepted)}")
     try:
         comp = factory(**kwargs)
