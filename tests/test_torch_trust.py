@@ -338,8 +338,8 @@ def test_short_torch_jobs_exit_0():
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "short.py"
         script.write_text(SHORT_JOB)
-        codes = [run(2, [str(script), "0"], timeout=120, env={"PYTHONPATH": str(ROOT)}) for _ in range(10)]
-    failed = [r for r in codes if r.returncode != 0]
+        results = [run(2, [str(script), "0"], timeout=120, env={"PYTHONPATH": str(ROOT)}) for _ in range(10)]
+    failed = [r for r in results if r.returncode != 0]
     assert not failed, f"{len(failed)} of 10 runs failed; the first:\n{failed[0].output}"
 
 
