@@ -146,9 +146,10 @@ class ClaimCheck:
 
     After ``load_state_dict``, or unpickling (``__setstate__``), every loaded tensor must be
     carried by a bucket of the first full step (placed or not: a vector PowerSGD does not
-    compress keeps no residual): state saved under parameter names (``gradcomp.torch.register``) but reduced by a hook that keys tensors by
-    bucket index (``comm_hook`` without the model), or saved from another model, would otherwise be
-    ignored, and the resumed run would silently differ from the uninterrupted one. ``saw`` is
+    compress keeps no residual): state saved under parameter names (``gradcomp.torch.register``)
+    but reduced by a hook that keys tensors by bucket index (``comm_hook`` without the model), or
+    saved from another model, would otherwise be ignored, and the resumed run would silently
+    differ from the uninterrupted one. ``saw`` is
     called from the compressor's local stage with each bucket after its state was placed; at the
     step's last bucket it raises ``ValueError`` naming what no bucket claimed (the local stage's
     failure is then a ``CollectiveError`` on every rank).
