@@ -74,11 +74,6 @@ def make_comm(kind: str):
     return None  # gradcomp.torch.register picks (MPI under mpiexec)
 
 
-def _no_stats() -> dict:
-    """DDP's own allreduce (``--compressor none``): no gradcomp counters."""
-    return dict(bytes_sent=0.0, reference_bytes=0.0, steps=0, bytes_sent_per_step=0.0)
-
-
 def test_loss(model, x, y) -> float:
     with torch.no_grad():
         return F.cross_entropy(model(x), y).item()
@@ -100,7 +95,9 @@ def train(compressor: str, epochs: int = 30, per_rank_batch: int = 32, lr: float
     if name == "sgd":
         state = None if compressor == "none" else gt.register(model, gradcomp.make(compressor), make_comm(comm))
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, **options)
-        stats = state.compressor.stats if state is not None else _no_stats
+        # --compressor none: DDP's own fp32 allreduce, counted as an allreduce hook counts it
+        # (``step``, read when called: the steps synced so far)
+        stats = state.compressor.stats if state is not None else lambda: gt.plain_ddp_stats(model, step)
     elif name in ("dgc", "onebitadam"):
         state = None
         if name == "dgc":

@@ -209,6 +209,11 @@ def train(args) -> dict:
         if rank == 0:
             print(f"step {step:5d}  val {loss:.4f}  {shown:12s} {time.perf_counter() - start:6.1f} s", flush=True)
 
+    # the traffic counters: the hook's, a communicating optimizer's, or (--compressor none)
+    # DDP's own fp32 allreduce, counted as an allreduce hook counts it (``step``, read when
+    # called: the last step done)
+    stats_of = (state.compressor.stats if state is not None else getattr(opt, "stats", None)
+                or (lambda: gt.plain_ddp_stats(model, step + 1)))
     val_curve, train_curve, train_losses = [], [], []
     half_stats, eval_seconds = {}, 0.0
     start = time.perf_counter()
@@ -226,7 +231,7 @@ def train(args) -> dict:
         sched.step()
         train_losses.append(loss.item())
         if step + 1 == args.steps // 2:
-            half_stats = dict(state.compressor.stats() if state is not None else getattr(opt, "stats", dict)())
+            half_stats = dict(stats_of())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             t = time.perf_counter()
             evaluate(step + 1)
@@ -242,13 +247,12 @@ def train(args) -> dict:
                   weight_digests=digests, parameters=sum(p.numel() for p in net.parameters()),
                   config={k: v for k, v in vars(args).items() if k not in ("json", "compressor")},
                   train_bytes=len(train_text), val_bytes=len(val_text))
-    stats_of = state.compressor.stats if state is not None else getattr(opt, "stats", None)
-    if stats_of is not None:
-        stats = stats_of()
-        # second half of training: after any warm-up of plain averaging (PowerSGD's start_iter)
-        result["bytes_sent_per_step"], result["compression_ratio"] = traffic(stats, half_stats)
-        result["stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str, dict))}
-        result["compressor_repr"] = repr(state.compressor if state is not None else opt.method_state)
+    stats = stats_of()
+    # second half of training: after any warm-up of plain averaging (PowerSGD's start_iter)
+    result["bytes_sent_per_step"], result["compression_ratio"] = traffic(stats, half_stats)
+    result["stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str, dict))}
+    result["compressor_repr"] = (repr(state.compressor) if state is not None else
+                                 repr(getattr(opt, "method_state", "DDP's own fp32 allreduce")))
     return result
 
 

@@ -147,6 +147,31 @@ def compressor_spec(text: str) -> str:
     return text
 
 
+def parameters(factory: Factory) -> list[str] | None:
+    """The keyword parameters ``factory`` takes, in its order, or None when it takes any (a bare
+    ``**kwargs``) or its signature cannot be read: then only calling it can tell."""
+    import inspect
+
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return None
+    return [p.name for p in sig.parameters.values() if p.kind in kinds]
+
+
+def _listed(unknown: list[str], accepted: list[str]) -> str:
+    """``unknown`` keys, the closest accepted name to each, and every accepted one."""
+    import difflib
+
+    guesses = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, accepted, 1))
+               else repr(k) for k in unknown]
+    takes = f"it takes {', '.join(accepted)}" if accepted else "it takes no parameters"
+    return f"{', '.join(guesses)}; {takes}"
+
+
 def make(spec: str, **overrides: Any) -> Compressor:
     """A fresh compressor by registry name (``gradcomp.REGISTRY`` lists the names), with the
     factory's defaults overridden by keyword: ``make("powersgd", rank=4)``, or in one string,
@@ -157,6 +182,10 @@ def make(spec: str, **overrides: Any) -> Compressor:
         factory = REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown compressor {name!r}; known: {', '.join(REGISTRY)}") from None
+    accepted = parameters(factory)
+    unknown = sorted(set(kwargs) - set(accepted)) if accepted is not None else []
+    if accepted is not None and unknown:
+        raise ValueError(f"compressor {name!r} does not take {_listed(unknown, accepted)}")
     try:
         comp = factory(**kwargs)
     except TypeError as exc:

@@ -144,11 +144,12 @@ class TensorStore:
 class ClaimCheck:
     """Loaded state that no tensor claims is an error, never silently dropped.
 
-    After ``load_state_dict``, every loaded tensor must be carried by a bucket of the first full
-    step (placed or not: a vector PowerSGD does not compress keeps no residual): state saved
-    under parameter names (``gradcomp.torch.register``) but reduced by a hook that keys tensors by
-    bucket index (``comm_hook`` without the model), or saved from another model, would otherwise be
-    ignored, and the resumed run would silently differ from the uninterrupted one. ``saw`` is
+    After ``load_state_dict``, or unpickling (``__setstate__``), every loaded tensor must be
+    carried by a bucket of the first full step (placed or not: a vector PowerSGD does not
+    compress keeps no residual): state saved under parameter names (``gradcomp.torch.register``)
+    but reduced by a hook that keys tensors by bucket index (``comm_hook`` without the model), or
+    saved from another model, would otherwise be ignored, and the resumed run would silently
+    differ from the uninterrupted one. ``saw`` is
     called from the compressor's local stage with each bucket after its state was placed; at the
     step's last bucket it raises ``ValueError`` naming what no bucket claimed (the local stage's
     failure is then a ``CollectiveError`` on every rank).
@@ -157,6 +158,16 @@ class ClaimCheck:
     def __init__(self) -> None:
         self.pending = False
         self.seen: list[str] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"pending": True}  # (not empty: pickle skips __setstate__ for a false state)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled (``torch.load(weights_only=False)`` of a compressor or a ``HookState``) or
+        copied: its compressor's stores were unpickled too, their values all loaded and not yet
+        placed (``TensorStore.__setstate__``), as after ``load_state_dict``; so the next step
+        must claim them just the same."""
+        self.pending, self.seen = True, []
 
     def loaded(self) -> None:
         self.pending, self.seen = True, []
@@ -177,9 +188,10 @@ class ClaimCheck:
                 f"{owner}: the loaded state holds tensors that no bucket of this step carries ({shown}; "
                 f"this step's buckets name theirs {named}, ...). State saved through "
                 "gradcomp.torch.register(model, ...) is keyed by parameter name: attach the compressor "
-                "the same way (gradcomp.torch.register(model, compressor), then load), not through "
-                "comm_hook(), whose tensors are keyed by bucket index; NumPy: the same arrays, in the "
-                "same order, as when it was saved.")
+                "the same way (gradcomp.torch.register(model, compressor), then load; a pickled one: "
+                "gradcomp.torch.register(model, restored), or register(model, None, state=restored) "
+                "for a pickled HookState), not through comm_hook(), whose tensors are keyed by bucket "
+                "index; NumPy: the same arrays, in the same order, as when it was saved.")
 
 
 # ---------------------------------------------------------------------------------------------

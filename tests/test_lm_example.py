@@ -24,7 +24,8 @@ TINY = ["--steps", "12", "--eval-every", "6", "--layers", "1", "--d-model", "32"
         "--warmup", "3", "--lr", "1e-2"]
 
 
-@pytest.mark.parametrize("name, optimizer", [("allreduce", "adamw"), ("fp16", "adamw"), ("fp16", "sgd")])
+@pytest.mark.parametrize("name, optimizer", [("allreduce", "adamw"), ("fp16", "adamw"), ("fp16", "sgd"),
+                                             ("none", "adamw")])
 def test_lm_example_learns_and_ranks_agree(tmp_path, name, optimizer):
     out = tmp_path / "lm.json"
     lr = ["--lr", "0.5"] if optimizer == "sgd" else []  # momentum SGD's step wants a larger rate
@@ -43,5 +44,7 @@ def test_lm_example_learns_and_ranks_agree(tmp_path, name, optimizer):
     assert len(s["train_loss_curve"]) == 2 and all(math.isfinite(l) for _, l in s["train_loss_curve"])
     assert s["weights_identical"] and len(set(s["weight_digests"])) == 1 and len(s["weight_digests"]) == RANKS
     assert s["bytes_sent_per_step"] > 0
-    assert s["compression_ratio"] == pytest.approx(1.0 if name == "allreduce" else 2.0, rel=0.01)
+    assert s["compression_ratio"] == pytest.approx(2.0 if name == "fp16" else 1.0, rel=0.01)
+    if name in ("none", "allreduce"):  # DDP's own fp32 allreduce: every gradient, bandwidth-optimal
+        assert s["bytes_sent_per_step"] == pytest.approx(2 * (RANKS - 1) / RANKS * 4 * s["parameters"])
     assert "final val loss" in proc.stdout

@@ -50,3 +50,21 @@ def test_entry_points_join_the_registry(monkeypatch):
         assert gc.make("test-ep").describe() == "FP16(inner=Allgather())"
     finally:
         dict.__delitem__(REGISTRY, "test-ep")
+
+
+def test_an_unknown_key_is_refused_with_the_keys_there_are():
+    with pytest.raises(ValueError) as caught:
+        gc.make("topk:ration=0.1")
+    said = str(caught.value)
+    assert "'ration' (did you mean 'ratio'?)" in said, said
+    assert "it takes ratio, warmup, ramp, feedback, stages" in said, said
+    # factories that pass their keywords on list where they go: the wrapped method's, auto's
+    with pytest.raises(ValueError, match="did you mean 'rank'.*it takes rank, start_iter"):
+        gc.make("fp16-powersgd:rnk=2")
+    with pytest.raises(ValueError, match="it takes allowed, table"):
+        gc.make("auto", alowed="fp16")
+    with pytest.raises(ValueError, match="'chunk'; it takes warmup, feedback, bits"):
+        gc.make("quantize-tensor:chunk=64")
+    with pytest.raises(ValueError, match="'x'; it takes no parameters"):
+        gc.make("fp16:x=1")
+    assert gc.make("quantize-tensor:bits=4,warmup=0").describe() == gc.QuantizePerTensor(bits=4).describe()

@@ -228,7 +228,86 @@ def rank_hook_state_without_names_is_refused():
     print(f"rank {launch.rank}: ok", flush=True)
 
 
-@pytest.mark.parametrize("check", ["rank_onebit_adam_is_adamw_then_compresses", "rank_dgc_on_ddp",
+def rank_pickled_compressor_without_names_is_refused():
+    """A compressor pickled from a hook registered with the model (residuals keyed by parameter
+    name), loaded with torch.load(weights_only=False) and attached through comm_hook() (keyed by
+    bucket index): its residuals must not be silently dropped: the first step fails on every rank,
+    naming register(model, restored). Through register it resumes, claiming every residual."""
+    import io
+
+    import torch.nn.functional as F
+
+    torch, gt, launch, model, x, y = _setup()
+    import gradcomp
+    from torch.nn.parallel import DistributedDataParallel
+
+    from examples.torch_ddp import DigitsCNN
+
+    state = gt.register(model, gradcomp.make("int8:warmup=0"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for it in range(3):
+        xb, yb = _batch(x, y, it, launch.rank, launch.size)
+        opt.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    buffer = io.BytesIO()
+    torch.save(state.compressor, buffer)
+    names = sorted(name for name, _ in model.module.named_parameters())
+    assert sorted(state.compressor.residuals(names)) == names  # there is per-parameter state to lose
+
+    def restored():
+        return torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+
+    def fresh():
+        torch.manual_seed(0)
+        return DistributedDataParallel(DigitsCNN(), bucket_cap_mb=0.01)
+
+    xb, yb = _batch(x, y, 3, launch.rank, launch.size)
+    unnamed = fresh()
+    unnamed.register_comm_hook(*gt.comm_hook(restored()))
+    with pytest.raises(RuntimeError) as caught:
+        F.cross_entropy(unnamed(xb), yb).backward()
+    said = str(caught.value)
+    assert "no bucket of this step carries" in said and "register(model, restored)" in said, said
+    named = fresh()
+    again = gt.register(named, restored())
+    F.cross_entropy(named(xb), yb).backward()
+    kept = again.compressor.residuals(names)
+    assert sorted(kept) == names and all(float(abs(v).max()) > 0 for v in kept.values())
+    print(f"rank {launch.rank}: ok", flush=True)
+
+
+def rank_ddp_parameters_need_the_model():
+    """OneBitAdam and DGC over a DDP model's parameters without model= would let DDP average in
+    fp32 first (nothing compressed): refused on every rank, naming model=; with the model's hook
+    already gradcomp's, the message names that hook. A model running local_hook, and a model
+    without DDP, are accepted."""
+    torch, gt, launch, model, x, y = _setup()
+    import gradcomp
+    from torch.nn.parallel import DistributedDataParallel
+
+    from examples.torch_ddp import DigitsCNN
+
+    for make in (lambda ps: gt.OneBitAdam(ps, lr=1e-3), lambda ps: gt.DGC(ps, lr=0.1)):
+        with pytest.raises(ValueError, match=r"belong to a DistributedDataParallel model, which averages "
+                                             r"their gradients in fp32 .* model=ddp_model"):
+            make(model.parameters())
+    hooked = DistributedDataParallel(DigitsCNN(), bucket_cap_mb=0.01)
+    gt.register(hooked, gradcomp.make("fp16"))
+    with pytest.raises(ValueError, match=r"through its communication hook \(gradcomp_hook\[FP16"):
+        gt.DGC(list(hooked.parameters()), lr=0.1)
+    local = DistributedDataParallel(DigitsCNN(), bucket_cap_mb=0.01)
+    local.register_comm_hook(None, gt.local_hook)
+    gt.DGC(local.parameters(), lr=0.1)
+    plain = DigitsCNN()
+    gt.OneBitAdam(plain.parameters(), lr=1e-3)
+    gt.DGC(model.parameters(), lr=0.1, model=model)  # the refused model, passed as it should be
+    print(f"rank {launch.rank}: ok", flush=True)
+
+
+@pytest.mark.parametrize("check", ["rank_ddp_parameters_need_the_model",
+                                   "rank_pickled_compressor_without_names_is_refused",
+                                   "rank_onebit_adam_is_adamw_then_compresses", "rank_dgc_on_ddp",
                                    "rank_onebit_adam_resumes_inside_a_lossy_warmup",
                                    "rank_hook_state_without_names_is_refused"])
 def test_torch_optimizers(check):

@@ -241,14 +241,16 @@ torch.distributed.all_gather_object(digests, hashlib.sha256(flat.tobytes()).hexd
 assert digests[0] == digests[1], "replicas differ"
 print(f"rank {launch.rank} of {launch.size} trained {state.compressor.stats()['steps']} steps", flush=True)  # one write: the ranks share a pipe
 torch.distributed.barrier()
-import os
-os._exit(0)  # skip torch 2.13's process-group teardown, which aborts now and then (see test_powersgd)
+if sys.argv[2:] != ["natural"]:  # the natural end: gradcomp.torch.launch ends the process past it
+    import os
+    os._exit(0)  # skip torch 2.13's process-group teardown, which aborts now and then (see test_powersgd)
 '''
 
 
-def test_torchrun_is_one_job(tmp_path):
+@pytest.mark.parametrize("ending", [[], ["natural"]])
+def test_torchrun_is_one_job(tmp_path, ending):
     """`torchrun --nproc_per_node 2` trains one 2-rank job through TorchCommunicator, not two
-    one-rank jobs."""
+    one-rank jobs; ending naturally (gradcomp's exit past torch's teardown), it exits 0 too."""
     import os
     import subprocess
 
@@ -258,7 +260,7 @@ def test_torchrun_is_one_job(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     for var in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "HYDI_CONTROL_FD"):
         env.pop(var, None)
-    done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script), "fp16"],
+    done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script), "fp16", *ending],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
@@ -274,6 +276,71 @@ def test_an_uncaught_exception_in_a_torch_job_keeps_its_traceback(tmp_path):
     result = run(2, [str(script)], timeout=60, env={"PYTHONPATH": str(ROOT)})
     assert not result.hung and result.returncode != 0, result.output
     assert "LookupError: no shard 7" in result.output and "uncaught LookupError" in result.output, result.output
+
+
+SHORT_JOB = '''
+import ctypes, sys
+import torch
+import gradcomp.torch as gt
+
+if "teardown-aborts" in sys.argv:
+    # a stand-in for PyTorch 2.13's C++ teardown, which aborts now and then after a clean run:
+    # a function the C library calls at exit, registered (as static destructors are) before
+    # gradcomp's
+    libc = ctypes.CDLL(None)
+    libc.on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    libc.on_exit(ctypes.cast(libc.abort, ctypes.c_void_p), None)
+torch.set_num_threads(1)
+launch = gt.init_process_group()
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.001)
+gt.register(model, "fp16")
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(4):
+    opt.zero_grad()
+    model(torch.randn(8, 16)).sum().backward()
+    opt.step()
+print(f"rank {launch.rank} trained", flush=True)
+if "raise" in sys.argv:
+    raise LookupError("failed after training")
+if "destroy" in sys.argv:
+    torch.distributed.destroy_process_group()
+sys.exit(int(sys.argv[1]))
+'''
+
+
+@pytest.mark.parametrize("code, extra", [(0, []), (3, []), (0, ["destroy"]), (1, ["raise"])])
+def test_a_torch_job_ends_with_its_own_status_past_the_cpp_teardown(tmp_path, code, extra):
+    """After Python's exit, gradcomp ends the process with its exit status before the C++
+    teardown (``gradcomp.torch.launch._end_at_exit``), where PyTorch 2.13 aborts now and then
+    after a clean run (exit 6). A teardown that always aborts stands in for it here: the job still
+    exits 0, or with ``sys.exit``'s code, also when the program destroyed its process group
+    itself; an uncaught exception still fails the job."""
+    script = tmp_path / "short.py"
+    script.write_text(SHORT_JOB)
+    result = run(2, [str(script), str(code), "teardown-aborts", *extra], timeout=120,
+                 env={"PYTHONPATH": str(ROOT)})
+    assert not result.hung and result.output.count(" trained") == 2, result.output
+    if extra == ["raise"]:
+        assert result.returncode != 0 and "LookupError: failed after training" in result.output, result.output
+    else:
+        assert result.returncode == code, result.output
+
+
+def test_short_torch_jobs_exit_0():
+    """A short 2-rank DDP job under mpiexec, ten times, with PyTorch's own teardown (about one
+    run in 10-20 aborted there, exit 6, before gradcomp ended the process past it): every run
+    exits 0. (50 runs measured 0 non-zero exits; CI runs ten.)"""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "short.py"
+        script.write_text(SHORT_JOB)
+        results = [run(2, [str(script), "0"], timeout=120, env={"PYTHONPATH": str(ROOT)}) for _ in range(10)]
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, f"{len(failed)} of 10 runs failed; the first:\n{failed[0].output}"
 
 
 def test_mpi_and_torch_worlds_must_agree(tmp_path):

@@ -36,6 +36,8 @@ for step in range(6):
             sys.exit(0)
         if pattern == "exit-nonzero":
             sys.exit(3)
+    if step == 3 and pattern == "raise-everywhere":
+        raise RuntimeError(f"rank {comm.rank} failed with the others")
     if step == 3 and pattern == "raise-inside":
         class Failing(gc.Allreduce):
             def run(self, bucket, comm):
@@ -69,6 +71,17 @@ def test_a_rank_that_fails_or_exits_ends_the_job(exit_script, pattern, words):
     assert result.returncode != 0, f"{pattern}: the job exited 0:\n{result.output}"
     assert words in result.output, result.output
     assert "rank 0 finished" not in result.output
+
+
+def test_every_rank_failing_is_not_told_the_others_wait_for_it(exit_script):
+    """Each rank that raises says why the job ends; when all of them raise, none may claim that
+    the others wait for it (they were failing too): the reason must hold either way."""
+    result = run(3, [str(exit_script), "raise-everywhere", "fp16"], timeout=90, env={"PYTHONPATH": str(ROOT)})
+    assert not result.hung and result.returncode != 0, result.output
+    assert "failed with the others" in result.output and "uncaught RuntimeError: this rank can take no " \
+        "further part in the job's collectives, so any rank still running would wait for it forever" in result.output, \
+        result.output
+    assert "the other ranks would wait" not in result.output, result.output
 
 
 def test_ending_the_job_never_returns():

@@ -427,7 +427,9 @@ def _summary(case: _Case, steps: int) -> dict[str, Any]:
         choices = stats.get("choices")
         if choices:  # auto: what it chose per bucket, the step its cost model predicted, and from what
             row["choices"] = {str(c["bucket"]): c["chosen"] for c in choices}
-            row["predicted_s"] = pipelined([c["stages_s"][c["chosen"]] for c in choices])
+            if all(c["chosen"] in c["stages_s"] for c in choices):  # (one host: the topology chose,
+                # nothing predicted, unless auto:predict=True)
+                row["predicted_s"] = pipelined([c["stages_s"][c["chosen"]] for c in choices])
             row["measured"] = {k: stats[k] for k in ("link", "compute_s_per_byte", "local_stage_share") if k in stats}
     return row
 

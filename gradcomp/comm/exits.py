@@ -39,6 +39,14 @@ _MAX_COMMS = 31  # (communicator id, collectives) pairs carried per goodbye mess
 _POLL_S = 0.2
 _ABORT_GRACE_S = 0.5  # before MPI_Abort, for the launcher to forward this rank's last output
 
+#: why an uncaught exception ends the whole job. This rank cannot tell whether its peers failed
+#: too (each rank's hook runs alone, and every rank of a job may raise the same error), so it
+#: says what holds either way: not "the other ranks would wait forever", which every rank of a
+#: job that failed everywhere printed, each about peers that were failing with it
+_WHY_ABORT_ON_EXCEPTION = ("this rank can take no further part in the job's collectives, so any "
+                           "rank still running would wait for it forever "
+                           "(set GRADCOMP_ABORT_ON_EXCEPTION=0 to leave it to MPI)")
+
 _guard: "JobGuard | None" = None
 _guard_lock = threading.Lock()
 
@@ -153,8 +161,7 @@ class JobGuard:
     def _excepthook(self, kind, value, tb):
         self._previous_hook(kind, value, tb)
         if self.size > 1 and not self.MPI.Is_finalized():
-            self.abort(f"uncaught {kind.__name__}; the other ranks would wait for this one forever "
-                       "(set GRADCOMP_ABORT_ON_EXCEPTION=0 to leave it to MPI)")
+            self.abort(f"uncaught {kind.__name__}: {_WHY_ABORT_ON_EXCEPTION}")
 
     def _live(self):
         return [(i, ref()) for i, ref in self._communicators.items() if ref() is not None]

@@ -25,8 +25,10 @@ what the method's compute costs here. ``Auto`` measures all three once:
   On one host there is no link to spare: shared memory moves bytes at memory speed, so a
   method's casts and codes cost about what they save, and fp32 beat every compressed method
   there (BENCHMARKS.md, sections 1 and 9). So a one-host job keeps the first allowed method
-  (``allreduce`` by default) unless a ``table`` says otherwise; ``stats()`` still holds every
-  candidate's prediction (BENCHMARKS.md, section 1, compares them with measured steps).
+  (``allreduce`` by default) unless a ``table`` says otherwise, and since the topology decides,
+  it measures nothing: no probe traffic, no timing; ``stats()`` says so per bucket.
+  ``predict=True`` measures anyway, for ``stats()`` to hold every candidate's prediction
+  (BENCHMARKS.md, section 1, compares them with measured steps), and still keeps the first method.
 
 (measured at the first bucket's ordered stage, after every rank agreed on the configuration). For
 each bucket layout it then predicts every candidate's time with ``cost.Model`` and takes the
@@ -94,8 +96,10 @@ class _Routed:
 class Auto(Compressor):
     """Per-bucket choice among ``allowed`` from measured costs (see the module docstring)."""
 
-    def __init__(self, allowed: Sequence[str] | str = DEFAULT_ALLOWED, table: str | None = None):
+    def __init__(self, allowed: Sequence[str] | str = DEFAULT_ALLOWED, table: str | None = None,
+                 predict: bool = False):
         super().__init__()
+        from ..params import check_bool
         from ..registry import make
 
         names = [a.strip() for a in allowed.split(",")] if isinstance(allowed, str) else [str(a) for a in allowed]
@@ -103,6 +107,7 @@ class Auto(Compressor):
             raise ValueError(f"auto: allowed must name one or more methods other than auto, got {allowed!r}")
         self.allowed = tuple(names)
         self.table = table
+        self.predict = check_bool("auto predict", predict)
         self.candidates = [make(n) for n in names]
         # every candidate in both schedules: flat (``candidates``, choices 0..n-1) and
         # hierarchical (n..2n-1), which only a topology of several hosts of several ranks offers
@@ -115,7 +120,8 @@ class Auto(Compressor):
         self._probe_bytes = 0.0                  # what this auto's measurement sent
 
     def config(self) -> dict[str, Any]:
-        return {"allowed": self.allowed, "table": self.table}
+        # predict only when set: it changes no choice, and checkpoints saved before it still load
+        return {"allowed": self.allowed, "table": self.table, **({"predict": True} if self.predict else {})}
 
     @property
     def error_feedback_on(self) -> bool:
@@ -142,9 +148,14 @@ class Auto(Compressor):
         while the others wait: timed on every rank at once, the ranks sharing a core would slow
         each other, and the model multiplies by that sharing (``cost.Cluster.contention``)
         itself."""
-        key = (self.allowed, self.table)
+        key = (self.allowed, self.table, self.predict)
         known = _MEASURED.setdefault(comm, {})
         if key in known:
+            return known[key]
+        topo = getattr(comm, "topology", None)
+        hosts, per_host = (topo.hosts, topo.local_size) if topo is not None else (comm.size, 1)
+        if self._topology_decides(hosts, comm.size):
+            known[key] = {"decided": True, "hosts": hosts, "per_host": per_host}
             return known[key]
         before, rounds = comm.bytes_sent, getattr(comm, "collectives", 0)  # the measurement's own traffic
         link = _probe(comm, max(numel, PROBE_SIZES[-1]))
@@ -162,8 +173,6 @@ class Auto(Compressor):
                                                 [shares.get(n, 0.0) for n in names] + [0.0]])), axis=0)
         compute = {n: float(v) for n, v in zip(names, worst[0])}
         shares = {n: float(v) for n, v in zip(names, worst[1])}
-        topo = getattr(comm, "topology", None)
-        hosts, per_host = (topo.hosts, topo.local_size) if topo is not None else (comm.size, 1)
         levels = comm.split_by_host() if hosts > 1 and per_host > 1 and hasattr(comm, "split_by_host") else None
         # the link inside a host, where a hierarchical schedule would use it: every host's probed,
         # the slowest agreed
@@ -176,6 +185,13 @@ class Auto(Compressor):
         self._probe_bytes += comm.bytes_sent - before
         note_probe(comm, comm.bytes_sent - before, getattr(comm, "collectives", 0) - rounds)
         return known[key]
+
+    def _topology_decides(self, hosts: int, size: int) -> bool:
+        """One host of several ranks, no ``table``: the first allowed method, whatever a cost
+        model would predict (module docstring), so nothing is probed or timed unless ``predict``
+        asks for the predictions. (The probe had sent 26.8 MB, against 30.8 MB for the whole
+        800-step run it was to plan, on the digits MLP at 2 ranks.)"""
+        return hosts == 1 and size > 1 and not self.table and not self.predict
 
     def replan(self) -> None:
         """Choose again at every layout's next bucket (call on every rank, between steps); the
@@ -193,6 +209,8 @@ class Auto(Compressor):
             return self._choices[key]
         m = self._measured if self._measured is not None else self.measure(comm, bucket.numel, bucket.shapes)
         self._measured = m
+        if m.get("decided"):
+            return self._keep_first(key, bucket, comm)
         hosts, per_host = m["hosts"], m["per_host"]
         several = m["inside"] is not None  # several hosts of several ranks: both schedules
         # cores_per_host such that per_host / cores_per_host is how many ranks share a core here
@@ -234,6 +252,16 @@ class Auto(Compressor):
                                   f"{m['link'].alpha * 1e6:.0f} us latency, {comm.size} ranks"
                                   + (f" on {hosts} hosts (flat and hierarchical)" if several else ""))}
         return best
+
+    def _keep_first(self, key: str, bucket: Bucket, comm: Communicator) -> int:
+        """The first allowed method, flat, for ``bucket``'s layout, on the topology alone."""
+        self._choices[key] = 0
+        self._why[key] = {"bucket": bucket.index, "numel": bucket.numel, "chosen": self._labels[0],
+                          "predicted_s": {}, "pipelined_s": {}, "stages_s": {},
+                          "why": (f"one host ({comm.size} ranks): no link to spare, the first allowed "
+                                  "method; decided by the topology, so nothing was probed or timed "
+                                  "(auto:predict=True measures and predicts anyway)")}
+        return 0
 
     # -- the two stages, routed --------------------------------------------------------------------
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Routed:
@@ -290,7 +318,7 @@ class Auto(Compressor):
         s = super().stats()
         s["choices"] = list(self._why.values())
         s["probe_bytes_sent"] = self._probe_bytes
-        if self._measured is not None:
+        if self._measured is not None and not self._measured.get("decided"):
             link = self._measured["link"]
             s["link"] = {"alpha_s": link.alpha, "beta_bytes_per_s": link.beta}
             s["compute_s_per_byte"] = dict(self._measured["compute"])

@@ -6,6 +6,7 @@ changes any of them, and the codec-only definitions of earlier releases are one 
 """
 from __future__ import annotations
 
+import inspect
 from functools import partial
 from typing import Any
 
@@ -21,7 +22,18 @@ from .recipes import codec_recipe, sparse_recipe
 def _half(wrapper: Any, inner: Any) -> Any:
     def factory(**kwargs: Any) -> Any:
         return wrapper(inner(**kwargs))
+    factory.__signature__ = _passing_on(factory, inner)  # type: ignore[attr-defined]
     return factory
+
+
+def _passing_on(factory: Any, inner: Any) -> inspect.Signature:
+    """``factory``'s own parameters and those of ``inner``, which its ``**kwargs`` go to: the
+    keys ``make`` lists when one is misspelt (a factory's signature is all it can read)."""
+    own = [p for p in inspect.signature(factory).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    names = {p.name for p in own}
+    passed = [p.replace(kind=p.KEYWORD_ONLY) for p in inspect.signature(inner).parameters.values()
+              if p.name not in names and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return inspect.Signature([p.replace(kind=p.KEYWORD_ONLY) for p in own] + passed)
 
 
 def _quantized(name: str, bits: int, warmup: int, feedback: str, chunk: int, exact_zero: bool,
@@ -68,6 +80,7 @@ def _allgathered(name: str, codec_factory: Any, default_warmup: int) -> Any:
         if not warmup and feedback == "none":
             return codec_factory(**kwargs)
         return codec_recipe(name, codec_factory, warmup, feedback, **kwargs)
+    factory.__signature__ = _passing_on(factory, codec_factory)  # type: ignore[attr-defined]
     return factory
 
 
@@ -122,6 +135,9 @@ def register_builtins() -> None:
     register("onebit", onebit)
     register("topk", topk)
     register("randomk", randomk)
+    from .auto import Auto
+
+    _auto.__signature__ = inspect.signature(Auto)  # type: ignore[attr-defined]
     register("auto", _auto)
 
 

@@ -17,9 +17,10 @@ Trainer callback); see docs/guides/frameworks.md.
 """
 from .communicator import TorchCommunicator
 from .fsdp import FSDPState
-from .hook import HookState, comm_hook, default_comm, gradcomp_hook, register
+from .hook import HookState, comm_hook, default_comm, gradcomp_hook, plain_ddp_stats, register
 from .launch import Launch, init_process_group
 from .optim import DGC, OneBitAdam, local_hook
 
 __all__ = ["register", "comm_hook", "init_process_group", "Launch", "TorchCommunicator",
-           "HookState", "FSDPState", "gradcomp_hook", "default_comm", "OneBitAdam", "DGC", "local_hook"]
+           "HookState", "FSDPState", "gradcomp_hook", "default_comm", "OneBitAdam", "DGC", "local_hook",
+           "plain_ddp_stats"]

@@ -329,6 +329,23 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
     return state
 
 
+def plain_ddp_stats(ddp_model: DistributedDataParallel, steps: int) -> dict[str, Any]:
+    """The traffic of DDP's own fp32 allreduce (no gradcomp hook: an example's ``--compressor
+    none``) over ``steps`` synced steps, in the units of a compressor's ``stats()``: the bytes
+    this rank put on the wire, bandwidth-optimal (``wire_bytes``), for every gradient DDP
+    averages; what an ``allreduce`` hook counts for the same model, so the two compare. (DDP's
+    broadcast of buffers, off in ``broadcast_buffers=False``, is not counted: nor is it by a
+    hook.)"""
+    from ..comm.base import wire_bytes
+
+    group = getattr(ddp_model, "process_group", None)
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    grads = sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad)
+    per_step = wire_bytes("allreduce", float(grads), size)
+    return dict(steps=steps, bytes_sent=per_step * steps, reference_bytes=per_step * steps,
+                bytes_sent_per_step=per_step, compression_ratio=1.0)
+
+
 def default_comm() -> Communicator:
     """MPI when mpiexec started one MPI rank per torch rank; torch.distributed otherwise. A job
     whose MPI world and torch world disagree is an error, never N separate jobs."""

@@ -8,7 +8,10 @@ These methods average what *they* send (Adam's momentum, DGC's accumulated veloc
 gradients, so the optimizer does the communication itself (as DeepSpeed's ``OnebitAdam`` does) and
 DDP must not average first: pass the DDP model as ``model=`` and its communication hook is replaced
 by one that leaves each rank's gradients local (``local_hook``). A model without DDP works too; its
-parameters are then broadcast from rank 0 at construction, as DDP would. The arithmetic is
+parameters are then broadcast from rank 0 at construction, as DDP would. A DDP model's parameters
+without ``model=`` are refused on every rank (a ``ValueError`` naming ``model=``), unless that model
+already runs ``local_hook``: DDP would average the gradients in fp32 first, and nothing would be
+compressed. The arithmetic is
 ``gradcomp.optim``'s, on NumPy (CPU) or CuPy (CUDA) views of the parameters, so every rank holds
 the same bits. ``state_dict()`` adds the method's state (momentum, variance, residuals) as tensors.
 """
@@ -30,6 +33,27 @@ def local_hook(state: Any, bucket):  # bucket and result unannotated: see hook._
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
+
+
+def _owning_ddp(tensor: torch.Tensor) -> Any:
+    """The ``DistributedDataParallel`` model whose parameters include ``tensor``, or None. Nothing
+    on a tensor says DDP wraps it; DDP keeps its parameters in a list (``_module_parameters``),
+    found here through the garbage collector's referrers (tensor -> that list -> the model's
+    ``__dict__`` -> the model), once, at the optimizer's construction."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    for held in gc.get_referrers(tensor):
+        if not isinstance(held, list):
+            continue
+        for attrs in gc.get_referrers(held):
+            if not (isinstance(attrs, dict) and attrs.get("_module_parameters") is held):
+                continue
+            for owner in gc.get_referrers(attrs):
+                if isinstance(owner, DistributedDataParallel) and getattr(owner, "__dict__", None) is attrs:
+                    return owner
+    return None
 
 
 class _Wrapped(torch.optim.Optimizer):
@@ -63,10 +87,31 @@ class _Wrapped(torch.optim.Optimizer):
         if model is not None:
             raise TypeError(f"gradcomp.torch.{type(self).__name__}: model= must be the "
                             f"DistributedDataParallel model, got {type(model).__name__}")
+        self._refuse_averaging_ddp(comm)
         with torch.no_grad():  # no DDP to broadcast the start: the same weights everywhere
             for p in self._tensors:
                 view = as_array(p)
                 view[...] = comm.broadcast(view)
+
+    def _refuse_averaging_ddp(self, comm: Communicator) -> None:
+        """Raise, on every rank alike, when these parameters are a DDP model's that averages their
+        gradients itself (no ``model=``, no ``local_hook``): DDP would send them in fp32 before
+        this optimizer sends its own compressed message, so nothing would be saved."""
+        ddp = _owning_ddp(self._tensors[0]) if self._tensors else None
+        hooks = [hook for hook, _ in getattr(ddp, "_comm_hooks", [])] if ddp is not None else []
+        averaging = ddp is not None and local_hook not in hooks
+        # the ranks agree first: a rank that raised alone would leave the others in the broadcast
+        if float(comm.allreduce(np.array([float(averaging)], np.float32))[0]) == 0.0:
+            return
+        name = type(self).__name__
+        how = (f"averages their gradients through its communication hook ({hooks[0].__qualname__})"
+               if hooks else "averages their gradients in fp32 (DDP's own allreduce)")
+        raise ValueError(
+            f"gradcomp.torch.{name}: these parameters belong to a DistributedDataParallel model, which "
+            f"{how} before {name} communicates its own compressed message: nothing would be saved. "
+            f"Pass the model as model=, e.g. {name}(ddp_model.parameters(), ..., model=ddp_model), so "
+            "that its gradients stay local (gradcomp.torch.local_hook); or register local_hook "
+            "yourself (ddp_model.register_comm_hook(None, gradcomp.torch.local_hook)) and no other hook")
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
