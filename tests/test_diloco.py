@@ -409,3 +409,64 @@ def test_jax_diloco():
     pytest.importorskip("jax")
     pytest.importorskip("optax")
     run_ranks(2, "tests.test_diloco:rank_jax_diloco", timeout=240)
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch under torchrun (TorchCommunicator, no MPI)
+# ---------------------------------------------------------------------------------------------
+def torchrun_rank() -> None:
+    """Under ``torchrun -m tests.test_diloco``: gt.DiLoCo over torch.distributed (gloo) picks the
+    TorchCommunicator itself; replicas differ between outer steps and agree after each."""
+    import json
+    import os
+    import sys
+
+    import gradcomp.torch as gt
+
+    launch = gt.init_process_group()
+    torch, net = _torch_problem(seed=launch.rank)
+    torch.set_num_threads(1)
+    inner = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    diloco = gt.DiLoCo(net, inner, sync_every=3, compressor="int8")
+    agree = []
+    for step in range(1, 10):
+        x, y = _torch_batch(torch, launch.rank, step)
+        inner.zero_grad()
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        synced = diloco.step()
+        seen: list = [None] * launch.size
+        torch.distributed.all_gather_object(seen, _torch_digest(net))
+        agree.append([synced, len(set(seen)) == 1])
+    result = {"comm": type(diloco.comm).__name__, "agree": agree, "outer_steps": diloco.stats()["outer_steps"]}
+    if launch.rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # past torch 2.13's flaky gloo teardown (tests.mpi_launch.leave_before_torch_teardown)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
+def test_torch_diloco_under_torchrun():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.mpi_launch import ROOT
+
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for var in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "HYDI_CONTROL_FD"):  # one torchrun job, not an MPI rank's
+        env.pop(var, None)
+    done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "tests.test_diloco"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, out
+    result = json.loads(lines[0][len("RESULT "):])
+    assert result["comm"] == "TorchCommunicator" and result["outer_steps"] == 3, result
+    assert result["agree"] == [[s % 3 == 0, s % 3 == 0] for s in range(1, 10)], result
+
+
+if __name__ == "__main__":
+    torchrun_rank()

@@ -115,10 +115,8 @@ class DiLoCo(Optimizer):
                 "momentum": self.momentum, "nesterov": self.nesterov, "fragments": self.fragments}
 
     def phase(self) -> str:
+        """The outer steps so far: agreed on by every rank with the inner step at each sync."""
         return f"outer step {self.outer_steps}"
-
-    def agreement_state(self) -> dict[str, Any]:
-        return {**super().agreement_state(), "outer step": self.outer_steps}
 
     def due(self, step: int | None = None) -> list[int]:
         """The fragments synced after inner step ``step`` (default: the next one, ``steps + 1``)."""
