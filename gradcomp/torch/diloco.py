@@ -81,7 +81,11 @@ class DiLoCo:
     def step(self, closure: Any = None) -> bool:
         """The inner optimizer's step (``closure`` passed on), then the outer step when due.
         Returns whether an outer step ran (the parameters are then the same on every rank)."""
-        self.inner.step(closure) if closure is not None else self.inner.step()
+        if closure is not None:
+            with torch.enable_grad():
+                self.inner.step(closure)
+        else:
+            self.inner.step()
         before = self.outer.outer_steps
         self.outer.step()
         synced = self.outer.outer_steps != before
