@@ -26,10 +26,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import gradcomp  # noqa: E402
-import gradcomp.torch as gt  # noqa: E402
-from examples.torch_lm import TinyLM, stdlib_corpus, weights_digest, windows  # noqa: E402
-from gradcomp.torch.tensors import as_array  # noqa: E402
+import gradcomp
+import gradcomp.torch as gt
+from examples.torch_lm import TinyLM, stdlib_corpus, weights_digest, windows
+from gradcomp.torch.tensors import as_array
 
 
 def parse_args(argv=None):

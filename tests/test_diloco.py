@@ -49,7 +49,8 @@ def test_split_and_schedule():
     ps = [np.zeros(n, np.float32) for n in (10, 100, 5, 5, 100, 1000, 3)]
     for f in range(1, len(ps) + 1):
         groups = split(ps, f)
-        assert len(groups) == f and all(groups) and sum(groups, []) == list(range(len(ps))), (f, groups)
+        assert len(groups) == f and all(groups), (f, groups)
+        assert [i for g in groups for i in g] == list(range(len(ps))), (f, groups)
     assert split(ps, 2) == [[0, 1, 2, 3, 4], [5, 6]]
 
 
@@ -458,7 +459,7 @@ def test_torch_diloco_under_torchrun():
     for var in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "HYDI_CONTROL_FD"):  # one torchrun job, not an MPI rank's
         env.pop(var, None)
     done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "tests.test_diloco"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400, check=False)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

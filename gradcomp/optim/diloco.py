@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -247,7 +248,7 @@ def split(params: Sequence[Array], fragments: int) -> list[list[int]]:
             j += 1
         cuts.append(j)
     cuts.append(n)
-    return [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
+    return [list(range(a, b)) for a, b in itertools.pairwise(cuts)]
 
 
 def _check_same_start(comm: Communicator, params: Sequence[Array]) -> None:
