@@ -95,7 +95,7 @@ class DiLoCo(Optimizer):
         xp = array_module(self.params[0])
         _check_same_start(self.comm, self.params)
         self.synced = [p.copy() for p in self.params]
-        self.buf = [xp.zeros(p.shape, p.dtype) for p in self.params]
+        self.buf = [xp.zeros(p.shape, p.dtype) for p in self.params] if self.momentum else []
         self._arrays = {"synced": self.synced, **({"momentum": self.buf} if self.momentum else {})}
         self.groups = split(self.params, self.fragments)
         self.reducers: list[GradientReducer] = []
