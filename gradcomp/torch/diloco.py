@@ -36,8 +36,9 @@ class DiLoCo:
 
     ``compressor``: the pseudo-gradients' exchange, a gradcomp compressor or registry name
     (``"int8"``: 8-bit codes with error feedback kept across outer steps; ``"allreduce"``: exact).
-    ``lr``, ``momentum``, ``nesterov``: the outer optimizer (the default, ``lr=1, momentum=0``,
-    averages the replicas; docs/guides/local-steps.md has the measurements behind it).
+    ``lr``, ``momentum``, ``nesterov``: the outer optimizer (default Nesterov with lr 0.7 and
+    momentum 0.5; ``lr=1, momentum=0`` averages the replicas; docs/guides/local-steps.md has the
+    measurements behind the defaults).
     ``fragments``: streaming DiLoCo, fragments of the parameters synced on staggered steps.
     """
 
