@@ -15,12 +15,16 @@
   optimizer's state is on the host (``state_dict``/``load_state_dict``), the optax state holds a
   step count; ``update`` runs outside jit on concrete arrays and inside jit as an ordered
   ``io_callback``.
+* ``DiLoCo`` (``diloco``): local steps of any JAX inner step, a compressed outer step every
+  ``sync_every`` calls of ``params = outer.step(params)`` (``gradcomp.optim.DiLoCo`` on the host).
 * ``kit``: conformance-kit targets whose buckets travel through JAX arrays
   (``python -m gradcomp.conformance gradcomp.jax.kit:int8``).
 
 An optional extra (``pip install 'gradcomp[jax]'``); ``import gradcomp`` never imports jax.
 """
 from .transform import CountState, OptimizerTransform, Transformation, dgc, mean, onebit_adam
+from .diloco import DiLoCo
 from .tree import TreeReducer
 
-__all__ = ["TreeReducer", "Transformation", "CountState", "OptimizerTransform", "mean", "onebit_adam", "dgc"]
+__all__ = ["TreeReducer", "Transformation", "CountState", "OptimizerTransform", "mean", "onebit_adam", "dgc",
+           "DiLoCo"]

@@ -18,9 +18,16 @@ themselves, through a ``GradientReducer`` over the communicator, so they keep gr
 bit-identical parameters on every rank, configuration and state agreed before data moves,
 checkpoints of plain arrays. ``gradcomp.torch.OneBitAdam`` / ``gradcomp.torch.DGC`` wrap them as
 ``torch.optim.Optimizer``.
+
+``DiLoCo`` (Douillard et al. 2023) cuts the number of exchanges instead: each rank takes
+``sync_every`` steps of its own inner optimizer, then the ranks average their pseudo-gradients
+(parameters at the last sync minus now) through any compressor, error feedback kept across outer
+steps, and an outer optimizer steps the synced parameters (``gradcomp.torch.DiLoCo``,
+``gradcomp.jax.diloco``; docs/guides/local-steps.md).
 """
 from .adam import OneBitAdam
 from .base import Optimizer
 from .dgc import DGC
+from .diloco import DiLoCo
 
-__all__ = ["Optimizer", "OneBitAdam", "DGC"]
+__all__ = ["Optimizer", "OneBitAdam", "DGC", "DiLoCo"]

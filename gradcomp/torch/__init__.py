@@ -14,8 +14,12 @@ The frameworks that wrap models in DDP themselves have their own entry points, i
 own (each imports its framework): ``gradcomp.torch.lightning.Compression`` (a Lightning callback),
 ``gradcomp.torch.accelerate.register`` and ``gradcomp.torch.transformers.Compression`` (a
 Trainer callback); see docs/guides/frameworks.md.
+
+``DiLoCo`` is the other way to send less: local steps of any torch optimizer on an unwrapped
+model, with a compressed outer step every ``sync_every`` steps (docs/guides/local-steps.md).
 """
 from .communicator import TorchCommunicator
+from .diloco import DiLoCo
 from .fsdp import FSDPState
 from .hook import HookState, comm_hook, default_comm, gradcomp_hook, plain_ddp_stats, register
 from .launch import Launch, init_process_group
@@ -23,4 +27,4 @@ from .optim import DGC, OneBitAdam, local_hook
 
 __all__ = ["register", "comm_hook", "init_process_group", "Launch", "TorchCommunicator",
            "HookState", "FSDPState", "gradcomp_hook", "default_comm", "OneBitAdam", "DGC", "local_hook",
-           "plain_ddp_stats"]
+           "plain_ddp_stats", "DiLoCo"]
