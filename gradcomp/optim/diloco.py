@@ -48,9 +48,8 @@ from ..arrays import Array, array_module, dtype_name, to_host
 from ..comm import CollectiveError, Communicator, wire_bytes
 from ..compressors.base import Compressor
 from ..params import check_bool, check_float, check_int
-from ..planning.names import steady
 from ..reducer import GradientReducer
-from ..registry import make
+from ..registry import make, steady
 from ..state import check_array, reject_leftovers, take_int
 from .base import Hyper, Optimizer, _Agreed
 
