@@ -23,11 +23,10 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch_lm import TinyLM, stdlib_corpus, validation_loss, windows
+from torch_lm import TinyLM, stdlib_corpus, train_step, validation_loss
 
 import gradcomp
 import gradcomp.torch as gt
@@ -104,15 +103,7 @@ def train(args) -> dict:
     start, eval_seconds = time.perf_counter(), 0.0
     for step in range(args.first_step, args.first_step + args.steps):
         began = time.perf_counter()
-        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-        starts = torch.randint(0, len(train_text) - args.context - 1, (args.batch_size,), generator=gen)
-        x, y = windows(train_text, starts.to(device), args.context)
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        train_step(model, opt, sched, train_text, args, step, rank)
         step_seconds.append(time.perf_counter() - began)
         last = step + 1 == args.first_step + args.steps
         if (step + 1) % args.eval_every == 0 or last:

@@ -170,6 +170,21 @@ def make_optimizer(spec: str, groups, lr: float, model):
     raise SystemExit(f"unknown optimizer {name!r} (adamw, sgd, onebitadam, dgc)")
 
 
+def train_step(model, opt, sched, train_text: torch.Tensor, args, step: int, rank: int) -> torch.Tensor:
+    """One AdamW step on this rank's mini-batch of ``step`` (drawn from (seed, step, rank)), the
+    gradient clipped at norm 1; returns the loss (also ``examples/torch_fsdp.py``'s step)."""
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
+    starts = torch.randint(0, len(train_text) - args.context - 1, (args.batch_size,), generator=gen)
+    x, y = windows(train_text, starts.to(train_text.device), args.context)
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss
+
+
 def train(args) -> dict:
     torch.set_num_threads(1)
     launch = gt.init_process_group()
@@ -220,15 +235,7 @@ def train(args) -> dict:
     evaluate(0)
     eval_seconds += time.perf_counter() - start
     for step in range(args.steps):
-        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-        starts = torch.randint(0, len(train_text) - args.context - 1, (args.batch_size,), generator=gen)
-        x, y = windows(train_text, starts.to(device), args.context)
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = train_step(model, opt, sched, train_text, args, step, rank)
         train_losses.append(loss.item())
         if step + 1 == args.steps // 2:
             half_stats = dict(stats_of())

@@ -120,21 +120,28 @@ def check_accuracy(kit: Kit) -> None:
         sum_mean += mean
         if step + 1 - warm in (LONG // 2, LONG):
             lags[step + 1 - warm] = relative_error(sum_out, sum_mean)
-    if comp.error_feedback_on:
-        half, full = lags[LONG // 2], lags[LONG]
-        assert full <= 0.5, (f"error feedback: after {LONG} steps the summed output is off by "
-                             f"{full:.3g} of the summed means (allowed 0.5)")
-        assert full <= 0.02 or full <= 0.8 * half, (
-            f"error feedback: the accumulated error does not shrink relative to the signal "
-            f"({half:.3g} after {LONG // 2} steps, {full:.3g} after {LONG})")
-    else:
-        limit = comp.relative_error_limit
-        worst = max(errors[STEPS:])
-        assert worst <= limit, (f"relative error {worst:.3g} on the structured signal exceeds the "
-                                f"declared limit {limit} (zeros score 1.0)")
+    _judge(comp, errors, lags, LONG, 0.8, "")
     if kit.rank == 0:
         print(f"  accuracy: last-step relative error {errors[-1]:.3g}, accumulated {lags[LONG]:.3g}",
               flush=True)
+
+
+def _judge(comp, errors: list[float], lags: dict[int, float], steps: int, shrink: float, what: str) -> None:
+    """The accuracy promise: with error feedback, the error of the outputs summed over ``steps``
+    is under half of the summed means and has shrunk (to ``shrink`` of its value halfway, or under
+    2%); without, every step after the first ``STEPS`` is within ``relative_error_limit``."""
+    if comp.error_feedback_on:
+        half, full = lags[steps // 2], lags[steps]
+        assert full <= 0.5, (f"{what}error feedback: after {steps} steps the summed output is off by "
+                             f"{full:.3g} of the summed means (allowed 0.5)")
+        assert full <= 0.02 or full <= shrink * half, (
+            f"{what}error feedback: the accumulated error does not shrink relative to the signal "
+            f"({half:.3g} after {steps // 2} steps, {full:.3g} after {steps})")
+    else:
+        limit = comp.relative_error_limit
+        worst = max(errors[STEPS:])
+        assert worst <= limit, (f"{what}relative error {worst:.3g} on the structured signal exceeds the "
+                                f"declared limit {limit} (zeros score 1.0)")
 
 
 def check_non_finite(kit: Kit) -> None:
@@ -342,15 +349,7 @@ def check_scatter(kit: Kit) -> None:
         sum_mean += mean
         if step + 1 - warm in (steps // 2, steps):
             lags[step + 1 - warm] = relative_error(sum_out, sum_mean)
-    if comp.error_feedback_on:
-        half, full = lags[steps // 2], lags[steps]
-        assert full <= 0.5, f"reduce-scatter with error feedback: summed rows off by {full:.3g} (allowed 0.5)"
-        assert full <= 0.02 or full <= 0.9 * half, (
-            f"reduce-scatter with error feedback: the accumulated error does not shrink ({half:.3g}, then {full:.3g})")
-    else:
-        worst = max(errors[STEPS:])
-        assert worst <= comp.relative_error_limit, (
-            f"reduce-scatter: relative error {worst:.3g} exceeds the declared limit {comp.relative_error_limit}")
+    _judge(comp, errors, lags, steps, 0.9, "reduce-scatter: ")
 
 
 CHECKS = {"shapes": check_shapes, "dtypes": check_dtypes, "accuracy": check_accuracy,
