@@ -1,4 +1,6 @@
-"""PyTorch Lightning: a callback that compresses the DDP strategy's gradient traffic.
+"""PyTorch Lightning: a callback that compresses the DDP strategy's gradient traffic, and FSDP2's
+(``ModelParallelStrategy``, ``fully_shard`` in ``configure_model``: ``gradcomp.torch.register``
+takes the FSDP2 root as it is).
 
     from gradcomp.torch.lightning import Compression
     trainer = Trainer(strategy="ddp", callbacks=[Compression("int8")])
