@@ -53,7 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mesh", choices=("world", "local"), default="world",
                    help="shard over every rank (world), or inside each host and compress across hosts "
-                        "(local: hosts from GRADCOMP_RANKS_PER_HOST or torchrun's LOCAL_WORLD_SIZE)")
+                        "(local: hosts from GRADCOMP_RANKS_PER_HOST or torchrun's LOCAL_WORLD_SIZE; with "
+                        "--compressor none, FSDP's own HSDP on the (hosts, local) mesh)")
     p.add_argument("--save", metavar="PREFIX", help="checkpoint here at the end (PREFIX.rankN.pt)")
     p.add_argument("--load", metavar="PREFIX", help="resume from a --save checkpoint")
     p.add_argument("--json", metavar="PATH", help="write a summary here (rank 0)")
@@ -69,7 +70,9 @@ def build(args, device, size):
     mesh = None
     if args.mesh == "local":
         per_host = int(os.environ.get("GRADCOMP_RANKS_PER_HOST") or os.environ.get("LOCAL_WORLD_SIZE") or size)
-        mesh = init_device_mesh(device.type, (size // per_host, per_host), mesh_dim_names=("host", "local"))["local"]
+        mesh = init_device_mesh(device.type, (size // per_host, per_host), mesh_dim_names=("host", "local"))
+        # gradcomp averages across hosts itself; FSDP's own counterpart (none) is HSDP on the 2-D mesh
+        mesh = mesh if args.compressor == "none" else mesh["local"]
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
