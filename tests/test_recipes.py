@@ -216,3 +216,20 @@ def test_a_checkpoint_of_an_earlier_definition_says_how_to_resume():
         assert "another definition" not in str(caught.value)
     finally:
         comm.close()
+
+
+def test_the_guard_does_not_judge_a_tensor_without_gradient():
+    """A tensor whose gradient is exactly zero (FSDP's padding, an embedding shard whose rows no
+    batch uses) keeps a residual from its chunk-mates: no ratio to judge, so no runaway."""
+    from gradcomp.compressors.guard import Guard
+
+    guard = Guard(every=1)
+    bucket = gc.Bucket(np.zeros(8, np.float32), 0, [(4,), (4,)], keys=["used", "unused"])
+    bucket.buffer[:4] = 1.0
+    for scale in (1e-3, 1.0, 100.0):
+        residuals = {"used": np.full(4, 1e-3, np.float32), "unused": np.full(4, scale, np.float32)}
+        guard.measure(bucket, residuals, guard.gradient_norms(bucket))
+    assert guard.flag == 0 and not guard.runaway, guard.runaway
+    residuals = {"used": np.full(4, 100.0, np.float32), "unused": np.zeros(4, np.float32)}
+    guard.measure(bucket, residuals, guard.gradient_norms(bucket))  # a used tensor still runs away
+    assert guard.flag == 1 and "used" in guard.runaway

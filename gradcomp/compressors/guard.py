@@ -6,7 +6,9 @@ delays), the residual grows step after step until it dominates the update and tr
 silently: nothing in the averages says why. The guard watches, per tensor, the residual's norm
 against the gradient's, every ``every`` steps (two passes over the checked buckets: a small cost,
 one step in ``every``). A tensor runs away when its residual is more than ``ratio`` times its
-gradient *and* more than ``growth`` times the smallest it has been at any check: a residual that
+gradient *and* more than ``growth`` times the smallest it has been at any check (a tensor whose
+gradient is exactly zero, such as FSDP's padding of a shard, is not judged: a code over chunks
+leaves residuals there that say nothing about training): a residual that
 is large only because the gradients have become small late in training is normal for sparse
 codes, one that keeps growing is not (measured on the digits MLP: a diverging 1-bit run crosses
 both bounds tens of steps before its loss turns, healthy top-k and 1-bit runs stay under them).
@@ -62,8 +64,10 @@ class Guard:
             r = residuals.get(key)
             if r is None:
                 continue
+            if g == 0:
+                continue  # no gradient to compare with: FSDP's padding, a tensor that got none
             norm = _norm(r)
-            ratio = norm / g if g > 0 else (math.inf if norm > 0 else 0.0)
+            ratio = norm / g
             if not math.isfinite(norm) and not math.isfinite(g):
                 continue  # a non-finite step: the compressor resets that residual itself
             smallest = self._smallest.get(key)
