@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..arrays import Array, ArrayModule, DTypeLike, add_into, array_module, synchronize
-from ..comm import OrderedCommunicator
+from ..comm import Communicator, OrderedCommunicator, launched_by_mpi
 from ..comm.base import default_depth
 from ..comm.exits import end_job
 from .tensors import as_array, as_tensor
@@ -194,3 +195,22 @@ class TorchCommunicator(OrderedCommunicator):
         self._count("broadcast", array.nbytes)
         dist.broadcast(tensor, src=self._global_ranks[root], group=self.group)
         return self._to_array(tensor, xp, array.dtype).reshape(array.shape)
+
+
+def default_comm() -> Communicator:
+    """MPI when mpiexec started one MPI rank per torch rank; torch.distributed otherwise. A job
+    whose MPI world and torch world disagree is an error, never N separate jobs."""
+    if launched_by_mpi():
+        from ..comm import default_communicator
+
+        comm = default_communicator()
+        if dist.is_initialized() and comm.size != dist.get_world_size():
+            raise RuntimeError(
+                f"gradcomp.torch: MPI has {comm.size} rank(s) but torch.distributed has "
+                f"{dist.get_world_size()}: start torch.distributed with "
+                "gradcomp.torch.init_process_group() under mpiexec, or use torchrun without mpiexec")
+        return comm
+    if not dist.is_initialized():
+        warnings.warn("gradcomp.torch: torch.distributed is not initialized; call "
+                      "gradcomp.torch.init_process_group() first", stacklevel=3)
+    return TorchCommunicator()

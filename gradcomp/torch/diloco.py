@@ -49,7 +49,7 @@ class DiLoCo:
                  bucket_cap_mb: float = 25.0):
         from torch.nn.parallel import DistributedDataParallel
 
-        from .hook import default_comm
+        from .communicator import default_comm
 
         if isinstance(model, DistributedDataParallel):
             raise TypeError("gradcomp.torch.DiLoCo: pass the model itself, not a DistributedDataParallel "

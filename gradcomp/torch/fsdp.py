@@ -50,6 +50,7 @@ from ..compressors import Compressor
 from ..compressors.base import parts, sends_part
 from ..registry import REGISTRY, make
 from .checkpoint import from_torch_state, to_torch_state
+from .communicator import default_comm
 from .tensors import as_array, wait_for_torch
 
 
@@ -143,8 +144,6 @@ class _Module:
 
     def comm(self) -> Communicator:
         if self.state.comm is None:
-            from .hook import default_comm
-
             self.state.comm = default_comm()
         return self.state.comm
 
@@ -281,13 +280,13 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
                          f"FSDP2 use one of: {', '.join(scatter_names())}")
     if state is None:
         if comm is None:
-            comm = _across_hosts_comm(shard_ranks) if across else _default_comm()
+            comm = _across_hosts_comm(shard_ranks) if across else default_comm()
         state = FSDPState(compressor, comm, trainable)
     else:
         state.modules, state.calls = trainable, 0
         if comm is not None or state.comm is None:
             state.comm = comm if comm is not None else (
-                _across_hosts_comm(shard_ranks) if across else _default_comm())
+                _across_hosts_comm(shard_ranks) if across else default_comm())
     for module_name, module, shards in modules:
         if across:
             local = shard_ranks.index(dist.get_rank())
@@ -311,12 +310,6 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
 def _group(module: FSDPModule) -> Any:
     """The FSDP parameter group of ``module`` (one: ``register`` checked it)."""
     return module._get_fsdp_state()._fsdp_param_groups[0]
-
-
-def _default_comm() -> Communicator:
-    from .hook import default_comm
-
-    return default_comm()
 
 
 def _across_hosts_comm(shard_ranks: list[int]) -> Communicator:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import types
-import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -39,12 +38,13 @@ import torch.distributed as dist
 
 from ..arrays import array_module, is_device_array, synchronize
 from ..bucket import Bucket
-from ..comm import Communicator, launched_by_mpi
+from ..comm import Communicator
 from ..compressors import Compressor
 from ..compressors.hierarchical import scheduled
 from ..registry import make
 from . import advice
 from .checkpoint import from_torch_state, to_torch_state
+from .communicator import default_comm
 from .sparse import reduce_sparse
 from .tensors import as_array, wait_for_torch
 
@@ -344,24 +344,3 @@ def plain_ddp_stats(ddp_model: DistributedDataParallel, steps: int) -> dict[str,
     per_step = wire_bytes("allreduce", float(grads), size)
     return dict(steps=steps, bytes_sent=per_step * steps, reference_bytes=per_step * steps,
                 bytes_sent_per_step=per_step, compression_ratio=1.0)
-
-
-def default_comm() -> Communicator:
-    """MPI when mpiexec started one MPI rank per torch rank; torch.distributed otherwise. A job
-    whose MPI world and torch world disagree is an error, never N separate jobs."""
-    if launched_by_mpi():
-        from ..comm import default_communicator
-
-        comm = default_communicator()
-        if dist.is_initialized() and comm.size != dist.get_world_size():
-            raise RuntimeError(
-                f"gradcomp.torch: MPI has {comm.size} rank(s) but torch.distributed has "
-                f"{dist.get_world_size()}: start torch.distributed with "
-                "gradcomp.torch.init_process_group() under mpiexec, or use torchrun without mpiexec")
-        return comm
-    if not dist.is_initialized():
-        warnings.warn("gradcomp.torch: torch.distributed is not initialized; call "
-                      "gradcomp.torch.init_process_group() first", stacklevel=3)
-    from .communicator import TorchCommunicator
-
-    return TorchCommunicator()

@@ -69,7 +69,7 @@ class _Wrapped(torch.optim.Optimizer):
         for i, p in enumerate(self._tensors):
             if not p.is_contiguous():
                 raise ValueError(f"gradcomp.torch.{type(self).__name__}: parameter {i} is not contiguous")
-        from .hook import default_comm
+        from .communicator import default_comm
 
         comm = comm if comm is not None else default_comm()
         self._install(model, comm)
