@@ -192,17 +192,17 @@ def rank_pieces_give_the_bits_of_whole_slices():
     one's transfer) give the bits of one piece per slice, outputs and state, NaN included."""
     from unittest import mock
 
-    from gradcomp.compressors import codec as codec_module
+    from gradcomp.compressors import pieces as pieces_module
 
     comm = gc.MPICommunicator()
     rng = np.random.default_rng(3 + comm.rank)
-    n = comm.size * 4 * codec_module.PIECE_CHUNKS * 512 + 3000  # 4 pieces per slice, a tail
+    n = comm.size * 4 * pieces_module.PIECE_CHUNKS * 512 + 3000  # 4 pieces per slice, a tail
     steps = [rng.standard_t(3, n).astype(np.float32) for _ in range(3)]
     steps[1][5000:5100] = np.nan
     for name in TWO_STAGE:
         def run(pieces):
             comp = gc.make(name)
-            with mock.patch.object(codec_module, "MAX_PIECES", pieces):
+            with mock.patch.object(pieces_module, "MAX_PIECES", pieces):
                 outs = [comp.reduce(gc.Bucket(x.copy(), 0, scratch=True), comm).result().copy() for x in steps]
             return outs, comp.state_dict(), comp.stats()
 

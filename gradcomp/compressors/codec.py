@@ -19,7 +19,7 @@ and declares which collective carries it (``collective``):
   same messages, so replicas are bit-identical (int8/int4/1-bit allreduce). Bytes per rank:
   ``2(N-1)/N`` messages, flat in N. Where chunks are independent and the communicator can keep
   several exchanges in flight, a large slice goes in up to four pieces, and the owner stage of
-  one runs while the next one's alltoall is on the wire (``_Layout``; the same bits).
+  one runs while the next one's alltoall is on the wire (``piece_layout.Layout``; the same bits).
 
 Any codec whose messages are decoded one by one (every collective but ``"allreduce"``, whose
 coordinates are chosen per bucket) also reduce-scatters (``Bucket.scatter``, FSDP's gradients):
@@ -46,6 +46,7 @@ import numpy as np
 from ..arrays import Array, DTypeLike, add_into, array_module, cast, dtype_name
 from ..bucket import Bucket
 from ..comm import Communicator, Workspace
+from . import pieces as piece_layout
 from .base import Compressor, Traffic
 
 
@@ -147,7 +148,7 @@ class Codec(Compressor):
         unit = itemsize if self.message_dtype is None else np.dtype(self.message_dtype).itemsize
         if self.collective == "two-stage":  # one message per rank's slice of whole chunks
             chunks = -(-(-(-n // self.chunk)) // max(ranks, 1))
-            pieces = max(1, min(MAX_PIECES, chunks // PIECE_CHUNKS)) if self.independent_chunks else 1
+            pieces = max(1, min(piece_layout.MAX_PIECES, chunks // piece_layout.PIECE_CHUNKS)) if self.independent_chunks else 1
             return Traffic("two-stage", max(ranks, 1) * self.message_size(chunks * self.chunk) * unit, pieces)
         return Traffic(self.collective, self.message_size(n) * unit)
 
@@ -168,61 +169,9 @@ class Codec(Compressor):
 class Prepared:
     """A codec's local stage, handed to its ordered stage."""
     x: Any               # the (widened, error-corrected) vector that was encoded
-    message: Any         # this rank's message (two-stage: see ``_Layout``)
+    message: Any         # this rank's message (two-stage: see ``piece_layout.Layout``)
     decision: Any = None  # what ``Codec.start`` returned
-    layout: Any = None   # two-stage: the ``_Layout``
-
-
-#: a two-stage slice is cut into at most this many pieces (1: whole slices, the schedule before
-#: pieces; the same bits either way), of at least ``PIECE_CHUNKS`` chunks
-MAX_PIECES = 4
-PIECE_CHUNKS = 128
-
-
-@dataclass
-class _Layout:
-    """Where each piece of each rank's slice sits in the two-stage message.
-
-    Every rank owns one slice of ``slice_len`` values; each slice is cut into the same pieces
-    (``bounds[p]``: values ``lo:hi`` of the slice, chunk-aligned) and the message holds piece
-    after piece, each piece as ``size`` codec messages of ``sizes[p]`` units, owner after owner,
-    from ``offsets[p]``: one alltoall and one allgather per piece. One piece is the plain layout
-    (slice after slice)."""
-    slice_len: int
-    bounds: list[tuple[int, int]]
-    sizes: list[int]
-    offsets: list[int]
-
-    def part(self, message: Array, p: int, r: int) -> Array:
-        start = self.offsets[p] + r * self.sizes[p]
-        return message[start:start + self.sizes[p]]
-
-    def block(self, message: Array, p: int, size: int) -> Array:
-        return message[self.offsets[p]:self.offsets[p] + size * self.sizes[p]]
-
-    def owner_message(self, buffer: Array, p: int) -> Array:
-        """Piece ``p``'s place in ``buffer``, which holds one message per piece back to back (the
-        owner's: the allgather of piece p-1 may still be reading its own while p is encoded)."""
-        start = sum(self.sizes[:p])
-        return buffer[start:start + self.sizes[p]]
-
-
-def _layout(codec: Codec, n: int, comm: Communicator, like: Array) -> _Layout:
-    chunks = -(-n // codec.chunk)
-    per_slice = -(-chunks // comm.size)
-    slice_len = per_slice * codec.chunk
-    pieces = 1
-    overlaps = getattr(comm, "overlaps", None)  # (a Communicator need not offer it)
-    if codec.independent_chunks and overlaps is not None and overlaps(like):
-        pieces = max(1, min(MAX_PIECES, per_slice // PIECE_CHUNKS))
-    bounds, sizes, offsets, at = [], [], [], 0
-    for p in range(pieces):
-        lo, hi = (per_slice * p // pieces) * codec.chunk, (per_slice * (p + 1) // pieces) * codec.chunk
-        bounds.append((lo, hi))
-        sizes.append(codec.message_size(hi - lo))
-        offsets.append(at)
-        at += comm.size * sizes[-1]
-    return _Layout(slice_len, bounds, sizes, offsets)
+    layout: Any = None   # two-stage: the ``piece_layout.Layout``
 
 
 def _prepare(codec: Codec, bucket: Bucket, comm: Communicator, workspace: Workspace,
@@ -239,7 +188,7 @@ def _prepare(codec: Codec, bucket: Bucket, comm: Communicator, workspace: Worksp
         message = workspace.array(codec, "message", comm.size * size, mtype, like=g)
         pieces = [(r * slice_len, (r + 1) * slice_len, message[r * size:(r + 1) * size]) for r in range(comm.size)]
     elif codec.collective == "two-stage":
-        layout = _layout(codec, n, comm, g)
+        layout = piece_layout.layout(codec, n, comm, g)
         slice_len = layout.slice_len
         padded = slice_len * comm.size
         message = workspace.array(codec, "message", comm.size * sum(layout.sizes), mtype, like=g)
@@ -397,7 +346,7 @@ def _scatter_finish(codec: Codec, bucket: Bucket, comm: Communicator, message: A
     return acc if acc.dtype == g.dtype else cast(acc, g.dtype)
 
 
-def _decode_piece(codec: Codec, layout: _Layout, p: int, gathered: Array, out: Array, n: int,
+def _decode_piece(codec: Codec, layout: piece_layout.Layout, p: int, gathered: Array, out: Array, n: int,
                   ws: Workspace) -> None:
     """Every owner's message of piece ``p`` straight into its place in ``out``; a piece past the
     bucket's end via a copy."""
@@ -413,7 +362,7 @@ def _decode_piece(codec: Codec, layout: _Layout, p: int, gathered: Array, out: A
 
 
 def _owner_stage(codec: Codec, comm: Communicator, feedback: Feedback | None, residual: Array | None,
-                 rows: Array, compute: DTypeLike, layout: _Layout, p: int) -> Array:
+                 rows: Array, compute: DTypeLike, layout: piece_layout.Layout, p: int) -> Array:
     """The slice owner's message for piece ``p``: the rows decoded and summed in rank order,
     divided by their number, encoded (with the owner's ``residual`` where it keeps one), in one
     pass where the codec can (``average_with_feedback``, ``average``), else in those steps."""
