@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 
 import torch
 import pytorch_lightning as pl
@@ -16,17 +15,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from gradcomp.torch.lightning import Compression  # noqa: E402
-from tests.framework_jobs.task import BATCH, LR, digits, mlp, report, val_loss  # noqa: E402
+from tests.framework_jobs.lightning_job import VX, VY, X, Y, Digits  # noqa: E402
+from tests.framework_jobs.task import BATCH, mlp, report, val_loss  # noqa: E402
 
-warnings.filterwarnings("ignore", module="pytorch_lightning")
 torch.set_num_threads(1)
-X, Y, VX, VY = digits()
 
 
-class Digits(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = mlp()
+class ShardedDigits(Digits):
+    """lightning_job's module, its MLP's first layer and the whole module FSDP2 modules."""
 
     def configure_model(self):
         mesh = self.device_mesh["data_parallel"]
@@ -36,17 +32,14 @@ class Digits(pl.LightningModule):
     def forward(self, x):
         return self.net(x)
 
-    def training_step(self, batch, _):
+    def training_step(self, batch, _):  # through forward: FSDP gathers the root's parameters there
         x, y = batch
         return torch.nn.functional.cross_entropy(self(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
 
 
 def fit(epochs, callbacks=()):
     pl.seed_everything(0, verbose=False)
-    module = Digits()
+    module = ShardedDigits()
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs,
                          callbacks=list(callbacks), logger=False, enable_checkpointing=False,
