@@ -197,6 +197,16 @@ class ClaimCheck:
 # ---------------------------------------------------------------------------------------------
 # checks for load_state_dict: every one raises ValueError naming the key and what was expected
 # ---------------------------------------------------------------------------------------------
+def take_config(state: dict, owner: str, expected: str, what: str) -> None:
+    """Pop ``state["config"]`` and refuse a state saved by another configuration than
+    ``expected`` (the owner's ``describe()``; ``what``: "compressor", "optimizer")."""
+    if "config" not in state:
+        raise ValueError(f"{owner} state: missing 'config' (expected the output of state_dict())")
+    saved = str(np.asarray(state.pop("config")))
+    if saved != expected:
+        raise ValueError(f"{owner} state: 'config' was saved by {saved}, but this {what} is {expected}")
+
+
 def take_int(state: dict, key: str, owner: str, minimum: int | None = 0) -> int:
     """``state.pop(key)`` as an int (a Python or NumPy integer, or a 0-d integer array)."""
     if key not in state:

@@ -24,7 +24,8 @@ from ..arrays import Array, DTypeLike, add_into, subtract_into, zero_non_finite
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
 from ..params import check_bool
-from ..state import ClaimCheck, TensorStore, pop_shapes, reject_leftovers, shape_entries, tensor_arrays
+from ..state import (ClaimCheck, TensorStore, pop_shapes, reject_leftovers, shape_entries, take_config,
+                     tensor_arrays)
 from .base import Compressor, Traffic
 from .codec import Codec, Prepared
 
@@ -119,11 +120,7 @@ class ErrorFeedback(Compressor):
     def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
         state = dict(state)
         owner = type(self).__name__
-        if "config" not in state:
-            raise ValueError(f"{owner} state: missing 'config' (expected the output of state_dict())")
-        saved = str(np.asarray(state.pop("config")))
-        if saved != self.describe():
-            raise ValueError(f"{owner} state: saved by {saved}, but this compressor is {self.describe()}")
+        take_config(state, owner, self.describe(), "compressor")
         known = pop_shapes(state, owner, shapes)
         residuals = tensor_arrays(state, "residual/", owner, known)
         missing = sorted(k for k in residuals if k not in known)

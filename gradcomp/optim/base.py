@@ -24,7 +24,7 @@ from ..comm import Communicator, Workspace, default_communicator
 from ..compressors.base import Compressor, run_stage
 from ..params import check_float
 from ..reducer import GradientReducer
-from ..state import check_array, reject_leftovers, take_int
+from ..state import check_array, reject_leftovers, take_config, take_int
 
 Hyper = float | Sequence[float]
 
@@ -209,16 +209,9 @@ class Optimizer:
         out.update({f"exchange/{k}": v for k, v in self.compressor.state_dict().items()})
         return out
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore ``state_dict()``'s output; everything is checked before anything changes."""
-        state = dict(state)
-        owner = type(self).__name__
-        if "config" not in state:
-            raise ValueError(f"{owner} state: missing 'config' (expected the output of state_dict())")
-        saved = str(np.asarray(state.pop("config")))
-        if saved != self.describe():
-            raise ValueError(f"{owner} state: saved by {saved}, but this optimizer is {self.describe()}")
-        step = take_int(state, "step", owner)
+    def _take_arrays(self, state: dict[str, Any], owner: str) -> dict[str, list[np.ndarray]]:
+        """Pop every per-parameter array (``NAME/i``) from ``state``, checked against this
+        optimizer's shapes and dtypes (a ValueError naming the key)."""
         loaded: dict[str, list[np.ndarray]] = {}
         for name, arrays in self._arrays.items():
             loaded[name] = []
@@ -227,6 +220,15 @@ class Optimizer:
                 if key not in state:
                     raise ValueError(f"{owner} state: missing {key!r}")
                 loaded[name].append(check_array(state.pop(key), key, owner, a.shape, (dtype_name(a.dtype),)))
+        return loaded
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()``'s output; everything is checked before anything changes."""
+        state = dict(state)
+        owner = type(self).__name__
+        take_config(state, owner, self.describe(), "optimizer")
+        step = take_int(state, "step", owner)
+        loaded = self._take_arrays(state, owner)
         exchange = {k[len("exchange/"):]: state.pop(k) for k in [k for k in state if k.startswith("exchange/")]}
         reject_leftovers(state, owner)
         self.compressor.load_state_dict(exchange, self.reducer.shapes)

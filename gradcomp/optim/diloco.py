@@ -44,13 +44,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..arrays import Array, array_module, dtype_name, to_host
+from ..arrays import Array, array_module, to_host
 from ..comm import CollectiveError, Communicator, wire_bytes
 from ..compressors.base import Compressor
 from ..params import check_bool, check_float, check_int
 from ..reducer import GradientReducer
 from ..registry import make, steady
-from ..state import check_array, reject_leftovers, take_int
+from ..state import reject_leftovers, take_config, take_int
 from .base import Hyper, Optimizer, _Agreed
 
 #: the defaults, measured on examples/torch_lm.py's TinyLM (docs/guides/local-steps.md)
@@ -206,22 +206,10 @@ class DiLoCo(Optimizer):
         before anything changes."""
         state = dict(state)
         owner = type(self).__name__
-        if "config" not in state:
-            raise ValueError(f"{owner} state: missing 'config' (expected the output of state_dict())")
-        saved = str(np.asarray(state.pop("config")))
-        if saved != self.describe():
-            raise ValueError(f"{owner} state: 'config' was saved by {saved}, but this optimizer is "
-                             f"{self.describe()}")
+        take_config(state, owner, self.describe(), "optimizer")
         step = take_int(state, "step", owner)
         outer = take_int(state, "outer_step", owner)
-        loaded: dict[str, list[np.ndarray]] = {}
-        for name, arrays in self._arrays.items():
-            loaded[name] = []
-            for i, a in enumerate(arrays):
-                key = f"{name}/{i}"
-                if key not in state:
-                    raise ValueError(f"{owner} state: missing {key!r}")
-                loaded[name].append(check_array(state.pop(key), key, owner, a.shape, (dtype_name(a.dtype),)))
+        loaded = self._take_arrays(state, owner)
         exchanges = []
         for f in range(self.fragments):
             prefix = "exchange/" if self.fragments == 1 else f"exchange/{f}/"
