@@ -20,19 +20,29 @@ k+1 overlaps the transfer of job k. Limits that keep the overlap safe:
   the ordered stage of an earlier job on the same tensors.
 
 The threads are daemon threads: a process that exits while a collective waits for a peer is not
-held up joining them (``gradcomp.comm.exits`` decides what happens to the job then).
+held up joining them (``gradcomp.comm.exits`` decides what happens to the job then). A process
+that exits with no work in flight stops them first (``_stop_idle_pipelines``, at exit): the wire
+thread may still be inside the callbacks of the last job's Future, in PyTorch's C++ code (a DDP
+hook's ``torch.futures.Future.set_result``). Once the interpreter starts finalizing, such a thread
+that takes the GIL again is ended by Python's ``pthread_exit``, whose unwinding through C++ frames
+calls ``std::terminate``: the process aborts after a run that succeeded ("terminate called without
+an active exception", exit 6).
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import queue
 import sys
 import threading
 import traceback
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Hashable, Iterable
 
 _STOP = object()
+_STOP_WAIT_S = 30.0  # at exit, for a wire thread still running the last job's callbacks
+_pipelines: "weakref.WeakSet[Pipeline]" = weakref.WeakSet()
 
 
 class CommunicatorBroken(RuntimeError):
@@ -117,8 +127,10 @@ class Pipeline:
         self._wire_q: queue.SimpleQueue = queue.SimpleQueue()
         self._compute = threading.Thread(target=self._compute_loop, name=f"{name}-compute", daemon=True)
         self._wire = threading.Thread(target=self._wire_loop, name=f"{name}-wire", daemon=True)
+        self._closed = False
         self._compute.start()
         self._wire.start()
+        _pipelines.add(self)
 
     # -- submission -------------------------------------------------------------------------------
     def on_wire(self) -> bool:
@@ -143,6 +155,8 @@ class Pipeline:
         """
         if self.broken is not None:
             raise CommunicatorBroken(f"communicator unusable after an earlier failure: {self.broken!r}")
+        if self._closed:
+            raise RuntimeError("gradcomp: this communicator was closed (or its process is exiting)")
         if self.on_compute():
             raise RuntimeError("gradcomp: a compressor's local stage (prepare) may not call "
                                "collectives; move them to its ordered stage (run)")
@@ -235,11 +249,24 @@ class Pipeline:
         self.broken = exc
         self._on_failure(exc)
 
-    def close(self) -> None:
-        """Finish the queued work, then stop both threads."""
-        self._compute_q.put(_STOP)
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the queued work, then stop both threads (waiting at most ``timeout`` seconds
+        for them). Later submissions are refused."""
+        if not self._closed:
+            self._closed = True
+            self._compute_q.put(_STOP)
         if not (self.on_wire() or self.on_compute()):
-            self._wire.join()
+            self._wire.join(timeout)
+
+
+@atexit.register
+def _stop_idle_pipelines() -> None:
+    """At exit, while the interpreter is whole: stop the threads of every pipeline with nothing
+    in flight, so that none is still in a Future's callbacks when finalization starts (see the
+    module docstring). A pipeline with work in flight or broken is left to ``gradcomp.comm.exits``."""
+    for pipeline in list(_pipelines):
+        if not pipeline.busy and pipeline.broken is None:
+            pipeline.close(timeout=_STOP_WAIT_S)
 
 
 def report_failure(exc: BaseException, consequence: str) -> None:

@@ -136,12 +136,10 @@ def _end_at_exit() -> None:
     """Have the C library end the process with its exit status as soon as ``exit()`` is called,
     after Python's finalization (its atexit functions, mpi4py's ``MPI_Finalize``, the flush of
     ``sys.stdout``/``stderr``), before the C++ destructors of static objects and the libraries'
-    own teardown. After a job that trained correctly, PyTorch 2.13 aborts about one run in 10-20
-    once gloo has run ("terminate called without an active exception", exit 6 under mpiexec, also
-    in scripts without gradcomp or MPI): ``std::terminate`` for a ``std::thread`` destroyed
-    unjoined, which is what static destructors at ``exit()`` do to a thread nobody joined. (That
-    it is there is inferred from the message: 50-odd short runs here did not abort once, before or
-    after this; a stand-in that aborts there always is what the tests end past.)
+    own teardown, where a ``std::thread`` left unjoined would call ``std::terminate``. (The
+    abort after clean runs that CI met, "terminate called without an active exception", came
+    from earlier, from a thread still in PyTorch's callbacks when finalization began: the
+    pipelines are stopped at exit for that, ``gradcomp.comm.pipeline``.)
 
     glibc's ``on_exit`` passes the status ``exit()`` was given, so ``sys.exit(code)``, ``raise
     SystemExit(code)`` and an uncaught exception (1) keep their codes; it runs its functions in
