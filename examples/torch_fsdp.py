@@ -55,6 +55,8 @@ def parse_args(argv=None):
                    help="shard over every rank (world), or inside each host and compress across hosts "
                         "(local: hosts from GRADCOMP_RANKS_PER_HOST or torchrun's LOCAL_WORLD_SIZE; with "
                         "--compressor none, FSDP's own HSDP on the (hosts, local) mesh)")
+    p.add_argument("--allow-partial", action="store_true",
+                   help="run a method that sends part of each gradient (onebit, topk), refused by default")
     p.add_argument("--save", metavar="PREFIX", help="checkpoint here at the end (PREFIX.rankN.pt)")
     p.add_argument("--load", metavar="PREFIX", help="resume from a --save checkpoint")
     p.add_argument("--json", metavar="PATH", help="write a summary here (rank 0)")
@@ -87,7 +89,8 @@ def train(args) -> dict:
     val_starts = torch.randint(0, len(val_text) - args.context - 1, (args.val_windows,),
                                generator=torch.Generator().manual_seed(12345))
     model = build(args, device, size)
-    state = None if args.compressor == "none" else gt.register(model, gradcomp.make(args.compressor))
+    state = None if args.compressor == "none" else gt.register(model, gradcomp.make(args.compressor),
+                                                                   allow_partial=args.allow_partial)
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],

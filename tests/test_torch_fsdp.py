@@ -139,12 +139,12 @@ def rank_resume_is_bit_exact(name, path):
     launch = gt.init_process_group()
     rank = launch.rank
     whole = _shard(_model())
-    state = gt.register(whole, name)
+    state = gt.register(whole, name, allow_partial=True)
     opt = torch.optim.AdamW(whole.parameters(), lr=1e-2)
     _train(whole, state, 6, 0, rank, opt)
 
     first = _shard(_model())
-    state1 = gt.register(first, name)
+    state1 = gt.register(first, name, allow_partial=True)
     opt1 = torch.optim.AdamW(first.parameters(), lr=1e-2)
     _train(first, state1, 3, 0, rank, opt1)
     msd, osd = get_state_dict(first, opt1)
@@ -154,7 +154,7 @@ def rank_resume_is_bit_exact(name, path):
     second = _shard(_model(seed=7))
     opt2 = torch.optim.AdamW(second.parameters(), lr=1e-2)
     set_state_dict(second, opt2, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
-    state2 = gt.register(second, name)
+    state2 = gt.register(second, name, allow_partial=True)
     state2.load_state_dict(saved["gradcomp"])
     _train(second, state2, 3, 3, rank, opt2)
     for a, b in zip(whole.parameters(), second.parameters()):
@@ -190,6 +190,13 @@ def rank_refusals():
         assert "fully_shard" in str(exc) and "DistributedDataParallel" in str(exc), exc
     else:
         raise AssertionError("a plain module registered")
+    for name in ("onebit", "topk"):  # 25x and more: refused unless asked for, pointing to what works
+        try:
+            gt.register(model, name)
+        except ValueError as exc:
+            assert "int4" in str(exc) and "allow_partial=True" in str(exc), exc
+        else:
+            raise AssertionError(f"{name} registered on an FSDP2 model without allow_partial")
     state = gt.register(model, "int8")
     try:
         state.load_state_dict({"compressor": "x", "state": {}})
@@ -326,7 +333,7 @@ def rank_across_hosts(name, tolerance):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("host", "local"))
     own = _shard(_model())
     ours = _shard_on(_model(), mesh["local"])
-    state = gt.register(ours, name)
+    state = gt.register(ours, name, allow_partial=True)
     assert state.comm.size == 2
     for step in range(STEPS):
         for m in (own, ours):

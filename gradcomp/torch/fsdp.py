@@ -233,13 +233,16 @@ def scatter_names() -> list[str]:
 
 
 def register(model: Any, compressor: Compressor | str | None, comm: Communicator | None = None,
-             state: FSDPState | None = None) -> FSDPState:
+             state: FSDPState | None = None, allow_partial: bool = False) -> FSDPState:
     """Make every FSDP module of ``model`` (the root ``fully_shard`` returned) reduce-scatter its
     gradients with ``compressor``; ``gradcomp.torch.register`` calls it for FSDP2 models.
 
     Call it on every rank after ``fully_shard`` and before the first ``backward()``. ``comm``:
     as for DDP (MPI under mpiexec, torch.distributed under torchrun). ``state``: an ``FSDPState``
-    to reuse (its compressor is used). Returns the state (see ``FSDPState``).
+    to reuse (its compressor is used). ``allow_partial``: run a method that sends only part of
+    each gradient (onebit, topk, PowerSGD across hosts), which is refused by default: under
+    FSDP2 and AdamW such methods ended well above FSDP's own loss in gradcomp's measurements,
+    while int8 and int4 matched it. Returns the state (see ``FSDPState``).
     """
     if state is not None:
         compressor = state.compressor
@@ -278,6 +281,12 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
         raise ValueError(f"gradcomp.torch.register: {compressor.describe()} has no reduce-scatter form "
                          f"({lacking[0] if lacking else 'it'} cannot reduce FSDP's gradient shards); under "
                          f"FSDP2 use one of: {', '.join(scatter_names())}")
+    if sends_part(compressor) and not allow_partial:
+        raise ValueError(f"gradcomp.torch.register: {compressor.describe()} sends a 1-bit, sparse or low-rank "
+                         "part of each gradient, and under FSDP2 with Adam(W) such methods did not reach "
+                         "FSDP's own loss in gradcomp's measurements (docs/guides/fsdp.md). Use 'int4' "
+                         "(about 8x fewer bytes) or 'int8' (about 4x), which did; or pass "
+                         "allow_partial=True to run it anyway")
     if state is None:
         if comm is None:
             comm = _across_hosts_comm(shard_ranks) if across else default_comm()
@@ -298,12 +307,6 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
             module.set_custom_reduce_scatter(scatter)
             scatter.layout(len(shard_ranks))  # so that a checkpoint loads before the first step
     model.register_forward_pre_hook(_step_check(state))
-    if sends_part(compressor) and dist.get_rank() == 0:
-        warnings.warn(f"gradcomp.torch.register: {compressor.describe()} sends a sparse, low-rank or 1-bit part of "
-                      "each gradient; under Adam(W), which steps every coordinate by about the same size, most of "
-                      "each update then waits in the residual, and gradcomp's OneBitAdam (which compresses the "
-                      "momentum instead) does not run under FSDP2. Measure it against 'int8' or 'int4' on your "
-                      "model (docs/guides/fsdp.md)", RuntimeWarning, stacklevel=3)
     return state
 
 

@@ -42,17 +42,18 @@ except ImportError:
 
 class Compression(pl.Callback):
     """Compress the gradients a Lightning DDP strategy averages, with ``compressor`` (a gradcomp
-    ``Compressor`` or a registry name: ``"int8"``, ``"powersgd:rank=4"``, ...). ``comm`` and
-    ``hierarchical`` are ``gradcomp.torch.register``'s. ``stats()`` is the compressor's traffic
+    ``Compressor`` or a registry name: ``"int8"``, ``"powersgd:rank=4"``, ...). ``comm``,
+    ``hierarchical`` and ``allow_partial`` are ``gradcomp.torch.register``'s. ``stats()`` is the compressor's traffic
     figures; ``hook_state`` the registered ``HookState`` (None before ``fit`` starts)."""
 
     STATE_KEY = "gradcomp.Compression"
 
     def __init__(self, compressor: Compressor | str, comm: Communicator | None = None,
-                 hierarchical: bool | None = None):
+                 hierarchical: bool | None = None, allow_partial: bool = False):
         self.compressor = compressor
         self.comm = comm
         self.hierarchical = hierarchical
+        self.allow_partial = allow_partial
         self.hook_state: HookState | None = None
         self._wrapper: Any = None        # the DDP model the hook is registered on
         self._loaded: dict[str, Any] | None = None  # loaded before registration: applied at it
@@ -81,9 +82,10 @@ class Compression(pl.Callback):
         try:
             if self.hook_state is None:
                 self.hook_state = register(model, self.compressor, self.comm,  # type: ignore[arg-type]
-                                           hierarchical=self.hierarchical)
+                                           hierarchical=self.hierarchical, allow_partial=self.allow_partial)
             else:
-                self.hook_state = register(model, None, self.comm, state=self.hook_state)  # type: ignore[arg-type]
+                self.hook_state = register(model, None, self.comm, state=self.hook_state,  # type: ignore[arg-type]
+                                           allow_partial=self.allow_partial)
         except TypeError as exc:
             raise TypeError(
                 f"gradcomp.torch.lightning.Compression compresses a DDP strategy's gradients "
