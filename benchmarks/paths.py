@@ -6,7 +6,7 @@ before each step, and the communicators (``ReducerPath``: ``GradientReducer`` ov
 one method ready to step: ``prepare()`` (untimed), ``step()`` (timed), ``outputs()`` (the means,
 measured outside the clock), and its traffic (``Compressor.stats()`` for gradcomp's compressors,
 the torch.distributed collectives PyTorch's hooks call, counted by ``_TorchBytes``). What is
-measured and how is in ``gradcomp.bench.worker``'s docstring; the job loop is there too.
+measured and how is in ``benchmarks.worker``'s docstring; the job loop is there too.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..bucket import Bucket, pack
-from ..comm import MPICommunicator, wire_bytes
+from gradcomp.bucket import Bucket, pack
+from gradcomp.comm import MPICommunicator, wire_bytes
 from .methods import Method
 
 PATHS = ("reducer", "ddp")
@@ -205,7 +205,7 @@ class _Memcpy(_Case):
 
 class _ReducerCase(_GradcompTraffic, _Case):
     def __init__(self, path: ReducerPath, m: Method):
-        from ..reducer import GradientReducer
+        from gradcomp.reducer import GradientReducer
 
         super().__init__(m.name, m.label, m)
         self.path = path
@@ -251,7 +251,7 @@ class _HookBucketCase(_HookTraffic, _Case):
         self.results: list | None = None
 
     def prepare(self) -> None:  # the hooks write into the bucket
-        from ..bucket import copy_in
+        from gradcomp.bucket import copy_in
 
         for (b, members, t), duck in zip(self.buckets, self.ducks):
             copy_in(b, self.path.saved, members)
@@ -282,7 +282,7 @@ def _start_torch() -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        from ..torch import init_process_group
+        from gradcomp.torch import init_process_group
 
         torch.set_num_threads(1)
         init_process_group("gloo")
@@ -411,7 +411,7 @@ class _DDPCase(_ModelCase):
         if m is None:
             return
         if m.kind == "gradcomp":
-            from ..torch import register
+            from gradcomp.torch import register
 
             self.compressor = m.build()
             register(self.model, self.compressor, comm=m.communicator(path.shared),

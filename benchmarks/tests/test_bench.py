@@ -7,9 +7,9 @@
 * The worker on a tiny model, 2 real ranks, on both paths (``reducer``: ``GradientReducer``;
   ``ddp``: real DistributedDataParallel with comm hooks): finite times, page-fault counts, bytes,
   exact fp32 results, gradcomp's allreduce equal to DDP's own (fp32 rounding).
-* ``python -m gradcomp bench`` on a tiny model, 1 and 2 real ranks, writes JSON, CSV and PNGs whose
+* ``python -m benchmarks bench`` on a tiny model, 1 and 2 real ranks, writes JSON, CSV and PNGs whose
   numbers make sense (bytes per rank, errors); ``report`` never writes empty results over results.
-* ``bench/capped.sh`` really puts ranks in their own namespaces and cleans up, also on failure
+* ``benchmarks/capped.sh`` really puts ranks in their own namespaces and cleans up, also on failure
   (skipped without root or without iproute2).
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ from gradcomp import halfcast
 from gradcomp.arrays import cast
 from gradcomp.compressors import QuantizePerChannel, QuantizePerTensor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CAPPED = os.path.join(ROOT, "bench", "capped.sh")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CAPPED = os.path.join(ROOT, "benchmarks", "capped.sh")
 
 
 # -- float16 kernels --------------------------------------------------------------------------------
@@ -221,7 +221,7 @@ def test_method_list_follows_the_registry():
     ``NAME:start_iter=2``) plus the extra target specs; a newly registered name joins it with no
     edit to the bench, and leaves it again when unregistered."""
     import gradcomp
-    from gradcomp.bench import methods
+    from benchmarks import methods
 
     from gradcomp.registry import steady
 
@@ -251,7 +251,7 @@ def test_method_list_follows_the_registry():
 
 
 def test_method_specs_with_commas_and_their_pytorch_twins():
-    from gradcomp.bench.methods import select
+    from benchmarks.methods import select
 
     chosen = select("allreduce,powersgd:start_iter=2,rank=4,torch-fp16,powersgd-r1,gloo-fp16,"
                     "mpi-allreduce", with_torch=True)
@@ -281,7 +281,7 @@ REGISTERED_WORKER = r"""
 import sys
 import gradcomp
 gradcomp.register("zz-bench-new", gradcomp.Allreduce)
-from gradcomp.bench.worker import main
+from benchmarks.worker import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -307,7 +307,7 @@ def _worker(tmp_path, ranks, *options, name="job"):
     from gradcomp.launcher import run
 
     out = tmp_path / f"{name}.json"
-    done = run(ranks, ["-m", "gradcomp.bench.worker", "--model", "tiny", *options, "--out", str(out)],
+    done = run(ranks, ["-m", "benchmarks.worker", "--model", "tiny", *options, "--out", str(out)],
                timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.output[-3000:]
     return json.loads(out.read_text())
@@ -318,8 +318,8 @@ def test_worker_measures_each_path(tmp_path, path):
     """Both paths run every method with finite times, page-fault counts and bytes; fp32 methods
     are exact, and on the ddp path gradcomp's allreduce gives DDP's own result (fp32 rounding)."""
     pytest.importorskip("torch")
-    from gradcomp.bench.methods import split_methods
-    from gradcomp.bench.worker import _runqueue_wait
+    from benchmarks.methods import split_methods
+    from benchmarks.worker import _runqueue_wait
 
     data = _worker(tmp_path, 2, "--path", path, "--methods", WORKER_METHODS, "--repeats", "2",
                    "--warmup", "3")
@@ -373,7 +373,7 @@ def test_bench_cli_writes_json_csv_and_figures(tmp_path):
     out = tmp_path / "results"
     methods = "allreduce,fp16,allgather,quantize-channel,powersgd:rank=1,start_iter=2"
     names = ["allreduce", "fp16", "allgather", "quantize-channel", "powersgd:rank=1,start_iter=2"]
-    cmd = [sys.executable, "-m", "gradcomp", "bench", "--models", "tiny", "--ranks", "1,2",
+    cmd = [sys.executable, "-m", "benchmarks", "bench", "--models", "tiny", "--ranks", "1,2",
            "--methods", methods, "--torch", "off", "--repeats", "2", "--warmup", "3",
            "--kernel-mb", "1", "--kernel-methods", "allreduce,fp16,powersgd:rank=1,start_iter=2",
            "--quiet", "--out", str(out)]
@@ -428,9 +428,9 @@ def test_worker_blocks_order_times_every_method(tmp_path):
     assert results["blocks"]["fp16"]["rel_error"] > 1e-5
 
 
-# -- python -m gradcomp report ----------------------------------------------------------------------------
+# -- python -m benchmarks report ----------------------------------------------------------------------------
 def _report(folder):
-    return subprocess.run([sys.executable, "-m", "gradcomp", "report", str(folder), "--no-plots"],
+    return subprocess.run([sys.executable, "-m", "benchmarks", "report", str(folder), "--no-plots"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
@@ -442,7 +442,7 @@ def test_report_on_an_empty_folder_writes_nothing(tmp_path):
 
 def _gathered_results():
     """A results.json as a committed results folder keeps it (no per-run JSON files beside it)."""
-    path = os.path.join(ROOT, "bench", "figures", "results.json")
+    path = os.path.join(ROOT, "benchmarks", "figures", "results.json")
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
@@ -457,9 +457,9 @@ def _gathered_results():
 
 
 def test_report_on_a_gathered_folder_keeps_its_results(tmp_path):
-    """``report`` on a folder that holds only results.json (bench/figures) rebuilds from it instead
+    """``report`` on a folder that holds only results.json (benchmarks/figures) rebuilds from it instead
     of writing empty results over it."""
-    from gradcomp.bench import driver
+    from benchmarks import driver
 
     data = _gathered_results()
     (tmp_path / "results.json").write_text(json.dumps(data))
@@ -478,12 +478,12 @@ def test_report_on_a_gathered_folder_keeps_its_results(tmp_path):
     assert (tmp_path / "results.json").read_bytes() == before
 
 
-# -- bench/capped.sh ------------------------------------------------------------------------------------
+# -- benchmarks/capped.sh ------------------------------------------------------------------------------------
 def _capped_available():
     if os.geteuid() != 0:
-        return "bench/capped.sh needs root"
+        return "benchmarks/capped.sh needs root"
     if not (shutil.which("ip") and shutil.which("tc")):
-        return "bench/capped.sh needs iproute2 (ip, tc)"
+        return "benchmarks/capped.sh needs iproute2 (ip, tc)"
     probe = subprocess.run(["ip", "netns", "add", "gcbprobe"], capture_output=True)
     subprocess.run(["ip", "netns", "del", "gcbprobe"], capture_output=True)
     if probe.returncode != 0:
@@ -540,7 +540,7 @@ def test_worker_records_what_is_not_a_default_configuration(monkeypatch):
     """MPICH and allocator variables and the comparison knobs (jumbo frames, whole two-stage
     slices, ...) go into the job's ``settings``, which the report prints; capped.sh's own
     plumbing does not."""
-    from gradcomp.bench.worker import _settings
+    from benchmarks.worker import _settings
 
     for k in list(os.environ):
         if k.startswith(("MPIR_CVAR_", "MALLOC_", "CAPPED_", "GRADCOMP_")):
@@ -557,7 +557,7 @@ def test_worker_records_what_is_not_a_default_configuration(monkeypatch):
 
 
 def test_capped_steps_runs_both_paths_and_the_mpich_ring_row(tmp_path):
-    """``bench/capped_steps.sh`` writes one JSON per path (``capped-RATE-PATH.json``), with
+    """``benchmarks/capped_steps.sh`` writes one JSON per path (``capped-RATE-PATH.json``), with
     ``MPICH_RING=1`` a tagged run with MPICH's ring selected, and rebuilds the report."""
     why = _capped_available()
     if why:
@@ -567,7 +567,7 @@ def test_capped_steps_runs_both_paths_and_the_mpich_ring_row(tmp_path):
     env.update(MODEL="tiny", METHODS="allreduce,torch-allreduce", REPEATS="1", MPICH_RING="1",
                PYTHON=sys.executable)
     before = _our_namespaces()
-    done = subprocess.run([os.path.join(ROOT, "bench", "capped_steps.sh"), str(tmp_path), "1gbit", "2"],
+    done = subprocess.run([os.path.join(ROOT, "benchmarks", "capped_steps.sh"), str(tmp_path), "1gbit", "2"],
                           capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert _our_namespaces() == before
@@ -613,9 +613,9 @@ def test_capped_skips_clearly_without_root():
 
 
 def test_the_link_check_refuses_a_slow_link():
-    """bench/link.py: tc's rate units, and a capped fp32 run below 85% of its cap is refused
+    """benchmarks/link.py: tc's rate units, and a capped fp32 run below 85% of its cap is refused
     (a bandwidth-bound one: a latency-bound tiny model is not checked)."""
-    from gradcomp.bench import link
+    from benchmarks import link
 
     assert link.rate_bits("1gbit") == 1e9 and link.rate_bits("500mbit") == 5e8 and link.rate_bits("125mbps") == 1e9
     with pytest.raises(ValueError, match="rate"):
@@ -641,8 +641,8 @@ def test_the_worker_names_methods_timed_in_their_warm_up():
     """``int8`` averages its first 50 steps exactly: a bench of it with 3 untimed steps would time
     fp32 allreduces, and the worker says so, naming the steady spec; the steady spec, PowerSGD's
     (``start_iter=2``, within 3 steps) and ``auto`` are not named."""
-    from gradcomp.bench.methods import select
-    from gradcomp.bench.worker import warmup_warnings
+    from benchmarks.methods import select
+    from benchmarks.worker import warmup_warnings
 
     said = warmup_warnings(select("int8,int8:warmup=0,powersgd:start_iter=2,auto,allreduce", with_torch=False), 3)
     assert len(said) == 1 and "int8 averages its first 50 steps" in said[0] and "'int8:warmup=0'" in said[0], said
@@ -656,7 +656,7 @@ def test_the_machine_busy_clock_counts_this_process_cpu():
     of the wall time."""
     import time
 
-    from gradcomp.bench.worker import _machine_busy
+    from benchmarks.worker import _machine_busy
 
     b0, c0, t0 = _machine_busy(), time.process_time(), time.perf_counter()
     while time.process_time() - c0 < 0.5:
@@ -672,7 +672,7 @@ def test_the_run_queue_clock_counts_a_wait_for_a_shared_core():
     core with a spinning process, and by no more than the time that passed."""
     import time
 
-    from gradcomp.bench.worker import _runqueue_wait
+    from benchmarks.worker import _runqueue_wait
 
     if _runqueue_wait() is None:
         pytest.skip("this kernel has no per-thread schedstat")

@@ -1,13 +1,13 @@
-"""``python -m gradcomp bench``: launch the jobs, show progress, write JSON, CSV, PNG and a summary.
+"""``python -m benchmarks bench``: launch the jobs, show progress, write JSON, CSV, PNG and a summary.
 
-Each (model, number of ranks, path) is one ``mpiexec -n N`` launch of ``gradcomp.bench.worker``
+Each (model, number of ranks, path) is one ``mpiexec -n N`` launch of ``benchmarks.worker``
 (``MODEL-Nranks-PATH.json``; paths: ``reducer``, the README's NumPy ``GradientReducer``, and
 ``ddp``, DistributedDataParallel with comm hooks, when torch is there); the kernel figures come from
-one more process (``gradcomp.bench.kernels``). Results from capped-network runs
-(``bench/capped_steps.sh``, files ``capped-*.json`` in the output folder) are folded into the
+one more process (``benchmarks.kernels``). Results from capped-network runs
+(``benchmarks/capped_steps.sh``, files ``capped-*.json`` in the output folder) are folded into the
 figures and the summary when present.
 
-``report`` (``python -m gradcomp report DIR``) rebuilds the summary, CSV and figures from the JSON
+``report`` (``python -m benchmarks report DIR``) rebuilds the summary, CSV and figures from the JSON
 files in a folder; a folder with no per-run JSON files but a ``results.json`` (a committed
 results folder) is rebuilt from that, and a folder with neither is left untouched (nothing is ever
 written over earlier results with nothing).
@@ -23,8 +23,8 @@ import subprocess
 import sys
 import time
 
-from ..launcher import mpiexec  # noqa: F401  (also what the tests use to launch workers)
-from ..launcher import run as launch_ranks
+from gradcomp.launcher import mpiexec  # noqa: F401  (also what the tests use to launch workers)
+from gradcomp.launcher import run as launch_ranks
 from .methods import select, torch_available
 from .worker import not_default
 
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> dict:
         for n in ranks:
             for path in paths:
                 out = os.path.join(outdir, f"{model}-{n}ranks-{path}.json")
-                cmd = ["-m", "gradcomp.bench.worker", "--path", path,  # the worker expands all per path
+                cmd = ["-m", "benchmarks.worker", "--path", path,  # the worker expands all per path
                        "--model", model, "--methods", args.methods,
                        "--repeats", str(args.repeats), "--warmup", str(args.warmup),
                        "--bucket-mb", str(args.bucket_mb), "--torch", args.torch, "--out", out]
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.kernels:
         out = os.path.join(outdir, "kernels.json")
         bar.set_description("kernels")
-        _launch(None, ["-m", "gradcomp.bench.kernels", "--mb", str(args.kernel_mb),
+        _launch(None, ["-m", "benchmarks.kernels", "--mb", str(args.kernel_mb),
                        "--repeats", str(max(args.repeats, 3)), "--methods", args.kernel_methods,
                        "--out", out],
                 bar, out[:-5] + ".log")
