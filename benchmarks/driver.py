@@ -14,17 +14,18 @@ written over earlier results with nothing).
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import glob
 import json
 import os
-import argparse
 import subprocess
 import sys
 import time
 
 from gradcomp.launcher import mpiexec  # noqa: F401  (also what the tests use to launch workers)
 from gradcomp.launcher import run as launch_ranks
+
 from .methods import select, torch_available
 from .worker import not_default
 

@@ -249,7 +249,7 @@ def floor(compressor: Any, numel: int, dtype: Any = np.float32, ranks: int = 1,
     from gradcomp.compressors import BF16, FP16, Allgather, Allreduce
     from gradcomp.compressors.feedback import ErrorFeedback
     from gradcomp.compressors.quantize import OneBit, QuantizedAllreduce, QuantizePerChannel, QuantizePerTensor
-    from gradcomp.compressors.sparse import RandomK, ReducedTopK, TopK, _k
+    from gradcomp.compressors.sparse import RandomK, ReducedTopK, TopK, kept
     from gradcomp.powersgd import PowerSGD
 
     item = np.dtype(dtype).itemsize
@@ -282,9 +282,9 @@ def floor(compressor: Any, numel: int, dtype: Any = np.float32, ranks: int = 1,
         return allgather_codec(numel, item, codec.message_size(numel), ranks)
     if isinstance(codec, ReducedTopK):
         per_slice = -(-numel // ranks)
-        return reduced_topk(numel, item, ranks * _k(per_slice, codec.ratio), ranks, feedback, owner)
+        return reduced_topk(numel, item, ranks * kept(per_slice, codec.ratio), ranks, feedback, owner)
     if isinstance(codec, TopK):
-        return topk(numel, item, _k(numel, codec.ratio), ranks, feedback)
+        return topk(numel, item, kept(numel, codec.ratio), ranks, feedback)
     if isinstance(codec, RandomK):
-        return randomk(numel, item, _k(numel, codec.ratio), ranks, feedback)
+        return randomk(numel, item, kept(numel, codec.ratio), ranks, feedback)
     return None

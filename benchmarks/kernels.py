@@ -32,6 +32,7 @@ import numpy as np
 
 from gradcomp.arrays import cast
 from gradcomp.bucket import Bucket
+
 from . import floors
 
 
@@ -147,6 +148,7 @@ def _bucket_tasks(x: np.ndarray, methods: str, comm: Any) -> list[_Task]:
 def _reducer_tasks(model: str, methods: str, comm: Any, bucket_mb: float = 25.0) -> tuple[list[_Task], int]:
     """Each method's ``GradientReducer.step()`` on ``model``'s shapes, and the bytes of them."""
     from gradcomp.reducer import GradientReducer
+
     from .shapes import model_shapes
 
     shapes = model_shapes(model)

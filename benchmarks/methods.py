@@ -289,10 +289,10 @@ def split_methods(text: str) -> list[str]:
     """A ``--methods`` list as items: ``a,powersgd:rank=4,start_iter=2,b`` -> 3 items (an item
     ``key=value`` without ``:`` continues the spec before it; commas inside quotes or brackets
     stay in their item: ``auto:allowed='int8,powersgd:start_iter=2'``)."""
-    from gradcomp.registry import _top_level_items
+    from gradcomp.registry import split_items
 
     items: list[str] = []
-    for part in (p.strip() for p in _top_level_items(text)):
+    for part in (p.strip() for p in split_items(text)):
         if not part:
             continue
         if "=" in part and ":" not in part and items and ":" in items[-1]:

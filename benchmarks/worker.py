@@ -81,8 +81,9 @@ import numpy as np
 from gradcomp.bucket import group
 from gradcomp.comm import wire_bytes
 from gradcomp.planning.cost import pipelined
+
 from .methods import Method, select
-from .paths import PATHS, DDPPath, ReducerPath, _Case
+from .paths import PATHS, Case, DDPPath, ReducerPath
 from .shapes import heavy_tailed, model_shapes, numel
 
 
@@ -244,7 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     errors: dict[str, float] = {}
     diffs: dict[str, float] = {}
 
-    def open_case(i: int, m: Method) -> _Case | None:
+    def open_case(i: int, m: Method) -> Case | None:
         """The method built and warmed up, or None (its failure recorded)."""
         try:
             case = path.case(m)
@@ -263,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             _progress(rank, i + 1, total, m.name)
 
-    def timed_step(case: _Case, rep: int) -> None:
+    def timed_step(case: Case, rep: int) -> None:
         nonlocal reference
         case.prepare()  # restoring overwritten gradients is not part of the step
         world.Barrier()
@@ -414,7 +415,7 @@ def warmup_warnings(methods: list[Method], untimed: int) -> list[str]:
     return out
 
 
-def _summary(case: _Case, steps: int) -> dict[str, Any]:
+def _summary(case: Case, steps: int) -> dict[str, Any]:
     nbytes, rounds = case.traffic(steps)
     row: dict[str, Any] = dict(method=case.name, kind=case.kind, label=case.label, same_as=case.same_as,
                                bytes_per_rank=nbytes, rounds_per_step=rounds)

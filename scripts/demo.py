@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))  # benchmarks/ (its table helper) is not installed
 
 from benchmarks.tables import aligned_table  # noqa: E402
 from gradcomp.launcher import mpiexec  # noqa: E402
+
 EXAMPLE = ROOT / "examples" / "numpy_mlp.py"
 DEFAULT_EXAMPLE_ARGS = ("--epochs", "8", "--batch-size", "16", "--hidden", "32")
 

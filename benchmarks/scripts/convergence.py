@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))  # benchmarks/ is not installed: it is imported fr
 
 from benchmarks.tables import aligned_table  # noqa: E402
 from gradcomp import launcher  # noqa: E402
+
 EXAMPLES = {"lm": "torch_lm.py", "lm-sgd": "torch_lm.py", "mlp": "numpy_mlp.py", "cnn": "torch_ddp.py"}
 REFERENCE = {"lm": "none", "lm-sgd": "none", "mlp": "allreduce", "cnn": "none"}
 OPTIMIZERS = ("onebitadam", "dgc")

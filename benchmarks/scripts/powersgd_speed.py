@@ -93,9 +93,9 @@ def main(argv=None):
 
     import torch
     from threadpoolctl import threadpool_limits
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
     from benchmarks.hookbucket import HookBucket
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
     torch.set_num_threads(args.threads)
     comm = gc.MPICommunicator(blas_threads=args.threads)

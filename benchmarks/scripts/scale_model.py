@@ -4,7 +4,7 @@
 
 Each RUN is a ``benchmarks.worker`` result on the reducer path (``benchmarks/capped_steps.sh``,
 with ``CAPPED_HOSTS`` for the shape). The constants (network and local links, each method's compute per
-byte: ``gradcomp.planning.cost.fit``) come from the ``--fit`` runs; the model then predicts every
+byte: ``benchmarks.fit.fit``) come from the ``--fit`` runs; the model then predicts every
 row of every run, ``--check`` ones included, and the table says how far off it is. ``hier-SPEC`` and ``flat-SPEC``
 rows name their schedule; plain ones ran the default's.
 
@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))  # benchmarks/ (the checkout)
 
+from benchmarks.fit import fit  # noqa: E402
 from benchmarks.shapes import model_shapes  # noqa: E402
 from benchmarks.tables import aligned_table  # noqa: E402
 from gradcomp.bucket import group  # noqa: E402
@@ -63,7 +64,7 @@ def spec_of(row: dict, several: bool) -> tuple[str, bool]:
 
 
 def runs_of(path: Path) -> list[dict]:
-    """The model's runs (``cost.fit``'s form) of one worker job, one per gradcomp row."""
+    """The model's runs (``benchmarks.fit.fit``'s form) of one worker job, one per gradcomp row."""
     job = json.loads(path.read_text())
     if job.get("path") != "reducer":
         raise SystemExit(f"{path}: the model is fitted on the reducer path (got {job.get('path')})")
@@ -91,7 +92,7 @@ def formula_bytes(r: dict) -> float:
 
 
 def check(runs: list[dict], fitted: list[dict]) -> tuple[cost.Link, cost.Model, str]:
-    link, model = cost.fit(fitted)
+    link, model = fit(fitted)
     rows = []
     for r in runs:
         c = r["cluster"]

@@ -222,7 +222,6 @@ def test_method_list_follows_the_registry():
     edit to the bench, and leaves it again when unregistered."""
     import gradcomp
     from benchmarks import methods
-
     from gradcomp.registry import steady
 
     names = [m.name for m in methods.select("all", with_torch=False)]
