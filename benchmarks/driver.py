@@ -40,6 +40,14 @@ CSV_FIELDS = ["model", "ranks", "network", "method", "kind", "same_as", "time_s"
 JOB_TIMEOUT_S = 12 * 3600
 #: What ``report`` reads and writes itself (never a per-run result).
 OWN_FILES = ("results.json", "kernels.json")
+#: The checkout that holds ``benchmarks`` (not installed): put on the jobs' ``PYTHONPATH``, so that
+#: ``-m benchmarks.worker`` imports wherever the command was started.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _job_env() -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
 
 
 def _follow(bar, log):
@@ -68,13 +76,13 @@ def _launch(ranks: int | None, args: list[str], bar, log_path: str) -> None:
         on_line = _follow(bar, log)
         if ranks is None:
             proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
+                                    stderr=subprocess.STDOUT, text=True, env={**os.environ, **_job_env()})
             assert proc.stdout is not None  # stdout=PIPE
             for line in proc.stdout:
                 on_line(line)
             rc = proc.wait()
         else:
-            rc = launch_ranks(ranks, args, timeout=JOB_TIMEOUT_S, on_line=on_line).returncode
+            rc = launch_ranks(ranks, args, timeout=JOB_TIMEOUT_S, env=_job_env(), on_line=on_line).returncode
     if rc != 0:
         with open(log_path) as f:
             tail = f.read()[-3000:]
