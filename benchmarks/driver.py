@@ -87,7 +87,7 @@ def _launch(ranks: int | None, args: list[str], bar, log_path: str) -> None:
         with open(log_path) as f:
             tail = f.read()[-3000:]
         what = "did not finish in time (killed)" if rc is None else f"failed with exit code {rc}"
-        raise SystemExit(f"gradcomp bench: {' '.join(args)}\n{what}:\n{tail}")
+        raise SystemExit(f"python -m benchmarks bench: {' '.join(args)}\n{what}:\n{tail}")
 
 
 def paths_of(args: argparse.Namespace) -> list[str]:
@@ -98,7 +98,7 @@ def paths_of(args: argparse.Namespace) -> list[str]:
         paths = [p.strip() for p in text.split(",") if p.strip()]
         bad = [p for p in paths if p not in ("reducer", "ddp")]
         if bad:
-            raise SystemExit(f"gradcomp bench: unknown path(s) {bad}: reducer, ddp")
+            raise SystemExit(f"python -m benchmarks bench: unknown path(s) {bad}: reducer, ddp")
         return paths
     with_torch = torch_available() if args.torch == "auto" else args.torch == "on"
     return ["reducer", "ddp"] if with_torch else ["reducer"]
@@ -113,17 +113,17 @@ def run(args: argparse.Namespace) -> dict:
     try:
         select(args.methods, with_torch)  # an unknown name fails here, before any launch
     except ValueError as exc:
-        raise SystemExit(f"gradcomp bench: {exc}") from None
+        raise SystemExit(f"python -m benchmarks bench: {exc}") from None
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
     paths = paths_of(args)
     if "ddp" in paths and args.torch == "off":
-        raise SystemExit("gradcomp bench: the ddp path needs torch (got --torch off)")
+        raise SystemExit("python -m benchmarks bench: the ddp path needs torch (got --torch off)")
     total = len(models) * len(ranks) * sum(len(select(args.methods, with_torch, path)) + 2 for path in paths)
     if args.kernels:
         from .kernels import count
         total += count(args.kernel_methods)
-    bar = tqdm(total=total, unit="method", desc="gradcomp bench", disable=args.quiet)
+    bar = tqdm(total=total, unit="method", desc="benchmarks", disable=args.quiet)
     jobs = []
     t0 = time.time()
     for model in models:
@@ -171,7 +171,7 @@ def load(outdir: str) -> tuple[list[dict], list[dict], list[dict]]:
         if not isinstance(data, dict) or "results" not in data:
             continue
         if data.get("link_problem"):  # a capped run whose link did not reach its rate
-            print(f"gradcomp report: {name} left out: {data['link_problem']}", file=sys.stderr)
+            print(f"python -m benchmarks report: {name} left out: {data['link_problem']}", file=sys.stderr)
             continue
         (capped if name.startswith("capped-") else jobs).append(data)
     kernel_rows = []
@@ -198,7 +198,7 @@ def report(outdir: str, jobs: list[dict], kernel_rows: list[dict], meta: dict, p
     if capped is None:
         _, _, capped = load(outdir)
     if not (jobs or kernel_rows or capped):
-        raise SystemExit(f"gradcomp report: no benchmark results in {outdir} (no job, capped-*.json "
+        raise SystemExit(f"python -m benchmarks report: no benchmark results in {outdir} (no job, capped-*.json "
                          "or kernels.json files, no results.json): nothing written")
     everything = dict(meta=meta, jobs=jobs, kernels=kernel_rows, capped=capped)
     with open(os.path.join(outdir, "results.json"), "w") as f:

@@ -4,9 +4,9 @@ An alpha-beta model (Hockney): a message of ``b`` bytes over a link costs ``alph
 Per bucket of ``n`` float32 values, a method is described by its traffic (``Traffic``: which
 collective and how many bytes of message, from the compressor's own declaration: a codec's
 ``collective`` and ``message_size``, PowerSGD's factor sizes for the bucket's shapes) and by its
-compute per byte of gradient (measured on this machine: ``benchmarks/kernels.py`` in the repository). A cluster is
-``hosts`` hosts of ``per_host`` ranks, each host one link to the others (``network``) and a fast
-path inside (``local``).
+compute per byte of gradient (measured on this machine: the repository's ``benchmarks/kernels.py``).
+A cluster is ``hosts`` hosts of ``per_host`` ranks, each host one link to the others (``network``)
+and a fast path inside (``local``).
 
 What crosses one host's link, per bucket, in one direction (``host_link_bytes``), with N ranks,
 H hosts, L ranks per host and M the message bytes (for allreduce: the summed vector):
