@@ -34,7 +34,7 @@ demo: $(STAMP)
 	$(PY) scripts/demo.py --np $(NP)
 
 bench: $(STAMP)
-	$(PY) -m gradcomp bench
+	$(PY) -m benchmarks bench
 
 # The documentation site (mkdocs.yml, docs/) into site/; any warning is an error (--strict), then
 # an offline check of every link and anchor in the built pages.
@@ -45,6 +45,6 @@ docs: $(DOCS_STAMP)
 clean:
 	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache
 
-# ResNet-50-sized step times on a tbf-capped network (needs root; see bench/capped.sh).
+# ResNet-50-sized step times on a tbf-capped network (needs root; see benchmarks/capped.sh).
 bench-capped: $(STAMP)
-	bench/capped_steps.sh results/bench
+	benchmarks/capped_steps.sh results/bench

@@ -9,7 +9,7 @@ pass.
 
 The results are bit-identical to NumPy's cast for every input: round to nearest, ties to even;
 subnormal halves; overflow to +-inf; NaN payloads kept the way NumPy keeps them (the top 10
-mantissa bits, a NaN that would become Inf becomes 0x7c01). ``tests/test_bench.py`` checks every
+mantissa bits, a NaN that would become Inf becomes 0x7c01). ``tests/kernels/test_kernels.py`` checks every
 float16 value, the midpoints and their neighbours, and random float32 bit patterns.
 
 The float32 -> float16 conversion follows the branch-free scheme of M. Dukhan's FP16 library

@@ -98,7 +98,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     name, _, rest = spec.partition(":")
     kwargs: dict[str, Any] = {}
     items: list[str] = []
-    for item in filter(None, (part.strip() for part in _top_level_items(rest))):
+    for item in filter(None, (part.strip() for part in split_items(rest))):
         if "=" not in item and items:  # a list value: auto:allowed=fp16,int8,int4
             items[-1] += "," + item
         else:
@@ -114,9 +114,12 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name.strip(), kwargs
 
 
-def _top_level_items(text: str) -> list[str]:
+def split_items(text: str) -> list[str]:
     """``text`` split at the commas outside quotes and brackets: a value may itself be a quoted
-    spec (``compressor='powersgd:rank=2,start_iter=2'``) or a tuple (``betas=(0.9, 0.95)``)."""
+    spec (``compressor='powersgd:rank=2,start_iter=2'``) or a tuple (``betas=(0.9, 0.95)``).
+    What ``parse_spec`` splits a spec's ``key=value`` list with; public so that a command line
+    that takes a comma-separated list of specs splits it the same way (``benchmarks/methods.py``'s
+    ``--methods``). Items are not stripped; an empty text gives ``[""]``."""
     items, depth, quote, start = [], 0, "", 0
     for i, c in enumerate(text):
         if quote:

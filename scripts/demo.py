@@ -38,10 +38,12 @@ import textwrap
 import time
 from pathlib import Path
 
-from gradcomp.bench.tables import aligned_table
-from gradcomp.launcher import mpiexec
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # benchmarks/ (its table helper) is not installed: it is in the checkout
+
+from benchmarks.tables import aligned_table  # noqa: E402
+from gradcomp.launcher import mpiexec  # noqa: E402
+
 EXAMPLE = ROOT / "examples" / "numpy_mlp.py"
 DEFAULT_EXAMPLE_ARGS = ("--epochs", "8", "--batch-size", "16", "--hidden", "32")
 

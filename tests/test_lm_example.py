@@ -1,6 +1,6 @@
 """examples/torch_lm.py, run for real under mpiexec at 2 ranks with a tiny model for a few steps.
 
-The full-size run is scripts/convergence.py's job; here a 1-layer, 32-wide model with a 32-byte
+The full-size run is benchmarks/scripts/convergence.py's job; here a 1-layer, 32-wide model with a 32-byte
 context must already beat a uniform guess (ln 256 = 5.55 nats per byte) on the held-out split, end
 with bit-identical weights on both ranks, and count the bytes it sent.
 """

@@ -5,7 +5,7 @@ Inside a host, ranks share a fast local path (shared memory, NVLink); hosts meet
 each host's ranks in rank order (``members``). Where it comes from, first match wins:
 
 1. ``GRADCOMP_RANKS_PER_HOST=L``: ranks ``h*L .. h*L+L-1`` form host ``h`` (simulations, such as
-   ``bench/capped.sh`` with ``CAPPED_HOSTS``, and launches where MPI cannot tell);
+   ``benchmarks/capped.sh`` with ``CAPPED_HOSTS``, and launches where MPI cannot tell);
 2. ``GRADCOMP_HOST=NAME`` set per rank (a launcher's host name, any string): ranks with the same
    name share a host;
 3. under torchrun (and not mpiexec), ``LOCAL_WORLD_SIZE``: consecutive blocks of that size, as

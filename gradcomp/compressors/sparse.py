@@ -50,7 +50,11 @@ def _sum_is_finite(top_bits: int, n: int, dtype: np.dtype) -> bool | None:
     return True if largest * n < float(info.max) / 4 else None
 
 
-def _k(n: int, ratio: float) -> int:
+def kept(n: int, ratio: float) -> int:
+    """How many of a bucket's ``n`` values a sparsifier with ``ratio`` sends (``TopK``,
+    ``RandomK``; ``ReducedTopK`` per slice): ``ceil(ratio * n)``, at least 1 and at most ``n``
+    (0 for an empty bucket). Public so that code outside the codecs can count what they move
+    without re-deriving the rounding (the memory-traffic floors in ``benchmarks/floors.py``)."""
     return min(n, max(1, math.ceil(ratio * n))) if n else 0
 
 
@@ -73,10 +77,10 @@ class TopK(Codec):
         return np.dtype(np.float32)
 
     def message_size(self, n: int) -> int:
-        return 8 * _k(n, self.ratio)
+        return 8 * kept(n, self.ratio)
 
     def _views(self, message: Array, n: int) -> tuple[Array, Array]:
-        k = _k(n, self.ratio)
+        k = kept(n, self.ratio)
         return message[:4 * k].view(np.int32), message[4 * k:8 * k].view(np.float32)
 
     def encode(self, x: Array, message: Array, workspace: Workspace) -> None:
@@ -233,7 +237,7 @@ class RandomK(Codec):
         if bucket.is_last:
             self._step += 1
         n = bucket.numel
-        k = _k(n, self.ratio)
+        k = kept(n, self.ratio)
         layout = digest(bucket.layout_text())
         index = workspace.array(self, "index", k, np.int64, like=bucket.buffer)
         self._choose(np.random.default_rng([self.seed, step, layout & 0xFFFFFFFF, layout >> 32]), n, k, index)
@@ -263,7 +267,7 @@ class RandomK(Codec):
         return self._spare[:k + 2]
 
     def message_size(self, n: int) -> int:
-        return _k(n, self.ratio) + 1
+        return kept(n, self.ratio) + 1
 
     def encode(self, x: Array, message: Array, workspace: Workspace) -> None:
         k = message.shape[0] - 1

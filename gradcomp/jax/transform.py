@@ -24,7 +24,7 @@ Where the step runs:
   callback (a ``CollectiveError``) reaches the caller as JAX's runtime error, on every rank.
 
 Both give the same bits (tested); the callback costs the copies XLA makes of the operands and
-results (``scripts/jax_overhead.py`` measures both).
+results (``benchmarks/scripts/jax_overhead.py`` measures both).
 """
 from __future__ import annotations
 

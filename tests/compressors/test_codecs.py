@@ -237,7 +237,7 @@ def test_topk_selection_on_large_buckets(case):
     positions as a full argpartition where magnitudes are distinct, NaN counted as largest, and
     falls back to the full sort where the estimate fails (ties, NaN)."""
     from gradcomp.comm import Workspace
-    from gradcomp.compressors.sparse import TopK, _k
+    from gradcomp.compressors.sparse import TopK, kept
 
     rng = np.random.default_rng(7)
     n = 700_001 if case != "small" else 5_000
@@ -245,7 +245,7 @@ def test_topk_selection_on_large_buckets(case):
          "mostly-zero": np.where(rng.random(n) < 0.002, rng.standard_normal(n), 0.0),
          "constant": np.full(n, -3.0),
          "nan": np.where(rng.random(n) < 0.2, np.nan, rng.standard_normal(n))}[case].astype(np.float32)
-    k = _k(n, 0.01)
+    k = kept(n, 0.01)
     top = TopK()._top(x, k, Workspace())
     key = np.where(np.isnan(x), np.inf, np.abs(x))
     chosen = np.zeros(n, bool)

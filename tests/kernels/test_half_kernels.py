@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gradcomp import arrays, jit
-from tests.test_bench import _awkward_float32_bits
+from tests.kernels.test_kernels import _awkward_float32_bits
 
 HALVES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 

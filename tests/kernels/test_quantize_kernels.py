@@ -1,6 +1,6 @@
 """The quantization kernels, compiled (``gradcomp.jit``, numba) and NumPy, bit for bit.
 
-Both paths must give the documented reference sequence's bits (``test_bench``'s reference), and
+Both paths must give the documented reference sequence's bits (``test_kernels``'s reference), and
 the same bits as each other on the inputs where the reference leaves NumPy's choices open (which
 zero ``min`` returns when a chunk holds +0 and -0), for every shape of chunking: per channel with
 a tail, chunks wider than the NumPy block, per tensor, lengths 0 and 1.
@@ -15,7 +15,7 @@ from gradcomp.compressors.quantize import kernels as quantize_module
 from gradcomp.compressors.quantize.kernels import chunk_count, dequantize, quantize
 
 from tests.mpi_launch import run_ranks
-from tests.test_bench import _quantize_cases, _reference_dequantize_add, _reference_quantize
+from tests.kernels.test_kernels import _quantize_cases, _reference_dequantize_add, _reference_quantize
 
 COMPILED = jit.available()
 PATHS = ["numpy", pytest.param("compiled", marks=pytest.mark.skipif(

@@ -99,7 +99,7 @@ def init_gloo(comm):
 def rank_torch_parity(configs, steps):
     import torch
 
-    from gradcomp.bench.hookbucket import HookBucket
+    from benchmarks.hookbucket import HookBucket
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDState,
                                                                            powerSGD_hook)

@@ -1,6 +1,6 @@
 """Is the emulated link running at its rate? fp32 allreduce's goodput against the cap.
 
-``bench/capped.sh`` caps each emulated host's link with ``tc tbf`` and exports the rate as
+``benchmarks/capped.sh`` caps each emulated host's link with ``tc tbf`` and exports the rate as
 ``GRADCOMP_NETWORK``. A token bucket too small for the rate (the old 64 KB at 1 Gbit/s) lets
 the link run at about half its rate, which flatters every ratio to fp32. So every capped run
 measures what fp32 allreduce actually moved: the bytes one rank puts on the wire per step (the
@@ -62,4 +62,4 @@ def problem(job: dict[str, Any]) -> str | None:
         return None
     return (f"the emulated link ran below its rate: fp32 allreduce moved {fraction:.1%} of the "
             f"{job['network']} cap (at least {MINIMUM:.0%} needed): no ratios from this run. Check the "
-            "tbf burst (bench/capped.sh) and what else the machine is running.")
+            "tbf burst (benchmarks/capped.sh) and what else the machine is running.")

@@ -4,7 +4,7 @@
   methods (exact, half precision, int8 quantized, low rank), with fp32 allreduce as the reference
   line in every panel. Lines are a model, said so on the figure: the step time measured on this host
   (ranks talk through shared memory, so it is nearly all compute) plus the bytes each rank sends
-  divided by the bandwidth. Dots are real runs on a capped network (``bench/capped.sh``), drawn (and
+  divided by the bandwidth. Dots are real runs on a capped network (``benchmarks/capped.sh``), drawn (and
   claimed) only when such results for the same model and number of ranks are in the output folder.
 * ``error_vs_ratio.png``: relative error of one step against compression ratio. Colour = family,
   marker = implementation; methods that land on the same spot share one label, and labels are

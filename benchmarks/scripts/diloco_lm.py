@@ -1,7 +1,7 @@
 """Local steps (gradcomp.torch.DiLoCo) against every-step averaging on examples/torch_lm.py's LM.
 
-    mpiexec -n 4 .venv/bin/python scripts/diloco_lm.py --mode ddp --steps 300 --json ddp.json
-    mpiexec -n 4 .venv/bin/python scripts/diloco_lm.py --mode diloco --sync-every 20 \\
+    mpiexec -n 4 .venv/bin/python benchmarks/scripts/diloco_lm.py --mode ddp --steps 300 --json ddp.json
+    mpiexec -n 4 .venv/bin/python benchmarks/scripts/diloco_lm.py --mode diloco --sync-every 20 \\
         --outer-lr 1.0 --outer-momentum 0 --compressor int8 --steps 300 --json h20.json
 
 The model, corpus, batches (seeded by step and rank), AdamW and its schedule are torch_lm.py's;
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))  # examples/ (the checkout)
 
 import gradcomp
 import gradcomp.torch as gt

@@ -1,4 +1,4 @@
-"""One benchmark job, run on every rank: ``mpiexec -n N python -m gradcomp.bench.worker ...``.
+"""One benchmark job, run on every rank: ``mpiexec -n N python -m benchmarks.worker ...``.
 
 It measures what users get, on one of two paths (``--path``):
 
@@ -44,7 +44,7 @@ fp32 allreduce step: a step cannot take less than its floor, whatever the networ
 whose floor is near its step time is bound by the CPU, not the wire. Rank 0 also reads the whole
 machine's busy CPU seconds over each step (``machine_cpu_s``, from a barrier before the step to
 one after it whose ranks sleep while they wait; ``machine_floor_vs_allreduce`` spreads them over
-all cores): on ``bench/capped.sh``'s link that adds what the emulated hosts' network stacks do
+all cores): on ``benchmarks/capped.sh``'s link that adds what the emulated hosts' network stacks do
 outside the ranks' own accounts. ``runq_wait_s`` is the median over steps of the time every
 rank's threads spent runnable but not running (summed over ranks; Linux's per-thread schedstat):
 what ranks that share cores lose queueing for them. By default the timed steps
@@ -56,13 +56,13 @@ timed step, outside the clock; on the ``ddp`` path also against DDP's own result
 (``rel_diff_vs_ddp``). Bytes on the wire: gradcomp's compressors count them
 (``Compressor.stats()``); for PyTorch's hooks, the torch.distributed collectives they call are
 counted with the same bandwidth-optimal formulas (``gradcomp.comm.wire_bytes``); DDP's own
-allreduce by that formula. On ``bench/capped.sh``'s link every rank also reads its emulated host's
+allreduce by that formula. On ``benchmarks/capped.sh``'s link every rank also reads its emulated host's
 own counter of bytes sent (``host_link_bytes_per_step``: the busiest host, after a barrier that
 closes the step, outside the clock), which the link check and the hierarchical tables use. torch
 runs one thread per rank, like gradcomp's BLAS (ranks share the cores).
 
 Rank 0 prints ``@progress DONE TOTAL NAME`` lines (for the driver's progress bar) and writes the
-results as JSON to ``--out``. The paths and the cases they step are in ``gradcomp.bench.paths``;
+results as JSON to ``--out``. The paths and the cases they step are in ``benchmarks.paths``;
 this module is the job: the command line, the timed loop, the errors and the summary rows.
 """
 from __future__ import annotations
@@ -78,17 +78,18 @@ from typing import Any
 
 import numpy as np
 
-from ..bucket import group
-from ..comm import wire_bytes
-from ..planning.cost import pipelined
+from gradcomp.bucket import group
+from gradcomp.comm import wire_bytes
+from gradcomp.planning.cost import pipelined
+
 from .methods import Method, select
-from .paths import PATHS, DDPPath, ReducerPath, _Case
+from .paths import PATHS, Case, DDPPath, ReducerPath
 from .shapes import heavy_tailed, model_shapes, numel
 
 
 def _link_tx() -> int | None:
     """Bytes this emulated host has sent on its capped link so far (``eth0``'s counter in the
-    network namespace ``bench/capped.sh`` put this rank in, shared by the host's ranks, frames with
+    network namespace ``benchmarks/capped.sh`` put this rank in, shared by the host's ranks, frames with
     their TCP/IP headers and the ACKs of what it received); None outside ``capped.sh``."""
     if "GRADCOMP_NETNS_PREFIX" not in os.environ:
         return None
@@ -102,7 +103,7 @@ def _link_tx() -> int | None:
 def _machine_busy() -> float | None:
     """CPU seconds the whole machine has been busy so far, all cores and every process and kernel
     thread (``/proc/stat``: user, nice, system, irq, softirq, steal), or None where it cannot be
-    read. On ``bench/capped.sh``'s link the emulated hosts' network stacks (veth, bridge, tbf)
+    read. On ``benchmarks/capped.sh``'s link the emulated hosts' network stacks (veth, bridge, tbf)
     run on the same cores as the ranks, partly in softirq context that no rank's ``getrusage``
     counts: this is the CPU a step needs on this machine, ranks and network together. (Measured
     at 1 Gbit/s x 4 ranks: within 0.95-1.15x the ranks' own CPU, most of the network's work is
@@ -192,9 +193,9 @@ def _exact_mean(world: Any, grads: list[np.ndarray]) -> list[np.ndarray]:
     return exact
 
 
-#: gradcomp's and bench/capped.sh's comparison knobs: a run with one set is not a default one
+#: gradcomp's and benchmarks/capped.sh's comparison knobs: a run with one set is not a default one
 _KNOBS = ("CAPPED_MTU", "GRADCOMP_TWO_STAGE_PIECES", "GRADCOMP_PIPELINE_DEPTH", "GRADCOMP_MPI_WAIT")
-#: what bench/capped.sh sets so that MPI's traffic crosses the capped interface, as it does between
+#: what benchmarks/capped.sh sets so that MPI's traffic crosses the capped interface, as it does between
 #: hosts (no shared memory): the emulated network, not a tuning
 _NETWORK_PLUMBING = ("MPIR_CVAR_NOLOCAL", "MPIR_CVAR_CH4_NETMOD")
 
@@ -221,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     methods = select(args.methods, with_torch=None if args.torch == "auto" else args.torch == "on",
                      path=args.path)
     if args.path == "ddp" and args.torch == "off":
-        raise SystemExit("gradcomp.bench.worker: --path ddp needs torch (got --torch off)")
+        raise SystemExit("benchmarks.worker: --path ddp needs torch (got --torch off)")
     if rank == 0:
         for line in warmup_warnings(methods, args.warmup):
             print(line, file=sys.stderr, flush=True)
@@ -244,7 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     errors: dict[str, float] = {}
     diffs: dict[str, float] = {}
 
-    def open_case(i: int, m: Method) -> _Case | None:
+    def open_case(i: int, m: Method) -> Case | None:
         """The method built and warmed up, or None (its failure recorded)."""
         try:
             case = path.case(m)
@@ -263,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             _progress(rank, i + 1, total, m.name)
 
-    def timed_step(case: _Case, rep: int) -> None:
+    def timed_step(case: Case, rep: int) -> None:
         nonlocal reference
         case.prepare()  # restoring overwritten gradients is not part of the step
         world.Barrier()
@@ -401,7 +402,7 @@ def warmup_warnings(methods: list[Method], untimed: int) -> list[str]:
     """A line per gradcomp method whose exact warm-up outlasts the ``untimed`` steps: some of its
     timed steps would be fp32 allreduces (``int8`` averages its first 50 exactly). Names the spec
     of the method itself (``steady``); a spec with nothing to shorten (``auto``) is not named."""
-    from ..registry import steady
+    from gradcomp.registry import steady
 
     out = []
     for m in methods:
@@ -414,7 +415,7 @@ def warmup_warnings(methods: list[Method], untimed: int) -> list[str]:
     return out
 
 
-def _summary(case: _Case, steps: int) -> dict[str, Any]:
+def _summary(case: Case, steps: int) -> dict[str, Any]:
     nbytes, rounds = case.traffic(steps)
     row: dict[str, Any] = dict(method=case.name, kind=case.kind, label=case.label, same_as=case.same_as,
                                bytes_per_rank=nbytes, rounds_per_step=rounds)
@@ -468,7 +469,7 @@ def _with_ratios(results: list[dict[str, Any]], n: int, size: int, cores: int) -
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gradcomp.bench.worker",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.worker",
                                 description="one benchmark job on every rank of an mpiexec launch")
     p.add_argument("--reducer-arrays", choices=("views", "own"), default="views",
                    help="reducer path: gradients in GradientReducer.gradients (views into its "
@@ -480,7 +481,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="all",
                    help="comma-separated: all, gradcomp, torch, everything, compressor specs "
                         "(NAME[:key=value,...] from gradcomp.REGISTRY; gloo-SPEC over gloo), "
-                        "torch-* hooks, mpi-allreduce (see gradcomp.bench.methods)")
+                        "torch-* hooks, mpi-allreduce (see benchmarks.methods)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 3 for PowerSGD)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
@@ -516,7 +517,7 @@ def _two_stage_pieces() -> None:
     value = int(text) if text.strip().isdigit() else 0
     if value < 1:
         raise ValueError(f"GRADCOMP_TWO_STAGE_PIECES must be a whole number >= 1, got {text!r}")
-    from ..compressors import pieces
+    from gradcomp.compressors import pieces
 
     pieces.MAX_PIECES = value
 

@@ -1,15 +1,14 @@
-"""Benchmarks and the kernels they measure: correctness only, never a wall-clock threshold.
+"""The benchmarks: correctness only, never a wall-clock threshold. (The kernels they measure are
+tested in tests/kernels/test_kernels.py.)
 
-* ``gradcomp.halfcast`` (behind ``arrays.cast``) is bit-identical to NumPy's float16 casts.
-* The blocked NumPy quantization kernels are bit-identical to the documented reference sequence.
 * The benchmark's methods follow ``gradcomp.REGISTRY`` (a registered name joins ``--methods all``
   with no edit to the bench); specs with commas parse; PyTorch's hooks point at their gradcomp twins.
 * The worker on a tiny model, 2 real ranks, on both paths (``reducer``: ``GradientReducer``;
   ``ddp``: real DistributedDataParallel with comm hooks): finite times, page-fault counts, bytes,
   exact fp32 results, gradcomp's allreduce equal to DDP's own (fp32 rounding).
-* ``python -m gradcomp bench`` on a tiny model, 1 and 2 real ranks, writes JSON, CSV and PNGs whose
+* ``python -m benchmarks bench`` on a tiny model, 1 and 2 real ranks, writes JSON, CSV and PNGs whose
   numbers make sense (bytes per rank, errors); ``report`` never writes empty results over results.
-* ``bench/capped.sh`` really puts ranks in their own namespaces and cleans up, also on failure
+* ``benchmarks/capped.sh`` really puts ranks in their own namespaces and cleans up, also on failure
   (skipped without root or without iproute2).
 """
 from __future__ import annotations
@@ -24,195 +23,8 @@ import sys
 import numpy as np
 import pytest
 
-from gradcomp import halfcast
-from gradcomp.arrays import cast
-from gradcomp.compressors import QuantizePerChannel, QuantizePerTensor
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CAPPED = os.path.join(ROOT, "bench", "capped.sh")
-
-
-# -- float16 kernels --------------------------------------------------------------------------------
-def _awkward_float32_bits() -> np.ndarray:
-    """Every float16 value as float32, the rounding midpoints between neighbours and the values one
-    ulp either side, plus random bit patterns (NaN payloads, subnormals, huge values)."""
-    h = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
-    h = h.astype(np.int64)
-    near = [h + d for d in (0, 1, -1, 1 << 12, (1 << 12) - 1, (1 << 12) + 1, 1 << 13, (1 << 13) - 1,
-                            (1 << 13) + 1)]
-    rng = np.random.default_rng(0)
-    random_bits = rng.integers(0, 1 << 32, 1 << 20, dtype=np.int64)
-    special = np.array([0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0x7F802000, 0x7F801FFF,
-                        0x477FEFFF, 0x477FF000, 0x477FF001, 0x47800000, 0x33000000, 0x33000001,
-                        0x387FC000, 0x387FE000, 0x00000001, 0x80000000], dtype=np.int64)
-    return (np.concatenate(near + [random_bits, special]) % (1 << 32)).astype(np.uint32)
-
-
-def test_float32_to_float16_is_numpy_bit_for_bit():
-    x = _awkward_float32_bits().view(np.float32)
-    with np.errstate(all="ignore"):
-        expected = x.astype(np.float16).view(np.uint16)
-    got = halfcast.float32_to_float16(x).view(np.uint16)
-    bad = np.flatnonzero(got != expected)
-    assert bad.size == 0, [(hex(int(x.view(np.uint32)[i])), hex(int(expected[i])), hex(int(got[i])))
-                           for i in bad[:5]]
-
-
-def test_float16_to_float32_is_numpy_bit_for_bit():
-    every_half = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
-    expected = every_half.astype(np.float32).view(np.uint32)
-    assert np.array_equal(halfcast.float16_to_float32(every_half).view(np.uint32), expected)
-
-
-@pytest.mark.parametrize("shape", [(0,), (5,), (halfcast.MIN_SIZE,), (3 * halfcast.CHUNK + 7,),
-                                   (300, 257)])
-def test_cast_dispatch_keeps_shape_and_values(shape):
-    rng = np.random.default_rng(1)
-    x = (rng.standard_t(3, size=shape) * 1e-3).astype(np.float32)
-    h = cast(x, np.float16)
-    assert h.dtype == np.float16 and h.shape == x.shape
-    assert np.array_equal(h.view(np.uint16), x.astype(np.float16).view(np.uint16))
-    back = cast(h, "float32")
-    assert back.dtype == np.float32 and back.shape == x.shape
-    assert np.array_equal(back.view(np.uint32), h.astype(np.float32).view(np.uint32))
-    assert x.flags.writeable and np.shares_memory(h, x) is False
-
-
-def test_cast_of_a_strided_view_still_works():
-    x = np.arange(200000, dtype=np.float32)[::2] / np.float32(1000)
-    assert np.array_equal(cast(x, np.float16), x.astype(np.float16))
-
-
-def _same_or_both_nan(a, b):
-    """Bit-identical, except that which NaN payload survives a NaN + NaN is not specified."""
-    return bool(np.all((a.view(np.uint16) == b.view(np.uint16)) | (np.isnan(a) & np.isnan(b))))
-
-
-def test_half_divide_and_add_are_numpy_bit_for_bit():
-    from gradcomp.arrays import add_into, divide
-
-    every_half = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
-    rng = np.random.default_rng(4)
-    with np.errstate(all="ignore"):
-        for d in (2, 3, 4, 7, 1024):
-            assert _same_or_both_nan(divide(every_half, d), every_half / np.float16(d)), d
-        a = rng.integers(0, 1 << 16, 1 << 20, dtype=np.uint16).view(np.float16)
-        b = rng.integers(0, 1 << 16, 1 << 20, dtype=np.uint16).view(np.float16)
-        expected = a + b
-        acc = a.copy()
-        assert add_into(acc, b) is acc
-        assert _same_or_both_nan(acc, expected)
-        small = np.ones(10, np.float16)  # below MIN_SIZE: plain NumPy
-        assert np.array_equal(add_into(small, small), np.full(10, 2, np.float16))
-
-
-# -- quantization kernels -----------------------------------------------------------------------------
-def _reference_quantize(x, bits, width, zero=False):
-    """The documented semantics, written plainly: per chunk offset = min, scale = (max-min)/levels,
-    codes = clip(rint((x - offset) / scale)) with 1/scale computed once; non-finite -> code 0.
-    ``zero``: the range widened to hold 0 (a zero of either sign as +0), scale = range / (levels -
-    1), offset = -ceil(-min / scale) * scale (scale 1 in that division where it is 0), in float32."""
-    levels = (1 << bits) - 1
-    n = x.shape[0]
-    width = width or max(n, 1)
-    starts = list(range(0, n, width))
-    params = np.empty((2, len(starts)), np.float32)
-    codes = np.empty(n, np.uint8)
-    with np.errstate(all="ignore"):
-        for c, s in enumerate(starts):
-            part = x[s:s + width]
-            lo, hi = part.min(), part.max()
-            if zero:
-                lo, hi = np.float32(0.0 if lo >= 0 else lo), np.float32(0.0 if hi <= 0 else hi)
-                scale = (hi - lo) / np.float32(levels - 1)
-                lo = np.float32(0.0) - np.ceil(-lo / (scale if scale > 0 else np.float32(1.0))) * scale
-                if not (np.isfinite(lo) and np.isfinite(scale)):
-                    lo = scale = np.float32(np.nan)
-            else:
-                scale = (hi - lo) / np.float32(levels)
-            inv = np.float32(1.0) / (scale if scale > 0 else np.float32(1.0))
-            q = (part - lo) * inv
-            q = np.clip(np.rint(q), 0, levels)
-            q[~np.isfinite(q)] = 0
-            codes[s:s + width] = q
-            params[:, c] = lo, scale
-    return params, codes
-
-
-def _reference_dequantize_add(acc, params, codes, width):
-    n = acc.shape[0]
-    width = width or max(n, 1)
-    with np.errstate(all="ignore"):
-        for c, s in enumerate(range(0, n, width)):
-            lo, scale = params[0, c], params[1, c]
-            a = acc[s:s + width]
-            a += codes[s:s + width] * scale
-            a += lo
-            if not (np.isfinite(lo) and np.isfinite(scale)):
-                a[...] = np.nan
-
-
-def _quantize_cases():
-    rng = np.random.default_rng(2)
-    cases = {f"t2-{n}": rng.standard_t(2, n).astype(np.float32) for n in (1, 7, 511, 512, 513, 70001, 600001)}
-    x = rng.standard_t(2, 140000).astype(np.float32)
-    x[[10, 5000, 90000]] = [np.nan, np.inf, -np.inf]
-    cases["non-finite"] = x
-    x = np.zeros(3000, np.float32)
-    x[3] = 1e-40  # a subnormal range: 1/scale overflows
-    cases["subnormal-range"] = x
-    x = rng.standard_t(2, 3000).astype(np.float32)
-    x[7], x[8] = 3e38, -3e38  # the range overflows
-    cases["overflowing-range"] = x
-    base = np.float32(1.0) + np.arange(4096, dtype=np.float32) * np.float32(2.0 ** -23)
-    cases["few-ulp-ranges"] = rng.permutation(np.repeat(base, 3))  # ranges of a few ulp
-    cases["constant"] = np.full(2000, 0.25, np.float32)
-    return cases
-
-
-def _kernel_quantize(x, bits, width):
-    """(params, codes) from the quantizers' shared kernels (``compressors.quantize.kernels``)."""
-    from gradcomp.compressors.quantize.kernels import chunk_count, quantize
-
-    width = width or max(x.shape[0], 1)
-    params = np.empty((2, chunk_count(x.shape[0], width)), np.float32)
-    codes = np.empty(x.shape[0], np.uint8)
-    quantize(x, params, codes, width, (1 << bits) - 1)
-    return params, codes
-
-
-def _kernel_dequantize_add(acc, params, codes, width):
-    from gradcomp.compressors.quantize.kernels import dequantize
-
-    dequantize(acc, params, codes, width or max(acc.shape[0], 1), add=True)
-
-
-@pytest.mark.parametrize("bits,width", [(8, 512), (4, 512), (1, 512), (8, 3), (8, 100000), (8, None)])
-def test_quantize_kernels_match_the_reference_bit_for_bit(bits, width):
-    for name, x in _quantize_cases().items():
-        params, codes = _kernel_quantize(x, bits, width)
-        ref_params, ref_codes = _reference_quantize(x, bits, width)
-        assert np.array_equal(params.view(np.uint32), ref_params.view(np.uint32)), name
-        assert np.array_equal(codes, ref_codes), name
-        acc = np.random.default_rng(3).standard_normal(x.size).astype(np.float32)
-        ref = acc.copy()
-        _kernel_dequantize_add(acc, params, codes, width)
-        _reference_dequantize_add(ref, ref_params, ref_codes, width)
-        assert np.array_equal(acc.view(np.uint32), ref.view(np.uint32)), name
-
-
-def test_quantizers_use_those_kernels():
-    """The allgather quantizers' round trip through a message gives the kernels' bits."""
-    x = _quantize_cases()["t2-70001"]
-    for q, bits, width in ((QuantizePerChannel(8, 512), 8, 512), (QuantizePerTensor(4), 4, None)):
-        message = np.empty(q.message_size(x.size), np.uint8)
-        q.encode(x, message, None)
-        out = np.empty_like(x)
-        q.decode(message, out, None)
-        params, codes = _kernel_quantize(x, bits, width)
-        expected = np.zeros_like(x)
-        _kernel_dequantize_add(expected, params, codes, width)
-        assert np.array_equal(out.view(np.uint32), expected.view(np.uint32)), type(q).__name__
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CAPPED = os.path.join(ROOT, "benchmarks", "capped.sh")
 
 
 # -- the method list: one registry ----------------------------------------------------------------------
@@ -221,8 +33,7 @@ def test_method_list_follows_the_registry():
     ``NAME:start_iter=2``) plus the extra target specs; a newly registered name joins it with no
     edit to the bench, and leaves it again when unregistered."""
     import gradcomp
-    from gradcomp.bench import methods
-
+    from benchmarks import methods
     from gradcomp.registry import steady
 
     names = [m.name for m in methods.select("all", with_torch=False)]
@@ -251,7 +62,7 @@ def test_method_list_follows_the_registry():
 
 
 def test_method_specs_with_commas_and_their_pytorch_twins():
-    from gradcomp.bench.methods import select
+    from benchmarks.methods import select
 
     chosen = select("allreduce,powersgd:start_iter=2,rank=4,torch-fp16,powersgd-r1,gloo-fp16,"
                     "mpi-allreduce", with_torch=True)
@@ -281,7 +92,7 @@ REGISTERED_WORKER = r"""
 import sys
 import gradcomp
 gradcomp.register("zz-bench-new", gradcomp.Allreduce)
-from gradcomp.bench.worker import main
+from benchmarks.worker import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -307,7 +118,7 @@ def _worker(tmp_path, ranks, *options, name="job"):
     from gradcomp.launcher import run
 
     out = tmp_path / f"{name}.json"
-    done = run(ranks, ["-m", "gradcomp.bench.worker", "--model", "tiny", *options, "--out", str(out)],
+    done = run(ranks, ["-m", "benchmarks.worker", "--model", "tiny", *options, "--out", str(out)],
                timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.output[-3000:]
     return json.loads(out.read_text())
@@ -318,8 +129,8 @@ def test_worker_measures_each_path(tmp_path, path):
     """Both paths run every method with finite times, page-fault counts and bytes; fp32 methods
     are exact, and on the ddp path gradcomp's allreduce gives DDP's own result (fp32 rounding)."""
     pytest.importorskip("torch")
-    from gradcomp.bench.methods import split_methods
-    from gradcomp.bench.worker import _runqueue_wait
+    from benchmarks.methods import split_methods
+    from benchmarks.worker import _runqueue_wait
 
     data = _worker(tmp_path, 2, "--path", path, "--methods", WORKER_METHODS, "--repeats", "2",
                    "--warmup", "3")
@@ -373,7 +184,7 @@ def test_bench_cli_writes_json_csv_and_figures(tmp_path):
     out = tmp_path / "results"
     methods = "allreduce,fp16,allgather,quantize-channel,powersgd:rank=1,start_iter=2"
     names = ["allreduce", "fp16", "allgather", "quantize-channel", "powersgd:rank=1,start_iter=2"]
-    cmd = [sys.executable, "-m", "gradcomp", "bench", "--models", "tiny", "--ranks", "1,2",
+    cmd = [sys.executable, "-m", "benchmarks", "bench", "--models", "tiny", "--ranks", "1,2",
            "--methods", methods, "--torch", "off", "--repeats", "2", "--warmup", "3",
            "--kernel-mb", "1", "--kernel-methods", "allreduce,fp16,powersgd:rank=1,start_iter=2",
            "--quiet", "--out", str(out)]
@@ -428,9 +239,9 @@ def test_worker_blocks_order_times_every_method(tmp_path):
     assert results["blocks"]["fp16"]["rel_error"] > 1e-5
 
 
-# -- python -m gradcomp report ----------------------------------------------------------------------------
+# -- python -m benchmarks report ----------------------------------------------------------------------------
 def _report(folder):
-    return subprocess.run([sys.executable, "-m", "gradcomp", "report", str(folder), "--no-plots"],
+    return subprocess.run([sys.executable, "-m", "benchmarks", "report", str(folder), "--no-plots"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
@@ -442,7 +253,7 @@ def test_report_on_an_empty_folder_writes_nothing(tmp_path):
 
 def _gathered_results():
     """A results.json as a committed results folder keeps it (no per-run JSON files beside it)."""
-    path = os.path.join(ROOT, "bench", "figures", "results.json")
+    path = os.path.join(ROOT, "benchmarks", "figures", "results.json")
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
@@ -457,9 +268,9 @@ def _gathered_results():
 
 
 def test_report_on_a_gathered_folder_keeps_its_results(tmp_path):
-    """``report`` on a folder that holds only results.json (bench/figures) rebuilds from it instead
+    """``report`` on a folder that holds only results.json (benchmarks/figures) rebuilds from it instead
     of writing empty results over it."""
-    from gradcomp.bench import driver
+    from benchmarks import driver
 
     data = _gathered_results()
     (tmp_path / "results.json").write_text(json.dumps(data))
@@ -478,12 +289,12 @@ def test_report_on_a_gathered_folder_keeps_its_results(tmp_path):
     assert (tmp_path / "results.json").read_bytes() == before
 
 
-# -- bench/capped.sh ------------------------------------------------------------------------------------
+# -- benchmarks/capped.sh ------------------------------------------------------------------------------------
 def _capped_available():
     if os.geteuid() != 0:
-        return "bench/capped.sh needs root"
+        return "benchmarks/capped.sh needs root"
     if not (shutil.which("ip") and shutil.which("tc")):
-        return "bench/capped.sh needs iproute2 (ip, tc)"
+        return "benchmarks/capped.sh needs iproute2 (ip, tc)"
     probe = subprocess.run(["ip", "netns", "add", "gcbprobe"], capture_output=True)
     subprocess.run(["ip", "netns", "del", "gcbprobe"], capture_output=True)
     if probe.returncode != 0:
@@ -540,7 +351,7 @@ def test_worker_records_what_is_not_a_default_configuration(monkeypatch):
     """MPICH and allocator variables and the comparison knobs (jumbo frames, whole two-stage
     slices, ...) go into the job's ``settings``, which the report prints; capped.sh's own
     plumbing does not."""
-    from gradcomp.bench.worker import _settings
+    from benchmarks.worker import _settings
 
     for k in list(os.environ):
         if k.startswith(("MPIR_CVAR_", "MALLOC_", "CAPPED_", "GRADCOMP_")):
@@ -557,7 +368,7 @@ def test_worker_records_what_is_not_a_default_configuration(monkeypatch):
 
 
 def test_capped_steps_runs_both_paths_and_the_mpich_ring_row(tmp_path):
-    """``bench/capped_steps.sh`` writes one JSON per path (``capped-RATE-PATH.json``), with
+    """``benchmarks/capped_steps.sh`` writes one JSON per path (``capped-RATE-PATH.json``), with
     ``MPICH_RING=1`` a tagged run with MPICH's ring selected, and rebuilds the report."""
     why = _capped_available()
     if why:
@@ -567,7 +378,7 @@ def test_capped_steps_runs_both_paths_and_the_mpich_ring_row(tmp_path):
     env.update(MODEL="tiny", METHODS="allreduce,torch-allreduce", REPEATS="1", MPICH_RING="1",
                PYTHON=sys.executable)
     before = _our_namespaces()
-    done = subprocess.run([os.path.join(ROOT, "bench", "capped_steps.sh"), str(tmp_path), "1gbit", "2"],
+    done = subprocess.run([os.path.join(ROOT, "benchmarks", "capped_steps.sh"), str(tmp_path), "1gbit", "2"],
                           capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert _our_namespaces() == before
@@ -613,9 +424,9 @@ def test_capped_skips_clearly_without_root():
 
 
 def test_the_link_check_refuses_a_slow_link():
-    """bench/link.py: tc's rate units, and a capped fp32 run below 85% of its cap is refused
+    """benchmarks/link.py: tc's rate units, and a capped fp32 run below 85% of its cap is refused
     (a bandwidth-bound one: a latency-bound tiny model is not checked)."""
-    from gradcomp.bench import link
+    from benchmarks import link
 
     assert link.rate_bits("1gbit") == 1e9 and link.rate_bits("500mbit") == 5e8 and link.rate_bits("125mbps") == 1e9
     with pytest.raises(ValueError, match="rate"):
@@ -641,8 +452,8 @@ def test_the_worker_names_methods_timed_in_their_warm_up():
     """``int8`` averages its first 50 steps exactly: a bench of it with 3 untimed steps would time
     fp32 allreduces, and the worker says so, naming the steady spec; the steady spec, PowerSGD's
     (``start_iter=2``, within 3 steps) and ``auto`` are not named."""
-    from gradcomp.bench.methods import select
-    from gradcomp.bench.worker import warmup_warnings
+    from benchmarks.methods import select
+    from benchmarks.worker import warmup_warnings
 
     said = warmup_warnings(select("int8,int8:warmup=0,powersgd:start_iter=2,auto,allreduce", with_torch=False), 3)
     assert len(said) == 1 and "int8 averages its first 50 steps" in said[0] and "'int8:warmup=0'" in said[0], said
@@ -656,7 +467,7 @@ def test_the_machine_busy_clock_counts_this_process_cpu():
     of the wall time."""
     import time
 
-    from gradcomp.bench.worker import _machine_busy
+    from benchmarks.worker import _machine_busy
 
     b0, c0, t0 = _machine_busy(), time.process_time(), time.perf_counter()
     while time.process_time() - c0 < 0.5:
@@ -672,7 +483,7 @@ def test_the_run_queue_clock_counts_a_wait_for_a_shared_core():
     core with a spinning process, and by no more than the time that passed."""
     import time
 
-    from gradcomp.bench.worker import _runqueue_wait
+    from benchmarks.worker import _runqueue_wait
 
     if _runqueue_wait() is None:
         pytest.skip("this kernel has no per-thread schedstat")

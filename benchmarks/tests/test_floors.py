@@ -1,4 +1,4 @@
-"""The memory-traffic floors (``gradcomp.bench.floors``): every registered method has one, and the
+"""The memory-traffic floors (``benchmarks.floors``): every registered method has one, and the
 simple ones come to the bytes counted by hand."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import gradcomp as gc
-from gradcomp.bench import floors
+from benchmarks import floors
 from gradcomp.registry import steady
 
 N = 1 << 20  # values; a float32 bucket of 4 MiB

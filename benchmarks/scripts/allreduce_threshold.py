@@ -1,7 +1,7 @@
 """Where gradcomp's allreduce should switch from MPI_Allreduce to its ring reduce-scatter +
 allgather: both on the same buffers, side by side, by size, float32 and float16.
 
-    bench/capped.sh 1gbit 4 .venv/bin/python scripts/allreduce_threshold.py      # as root
+    benchmarks/capped.sh 1gbit 4 .venv/bin/python benchmarks/scripts/allreduce_threshold.py      # as root
 
 Rank 0 prints a table: median milliseconds per allreduce of each size for ``MPI_Allreduce`` (what
 ``MPICommunicator`` uses below ``large_allreduce_bytes``) and for the ring (above it), and their

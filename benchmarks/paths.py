@@ -6,7 +6,7 @@ before each step, and the communicators (``ReducerPath``: ``GradientReducer`` ov
 one method ready to step: ``prepare()`` (untimed), ``step()`` (timed), ``outputs()`` (the means,
 measured outside the clock), and its traffic (``Compressor.stats()`` for gradcomp's compressors,
 the torch.distributed collectives PyTorch's hooks call, counted by ``_TorchBytes``). What is
-measured and how is in ``gradcomp.bench.worker``'s docstring; the job loop is there too.
+measured and how is in ``benchmarks.worker``'s docstring; the job loop is there too.
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..bucket import Bucket, pack
-from ..comm import MPICommunicator, wire_bytes
+from gradcomp.bucket import Bucket, pack
+from gradcomp.comm import MPICommunicator, wire_bytes
+
 from .methods import Method
 
 PATHS = ("reducer", "ddp")
@@ -54,7 +55,7 @@ class _TorchBytes:
 
 
 # -- cases: one method ready to step ---------------------------------------------------------------
-class _Case:
+class Case:
     """``prepare()`` (untimed) then ``step()`` (timed); ``outputs()``: the mean per gradient array
     after the step; ``release()`` (untimed) after the error has been measured."""
 
@@ -108,11 +109,11 @@ class _Nothing:
         return False
 
 
-def _compressor_begin(case: _Case) -> None:
+def _compressor_begin(case: Case) -> None:
     case._s0 = case.compressor.stats()
 
 
-def _compressor_traffic(case: _Case) -> tuple[float, float]:
+def _compressor_traffic(case: Case) -> tuple[float, float]:
     """(bytes, collectives) per step since ``begin``, as the compressor counted them."""
     s1 = case.compressor.stats()
     n = max(s1["steps"] - case._s0["steps"], 1)
@@ -120,16 +121,16 @@ def _compressor_traffic(case: _Case) -> tuple[float, float]:
             (s1["rounds"] - case._s0["rounds"]) / n)
 
 
-def _hook_begin(case: _Case) -> None:
+def _hook_begin(case: Case) -> None:
     case.counter = _TorchBytes(case.size)
 
 
-def _hook_traffic(case: _Case, steps: int) -> tuple[float, float]:
+def _hook_traffic(case: Case, steps: int) -> tuple[float, float]:
     """(bytes, collectives) per step of the timed steps, as ``_TorchBytes`` counted them."""
     return case.counter.bytes / steps, case.counter.calls / steps
 
 
-class _GradcompTraffic(_Case):
+class _GradcompTraffic(Case):
     def begin(self) -> None:
         _compressor_begin(self)
 
@@ -137,7 +138,7 @@ class _GradcompTraffic(_Case):
         return _compressor_traffic(self)
 
 
-class _HookTraffic(_Case):
+class _HookTraffic(Case):
     def begin(self) -> None:
         _hook_begin(self)
 
@@ -166,13 +167,13 @@ class ReducerPath:
         for g, s in zip(self.grads, self.saved):
             np.copyto(g, s)
 
-    def baselines(self) -> list[_Case]:
+    def baselines(self) -> list[Case]:
         return [_Memcpy(self)]
 
     def reference(self) -> str | None:
         return None
 
-    def case(self, m: Method) -> _Case:
+    def case(self, m: Method) -> Case:
         if m.kind == "gradcomp":
             return _ReducerCase(self, m)
         return _HookBucketCase(self, m)
@@ -194,7 +195,7 @@ class ReducerPath:
             comm.close()
 
 
-class _Memcpy(_Case):
+class _Memcpy(Case):
     def __init__(self, path: ReducerPath):
         super().__init__("memcpy", "refill of the gradient arrays (np.copyto: stands in for backward)")
         self.path = path
@@ -203,9 +204,9 @@ class _Memcpy(_Case):
         self.path.refill()
 
 
-class _ReducerCase(_GradcompTraffic, _Case):
+class _ReducerCase(_GradcompTraffic, Case):
     def __init__(self, path: ReducerPath, m: Method):
-        from ..reducer import GradientReducer
+        from gradcomp.reducer import GradientReducer
 
         super().__init__(m.name, m.label, m)
         self.path = path
@@ -234,7 +235,7 @@ class _ReducerCase(_GradcompTraffic, _Case):
         self.reducer = None
 
 
-class _HookBucketCase(_HookTraffic, _Case):
+class _HookBucketCase(_HookTraffic, Case):
     def __init__(self, path: ReducerPath, m: Method):
         from .hookbucket import HookBucket
 
@@ -251,7 +252,7 @@ class _HookBucketCase(_HookTraffic, _Case):
         self.results: list | None = None
 
     def prepare(self) -> None:  # the hooks write into the bucket
-        from ..bucket import copy_in
+        from gradcomp.bucket import copy_in
 
         for (b, members, t), duck in zip(self.buckets, self.ducks):
             copy_in(b, self.path.saved, members)
@@ -282,7 +283,7 @@ def _start_torch() -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        from ..torch import init_process_group
+        from gradcomp.torch import init_process_group
 
         torch.set_num_threads(1)
         init_process_group("gloo")
@@ -356,13 +357,13 @@ class DDPPath:
         return DistributedDataParallel(self.module(), bucket_cap_mb=self.args.bucket_mb,
                                        gradient_as_bucket_view=self.args.bucket_view == "on")
 
-    def baselines(self) -> list[_Case]:
+    def baselines(self) -> list[Case]:
         return [_Backward(self), _DDPCase(self, None)]
 
     def reference(self) -> str | None:
         return "ddp"
 
-    def case(self, m: Method) -> _Case:
+    def case(self, m: Method) -> Case:
         return _DDPCase(self, m)
 
     def close(self) -> None:
@@ -370,7 +371,7 @@ class DDPPath:
             comm.close()
 
 
-class _ModelCase(_Case):
+class _ModelCase(Case):
     path: DDPPath
     model: Any  # the torch module (DDP or not); None once closed
 
@@ -411,7 +412,7 @@ class _DDPCase(_ModelCase):
         if m is None:
             return
         if m.kind == "gradcomp":
-            from ..torch import register
+            from gradcomp.torch import register
 
             self.compressor = m.build()
             register(self.model, self.compressor, comm=m.communicator(path.shared),

@@ -225,7 +225,7 @@ def powersgd(matrices: Sequence[tuple[int, int]], vectors: int, itemsize: int, c
 
 # -- from a compressor -------------------------------------------------------------------------------
 def _matrices(shapes: Sequence[Sequence[int]], rank: int, min_rate: float) -> tuple[list[tuple[int, int]], int]:
-    from ..powersgd.plan import should_compress
+    from gradcomp.powersgd.plan import should_compress
 
     mats, vectors = [], 0
     for s in shapes:
@@ -246,11 +246,11 @@ def floor(compressor: Any, numel: int, dtype: Any = np.float32, ranks: int = 1,
     ``dtype`` (with the tensor ``shapes``, which PowerSGD needs; default one vector), per rank at
     ``ranks`` ranks. None for a compressor this model does not know (a recipe or schedule: ask it
     for the stage it runs)."""
-    from ..compressors import BF16, FP16, Allgather, Allreduce
-    from ..compressors.feedback import ErrorFeedback
-    from ..compressors.quantize import OneBit, QuantizedAllreduce, QuantizePerChannel, QuantizePerTensor
-    from ..compressors.sparse import RandomK, ReducedTopK, TopK, _k
-    from ..powersgd import PowerSGD
+    from gradcomp.compressors import BF16, FP16, Allgather, Allreduce
+    from gradcomp.compressors.feedback import ErrorFeedback
+    from gradcomp.compressors.quantize import OneBit, QuantizedAllreduce, QuantizePerChannel, QuantizePerTensor
+    from gradcomp.compressors.sparse import RandomK, ReducedTopK, TopK, kept
+    from gradcomp.powersgd import PowerSGD
 
     item = np.dtype(dtype).itemsize
     shapes = [(numel,)] if shapes is None else shapes
@@ -282,9 +282,9 @@ def floor(compressor: Any, numel: int, dtype: Any = np.float32, ranks: int = 1,
         return allgather_codec(numel, item, codec.message_size(numel), ranks)
     if isinstance(codec, ReducedTopK):
         per_slice = -(-numel // ranks)
-        return reduced_topk(numel, item, ranks * _k(per_slice, codec.ratio), ranks, feedback, owner)
+        return reduced_topk(numel, item, ranks * kept(per_slice, codec.ratio), ranks, feedback, owner)
     if isinstance(codec, TopK):
-        return topk(numel, item, _k(numel, codec.ratio), ranks, feedback)
+        return topk(numel, item, kept(numel, codec.ratio), ranks, feedback)
     if isinstance(codec, RandomK):
-        return randomk(numel, item, _k(numel, codec.ratio), ranks, feedback)
+        return randomk(numel, item, kept(numel, codec.ratio), ranks, feedback)
     return None

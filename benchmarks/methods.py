@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..registry import REGISTRY, make, parse_spec
+from gradcomp.registry import REGISTRY, make, parse_spec
 
 #: Specs benchmarked beside the registered names: the issue's targets.
 EXTRA_SPECS = ("powersgd:rank=4,start_iter=2", "powersgd:rank=1,start_iter=2",
@@ -100,13 +100,13 @@ class Method:
         ``shared``); None for the default MPI one (what ``gradcomp.torch.register`` picks)."""
         if self.transport == "gloo":
             if "gloo" not in shared:
-                from ..torch import TorchCommunicator
+                from gradcomp.torch import TorchCommunicator
 
                 shared["gloo"] = TorchCommunicator()
             return shared["gloo"]
         if self.transport == MPI_ALLREDUCE:
             if MPI_ALLREDUCE not in shared:
-                from ..comm import MPICommunicator
+                from gradcomp.comm import MPICommunicator
 
                 shared[MPI_ALLREDUCE] = MPICommunicator(large_allreduce_bytes=_NEVER_SPLIT)
             return shared[MPI_ALLREDUCE]
@@ -133,7 +133,7 @@ def canonical(spec: str) -> str:
 def registered_specs() -> list[str]:
     """The registry's names as benchmarked: in steady state (``gradcomp.registry.steady``:
     ``NAME:start_iter=2`` for PowerSGD, ``NAME:warmup=0`` and ``ramp=0`` for the recipes)."""
-    from ..registry import steady
+    from gradcomp.registry import steady
 
     return [steady(name) for name in REGISTRY]
 
@@ -289,10 +289,10 @@ def split_methods(text: str) -> list[str]:
     """A ``--methods`` list as items: ``a,powersgd:rank=4,start_iter=2,b`` -> 3 items (an item
     ``key=value`` without ``:`` continues the spec before it; commas inside quotes or brackets
     stay in their item: ``auto:allowed='int8,powersgd:start_iter=2'``)."""
-    from ..registry import _top_level_items
+    from gradcomp.registry import split_items
 
     items: list[str] = []
-    for part in (p.strip() for p in _top_level_items(text)):
+    for part in (p.strip() for p in split_items(text)):
         if not part:
             continue
         if "=" in part and ":" not in part and items and ":" in items[-1]:

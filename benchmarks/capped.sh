@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# bench/capped.sh RATE NRANKS CMD...
+# benchmarks/capped.sh RATE NRANKS CMD...
 #
 # Run CMD on NRANKS MPI ranks, each in its own network namespace (or CAPPED_HOSTS=H hosts of
 # NRANKS/H ranks each), talking over TCP through a bridge, with every host's link capped at RATE
 # (tc's units: 1gbit, 500mbit, ...) in both directions.
 #
-#   sudo bench/capped.sh 1gbit 4 .venv/bin/python -m gradcomp.bench.worker --model resnet50 \
+#   sudo benchmarks/capped.sh 1gbit 4 .venv/bin/python -m benchmarks.worker --model resnet50 \
 #        --out bench-results/capped-1gbit.json
 #
 # Layout (all of it inside namespaces this script creates; the host's own network is untouched):
@@ -17,7 +17,7 @@
 #   has none). The token bucket holds max(256 KB, 4 ms of RATE): a bucket smaller than what the
 #   kernel's timer lets through between two ticks cannot keep the link at its rate (at 1gbit the
 #   old 64 KB bucket moved fp32 at about half the cap). Each run checks it: the benchmark measures
-#   fp32's goodput against RATE and refuses to report ratios below 85% of it (bench/link.py).
+#   fp32's goodput against RATE and refuses to report ratios below 85% of it (benchmarks/link.py).
 #   GRADCOMP_RANKS_PER_HOST=L is exported, so gradcomp's topology sees the emulated hosts.
 # mpiexec is told each emulated host is a node of its own (`-launcher fork -hosts gcbhost0:L,...`:
 # one local proxy per host), so MPICH uses shared memory between the ranks of one host, as on a

@@ -1,4 +1,10 @@
-"""Benchmarks: ``python -m gradcomp bench`` (see ``gradcomp.cli``) and the capped-network step time.
+"""Benchmarks: ``python -m benchmarks bench`` (see ``benchmarks.__main__``) and the capped-network
+step time. Not part of the installed package (setup.cfg ships ``gradcomp*`` only): run from the
+repository root, where ``benchmarks`` imports; they use gradcomp's public API only.
+
+The capped-network shell scripts (``capped.sh``, ``capped_steps.sh``, ``fsdp_steps.sh``), the
+one-off measurement scripts (``scripts/``), the committed figures (``figures/``) and the tests of
+the benchmark code (``tests/``, run by ``make test``) sit here too.
 
 * ``shapes``: the parameter shapes of ResNet-50 and BERT-base, and heavy-tailed fake gradients.
 * ``methods``: what is compared: every compressor in ``gradcomp.REGISTRY`` by spec (a registered

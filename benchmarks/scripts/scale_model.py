@@ -1,10 +1,10 @@
 """The cost model against measured steps, and what it predicts for larger clusters.
 
-    python scripts/scale_model.py --fit RUN41.json --check RUN22a.json RUN22b.json RUN14.json
+    python benchmarks/scripts/scale_model.py --fit RUN41.json --check RUN22a.json RUN22b.json RUN14.json
 
-Each RUN is a ``gradcomp.bench.worker`` result on the reducer path (``bench/capped_steps.sh``,
+Each RUN is a ``benchmarks.worker`` result on the reducer path (``benchmarks/capped_steps.sh``,
 with ``CAPPED_HOSTS`` for the shape). The constants (network and local links, each method's compute per
-byte: ``gradcomp.planning.cost.fit``) come from the ``--fit`` runs; the model then predicts every
+byte: ``benchmarks.fit.fit``) come from the ``--fit`` runs; the model then predicts every
 row of every run, ``--check`` ones included, and the table says how far off it is. ``hier-SPEC`` and ``flat-SPEC``
 rows name their schedule; plain ones ran the default's.
 
@@ -23,15 +23,19 @@ import argparse
 import functools
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from gradcomp.bench.shapes import model_shapes
-from gradcomp.bench.tables import aligned_table
-from gradcomp.bucket import group
-from gradcomp.planning import cost
-from gradcomp.registry import make
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))  # benchmarks/ (the checkout)
+
+from benchmarks.fit import fit  # noqa: E402
+from benchmarks.shapes import model_shapes  # noqa: E402
+from benchmarks.tables import aligned_table  # noqa: E402
+from gradcomp.bucket import group  # noqa: E402
+from gradcomp.planning import cost  # noqa: E402
+from gradcomp.registry import make  # noqa: E402
 
 SHAPES = ((8, 8), (64, 8), (512, 8))
 RATES = (("100 Gbit/s", 100e9 / 8), ("10 Gbit/s", 10e9 / 8))
@@ -60,7 +64,7 @@ def spec_of(row: dict, several: bool) -> tuple[str, bool]:
 
 
 def runs_of(path: Path) -> list[dict]:
-    """The model's runs (``cost.fit``'s form) of one worker job, one per gradcomp row."""
+    """The model's runs (``benchmarks.fit.fit``'s form) of one worker job, one per gradcomp row."""
     job = json.loads(path.read_text())
     if job.get("path") != "reducer":
         raise SystemExit(f"{path}: the model is fitted on the reducer path (got {job.get('path')})")
@@ -88,7 +92,7 @@ def formula_bytes(r: dict) -> float:
 
 
 def check(runs: list[dict], fitted: list[dict]) -> tuple[cost.Link, cost.Model, str]:
-    link, model = cost.fit(fitted)
+    link, model = fit(fitted)
     rows = []
     for r in runs:
         c = r["cluster"]

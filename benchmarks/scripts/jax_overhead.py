@@ -1,8 +1,8 @@
 """The JAX path's overhead over the NumPy reducer, on ResNet-50's 161 gradient shapes (25.6 M floats).
 
-    .venv/bin/mpiexec -n 2 .venv/bin/python scripts/jax_overhead.py --compressor int8 --steps 12
+    .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/scripts/jax_overhead.py --compressor int8 --steps 12
 
-Every rank builds the same fake gradients (``gradcomp.bench.shapes.heavy_tailed``, its own seed)
+Every rank builds the same fake gradients (``benchmarks.shapes.heavy_tailed``, its own seed)
 once as NumPy arrays and once as a dict of JAX arrays, then times, interleaved step by step (so
 that load from other processes falls on every path alike), one reduction by each of:
 
@@ -23,15 +23,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import gradcomp
-import gradcomp.jax as gj
-from gradcomp.bench.shapes import heavy_tailed, model_shapes
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))  # benchmarks/ (the checkout)
+
+import gradcomp  # noqa: E402
+import gradcomp.jax as gj  # noqa: E402
+from benchmarks.shapes import heavy_tailed, model_shapes  # noqa: E402
 
 
 def main(argv=None) -> dict:

@@ -8,8 +8,8 @@
 * ``bytes_vs_ranks``: the reference curves are 2(N-1)/N and N-1, the measured fp32 allreduce and
   allgather points lie on them, and the text no longer says allreduce traffic does not grow.
 
-The rows are synthetic (same fields as ``gradcomp.bench.worker`` writes) and, where the checkout has
-them, the capped runs in ``bench/figures/results.json``.
+The rows are synthetic (same fields as ``benchmarks.worker`` writes) and, where the checkout has
+them, the capped runs in ``benchmarks/figures/results.json``.
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.collections import PathCollection  # noqa: E402
 from matplotlib.text import Annotation, Text  # noqa: E402
 
-from gradcomp.bench import plots  # noqa: E402
+from benchmarks import plots  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "figures", "results.json")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS = os.path.join(ROOT, "benchmarks", "figures", "results.json")
 NUMEL = 25_557_032
 
 # name, kind, pattern ("ar": 2(N-1)/N, "ag": N-1), bytes per fp32 gradient byte, rel. error, local s
@@ -146,7 +146,7 @@ def error_cases():
     if os.path.exists(RESULTS):
         with open(RESULTS) as f:
             for c in json.load(f).get("capped", []):
-                cases.append((f"bench/figures capped {c.get('network')}", c))
+                cases.append((f"benchmarks/figures capped {c.get('network')}", c))
     return cases
 
 
@@ -317,7 +317,7 @@ def test_demo_note_says_when_time_is_cpu_contention():
 
 # -- the convergence report's accuracy points -----------------------------------------------------------
 def load_convergence():
-    spec = importlib.util.spec_from_file_location("convergence", os.path.join(ROOT, "scripts", "convergence.py"))
+    spec = importlib.util.spec_from_file_location("convergence", os.path.join(ROOT, "benchmarks", "scripts", "convergence.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,30 +1,31 @@
-"""``python -m gradcomp bench``: launch the jobs, show progress, write JSON, CSV, PNG and a summary.
+"""``python -m benchmarks bench``: launch the jobs, show progress, write JSON, CSV, PNG and a summary.
 
-Each (model, number of ranks, path) is one ``mpiexec -n N`` launch of ``gradcomp.bench.worker``
+Each (model, number of ranks, path) is one ``mpiexec -n N`` launch of ``benchmarks.worker``
 (``MODEL-Nranks-PATH.json``; paths: ``reducer``, the README's NumPy ``GradientReducer``, and
 ``ddp``, DistributedDataParallel with comm hooks, when torch is there); the kernel figures come from
-one more process (``gradcomp.bench.kernels``). Results from capped-network runs
-(``bench/capped_steps.sh``, files ``capped-*.json`` in the output folder) are folded into the
+one more process (``benchmarks.kernels``). Results from capped-network runs
+(``benchmarks/capped_steps.sh``, files ``capped-*.json`` in the output folder) are folded into the
 figures and the summary when present.
 
-``report`` (``python -m gradcomp report DIR``) rebuilds the summary, CSV and figures from the JSON
+``report`` (``python -m benchmarks report DIR``) rebuilds the summary, CSV and figures from the JSON
 files in a folder; a folder with no per-run JSON files but a ``results.json`` (a committed
 results folder) is rebuilt from that, and a folder with neither is left untouched (nothing is ever
 written over earlier results with nothing).
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import glob
 import json
 import os
-import argparse
 import subprocess
 import sys
 import time
 
-from ..launcher import mpiexec  # noqa: F401  (also what the tests use to launch workers)
-from ..launcher import run as launch_ranks
+from gradcomp.launcher import mpiexec  # noqa: F401  (also what the tests use to launch workers)
+from gradcomp.launcher import run as launch_ranks
+
 from .methods import select, torch_available
 from .worker import not_default
 
@@ -39,6 +40,14 @@ CSV_FIELDS = ["model", "ranks", "network", "method", "kind", "same_as", "time_s"
 JOB_TIMEOUT_S = 12 * 3600
 #: What ``report`` reads and writes itself (never a per-run result).
 OWN_FILES = ("results.json", "kernels.json")
+#: The checkout that holds ``benchmarks`` (not installed): put on the jobs' ``PYTHONPATH``, so that
+#: ``-m benchmarks.worker`` imports wherever the command was started.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _job_env() -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
 
 
 def _follow(bar, log):
@@ -67,18 +76,18 @@ def _launch(ranks: int | None, args: list[str], bar, log_path: str) -> None:
         on_line = _follow(bar, log)
         if ranks is None:
             proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
+                                    stderr=subprocess.STDOUT, text=True, env={**os.environ, **_job_env()})
             assert proc.stdout is not None  # stdout=PIPE
             for line in proc.stdout:
                 on_line(line)
             rc = proc.wait()
         else:
-            rc = launch_ranks(ranks, args, timeout=JOB_TIMEOUT_S, on_line=on_line).returncode
+            rc = launch_ranks(ranks, args, timeout=JOB_TIMEOUT_S, env=_job_env(), on_line=on_line).returncode
     if rc != 0:
         with open(log_path) as f:
             tail = f.read()[-3000:]
         what = "did not finish in time (killed)" if rc is None else f"failed with exit code {rc}"
-        raise SystemExit(f"gradcomp bench: {' '.join(args)}\n{what}:\n{tail}")
+        raise SystemExit(f"python -m benchmarks bench: {' '.join(args)}\n{what}:\n{tail}")
 
 
 def paths_of(args: argparse.Namespace) -> list[str]:
@@ -89,7 +98,7 @@ def paths_of(args: argparse.Namespace) -> list[str]:
         paths = [p.strip() for p in text.split(",") if p.strip()]
         bad = [p for p in paths if p not in ("reducer", "ddp")]
         if bad:
-            raise SystemExit(f"gradcomp bench: unknown path(s) {bad}: reducer, ddp")
+            raise SystemExit(f"python -m benchmarks bench: unknown path(s) {bad}: reducer, ddp")
         return paths
     with_torch = torch_available() if args.torch == "auto" else args.torch == "on"
     return ["reducer", "ddp"] if with_torch else ["reducer"]
@@ -104,24 +113,24 @@ def run(args: argparse.Namespace) -> dict:
     try:
         select(args.methods, with_torch)  # an unknown name fails here, before any launch
     except ValueError as exc:
-        raise SystemExit(f"gradcomp bench: {exc}") from None
+        raise SystemExit(f"python -m benchmarks bench: {exc}") from None
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
     paths = paths_of(args)
     if "ddp" in paths and args.torch == "off":
-        raise SystemExit("gradcomp bench: the ddp path needs torch (got --torch off)")
+        raise SystemExit("python -m benchmarks bench: the ddp path needs torch (got --torch off)")
     total = len(models) * len(ranks) * sum(len(select(args.methods, with_torch, path)) + 2 for path in paths)
     if args.kernels:
         from .kernels import count
         total += count(args.kernel_methods)
-    bar = tqdm(total=total, unit="method", desc="gradcomp bench", disable=args.quiet)
+    bar = tqdm(total=total, unit="method", desc="benchmarks", disable=args.quiet)
     jobs = []
     t0 = time.time()
     for model in models:
         for n in ranks:
             for path in paths:
                 out = os.path.join(outdir, f"{model}-{n}ranks-{path}.json")
-                cmd = ["-m", "gradcomp.bench.worker", "--path", path,  # the worker expands all per path
+                cmd = ["-m", "benchmarks.worker", "--path", path,  # the worker expands all per path
                        "--model", model, "--methods", args.methods,
                        "--repeats", str(args.repeats), "--warmup", str(args.warmup),
                        "--bucket-mb", str(args.bucket_mb), "--torch", args.torch, "--out", out]
@@ -136,7 +145,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.kernels:
         out = os.path.join(outdir, "kernels.json")
         bar.set_description("kernels")
-        _launch(None, ["-m", "gradcomp.bench.kernels", "--mb", str(args.kernel_mb),
+        _launch(None, ["-m", "benchmarks.kernels", "--mb", str(args.kernel_mb),
                        "--repeats", str(max(args.repeats, 3)), "--methods", args.kernel_methods,
                        "--out", out],
                 bar, out[:-5] + ".log")
@@ -162,7 +171,7 @@ def load(outdir: str) -> tuple[list[dict], list[dict], list[dict]]:
         if not isinstance(data, dict) or "results" not in data:
             continue
         if data.get("link_problem"):  # a capped run whose link did not reach its rate
-            print(f"gradcomp report: {name} left out: {data['link_problem']}", file=sys.stderr)
+            print(f"python -m benchmarks report: {name} left out: {data['link_problem']}", file=sys.stderr)
             continue
         (capped if name.startswith("capped-") else jobs).append(data)
     kernel_rows = []
@@ -189,7 +198,7 @@ def report(outdir: str, jobs: list[dict], kernel_rows: list[dict], meta: dict, p
     if capped is None:
         _, _, capped = load(outdir)
     if not (jobs or kernel_rows or capped):
-        raise SystemExit(f"gradcomp report: no benchmark results in {outdir} (no job, capped-*.json "
+        raise SystemExit(f"python -m benchmarks report: no benchmark results in {outdir} (no job, capped-*.json "
                          "or kernels.json files, no results.json): nothing written")
     everything = dict(meta=meta, jobs=jobs, kernels=kernel_rows, capped=capped)
     with open(os.path.join(outdir, "results.json"), "w") as f:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# bench/fsdp_steps.sh [OUT] [RATE] [NRANKS]
+# benchmarks/fsdp_steps.sh [OUT] [RATE] [NRANKS]
 #
-# FSDP2 step times on a capped network (bench/capped.sh): examples/torch_fsdp.py's transformer LM,
+# FSDP2 step times on a capped network (benchmarks/capped.sh): examples/torch_fsdp.py's transformer LM,
 # sized so that its gradients are tens of MB, once per method and repeat, the methods taking turns
 # (round-robin, so slow moments of a shared machine spread over all of them), each run printing
 # its median step; then one table of the medians over repeats and their ratio to FSDP's own
@@ -26,7 +26,7 @@ mkdir -p "$OUT"
 for ((r = 0; r < REPEATS; r++)); do
     for m in $METHODS; do
         tag=$(echo "$m" | tr ':=,' '___')
-        OMP_NUM_THREADS=1 bench/capped.sh "$RATE" "$NRANKS" "$PY" examples/torch_fsdp.py --compressor "$m" \
+        OMP_NUM_THREADS=1 benchmarks/capped.sh "$RATE" "$NRANKS" "$PY" examples/torch_fsdp.py --compressor "$m" \
             --steps "$STEPS" --eval-every 100000 --val-windows 8 $MODEL_ARGS $MESH_ARGS \
             --json "$OUT/$tag-r$r.json" > "$OUT/$tag-r$r.log" 2>&1 || { echo "failed: $m (see $OUT/$tag-r$r.log)"; exit 1; }
         grep "under FSDP2" "$OUT/$tag-r$r.log" || true

@@ -1,8 +1,8 @@
 """Convergence of every method on three workloads and several seeds: one table and figure each.
 
-    python scripts/convergence.py --workload lm --methods none powersgd onebitadam --seeds 0 1 2
-    python scripts/convergence.py --workload mlp --seeds 0 1 2          # every registered name + dgc
-    python scripts/convergence.py --report --out results/conv           # tables and figures only
+    python benchmarks/scripts/convergence.py --workload lm --methods none powersgd onebitadam --seeds 0 1 2
+    python benchmarks/scripts/convergence.py --workload mlp --seeds 0 1 2          # every registered name + dgc
+    python benchmarks/scripts/convergence.py --report --out results/conv           # tables and figures only
 
 Workloads (each an example script, one ``mpiexec -n RANKS`` job per method and seed):
 
@@ -36,10 +36,12 @@ import sys
 import time
 from pathlib import Path
 
-from gradcomp import launcher
-from gradcomp.bench.tables import aligned_table
+ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT))  # benchmarks/ is not installed: it is imported from the checkout
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.tables import aligned_table  # noqa: E402
+from gradcomp import launcher  # noqa: E402
+
 EXAMPLES = {"lm": "torch_lm.py", "lm-sgd": "torch_lm.py", "mlp": "numpy_mlp.py", "cnn": "torch_ddp.py"}
 REFERENCE = {"lm": "none", "lm-sgd": "none", "mlp": "allreduce", "cnn": "none"}
 OPTIMIZERS = ("onebitadam", "dgc")
@@ -61,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "convergence")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    p.add_argument("--capped", metavar="RATE", help="run every job on bench/capped.sh's emulated link at "
+    p.add_argument("--capped", metavar="RATE", help="run every job on benchmarks/capped.sh's emulated link at "
                    "RATE (root), one host per rank: time to quality; results go to OUT/WORKLOAD-RATE")
     p.add_argument("--report", action="store_true", help="run nothing: tables and figures from OUT")
     p.add_argument("--rerun", action="store_true", help="run again even where a result exists")
@@ -107,11 +109,11 @@ def run_one(workload: str, method: str, seed: int, args) -> dict:
         return json.loads(out_json.read_text())
     start = time.perf_counter()
     cmd = command(workload, method, seed, out_json, args.extra)
-    if args.capped:  # bench/capped.sh starts mpiexec itself, inside the emulated hosts
+    if args.capped:  # benchmarks/capped.sh starts mpiexec itself, inside the emulated hosts
         import subprocess
 
         try:
-            proc = subprocess.run([str(ROOT / "bench" / "capped.sh"), args.capped, str(args.ranks), sys.executable,
+            proc = subprocess.run([str(ROOT / "benchmarks" / "capped.sh"), args.capped, str(args.ranks), sys.executable,
                                    *cmd], cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
             done = launcher.Result(proc.returncode, proc.stdout + proc.stderr)
         except subprocess.TimeoutExpired as exc:

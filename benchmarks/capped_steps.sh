@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# bench/capped_steps.sh [OUT] [RATES] [NRANKS]
+# benchmarks/capped_steps.sh [OUT] [RATES] [NRANKS]
 #
 # The step-time benchmark on a really capped network: a ResNet-50-sized gradient (25,557,032
 # floats in ~25 MB buckets) on NRANKS ranks (default 4), at each RATE (default "1gbit 500mbit"),
 # every gradcomp compressor in gradcomp.REGISTRY (plus the targets' PowerSGD specs) against the
 # fp32 and fp16 allreduce and PyTorch's own hooks over gloo, all on the same capped link
-# (bench/capped.sh), on each worker path:
+# (benchmarks/capped.sh), on each worker path:
 #   reducer  GradientReducer on NumPy arrays (the README path)    -> OUT/capped-RATE-reducer.json
 #   ddp      DistributedDataParallel, each method its comm hook   -> OUT/capped-RATE-ddp.json
-# then the summary, CSV and figures are rebuilt with `python -m gradcomp report OUT` (default OUT:
+# then the summary, CSV and figures are rebuilt with `python -m benchmarks report OUT` (default OUT:
 # results/bench). Needs root (exits 77 without, like capped.sh).
 #
 # Environment:
@@ -18,7 +18,7 @@
 #   before the next is built, so one method's memory is alive at a time -- every registered method
 #   at once, round-robin, needs over 24 GiB at 4 ranks and was OOM-killed here; or round-robin:
 #   one timed step of each method in turn, fairer under changing load, for a few methods) override the worker's defaults; METHODS takes compressor specs
-#   (powersgd:rank=4,start_iter=2), torch-* hooks, gloo-SPEC, all (see gradcomp.bench.methods).
+#   (powersgd:rank=4,start_iter=2), torch-* hooks, gloo-SPEC, all (see benchmarks.methods).
 #   BUCKET_VIEW=off: the ddp path's DDP with gradient_as_bucket_view=False (DDP's default; the
 #   worker's default, on, is what the README writes).
 #   MODEL=bert-base runs BERT-base's parameter shapes instead (give it its own OUT folder).
@@ -37,6 +37,8 @@ RATES=${2:-1gbit 500mbit}
 NRANKS=${3:-4}
 PATHS=${PATHS:-reducer ddp}
 PY=${PYTHON:-$ROOT/.venv/bin/python}
+# the benchmarks package is not installed: the workers import it from the checkout
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 [ -x "$PY" ] || PY=$(command -v python3)
 for path in $PATHS; do
     case "$path" in reducer|ddp) ;; *) echo "capped_steps.sh: unknown path '$path' (reducer, ddp)" >&2; exit 2;; esac
@@ -45,7 +47,7 @@ mkdir -p "$OUT"
 worker() {  # worker RATE PATH OUTFILE [extra worker options...]
     local rate=$1 path=$2 out=$3
     shift 3
-    "$HERE/capped.sh" "$rate" "$NRANKS" "$PY" -m gradcomp.bench.worker --path "$path" \
+    "$HERE/capped.sh" "$rate" "$NRANKS" "$PY" -m benchmarks.worker --path "$path" \
         --model "${MODEL:-resnet50}" --repeats "${REPEATS:-5}" --warmup "${WARMUP:-3}" \
         --order "${ORDER:-blocks}" --reducer-arrays "${REDUCER_ARRAYS:-views}" \
         --bucket-view "${BUCKET_VIEW:-on}" --out "$out" "$@"
@@ -61,4 +63,4 @@ for rate in $RATES; do
             --methods allreduce,mpi-allreduce --tag "MPICH ring, tuned"
     fi
 done
-"$PY" -m gradcomp report "$OUT"
+"$PY" -m benchmarks report "$OUT"

@@ -1,7 +1,7 @@
 """Per-step PowerSGD compute on ResNet-50's parameter shapes: gradcomp vs PyTorch, one process.
 
-    python scripts/powersgd_speed.py [--ranks 1 2 4] [--repeats 7] [--threads 1]
-    mpiexec -n 4 python scripts/powersgd_speed.py --count-rounds   # collectives per step
+    python benchmarks/scripts/powersgd_speed.py [--ranks 1 2 4] [--repeats 7] [--threads 1]
+    mpiexec -n 4 python benchmarks/scripts/powersgd_speed.py --count-rounds   # collectives per step
 
 ``--count-rounds`` instead reduces a few small buckets with each registered PowerSGD variant on
 however many ranks it is launched with and prints the collectives per compressed step and the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))  # benchmarks/ (the checkout)
 
 import gradcomp as gc  # noqa: E402
 from gradcomp.bucket import pack  # noqa: E402
@@ -93,9 +93,9 @@ def main(argv=None):
 
     import torch
     from threadpoolctl import threadpool_limits
-
-    from gradcomp.bench.hookbucket import HookBucket
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+    from benchmarks.hookbucket import HookBucket
 
     torch.set_num_threads(args.threads)
     comm = gc.MPICommunicator(blas_threads=args.threads)

@@ -3,7 +3,7 @@
 gradcomp adds half precision on the host). The float16/float32 ratio is the floor that any
 compressor sending float16 over this MPI can reach on the link.
 
-    bench/capped.sh 1gbit 4 .venv/bin/python scripts/mpi_floor.py
+    benchmarks/capped.sh 1gbit 4 .venv/bin/python benchmarks/scripts/mpi_floor.py
 
 Prints, on rank 0, each step's time in ms (the first of each kind includes connection set-up) and
 the ratio of the medians.

@@ -20,7 +20,7 @@ per-channel int8 round trip (the quantizers' ``quantize`` and ``dequantize`` ker
 preallocated parameters, codes and accumulator).
 
 The methods (``--methods``): ``floors`` (the default) constructs the codecs directly (``METHODS``);
-anything else is a list of compressor specs (``gradcomp.bench.methods.select``).
+anything else is a list of compressor specs (``benchmarks.methods.select``).
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..arrays import cast
-from ..bucket import Bucket
+from gradcomp.arrays import cast
+from gradcomp.bucket import Bucket
+
 from . import floors
 
 
@@ -39,7 +40,7 @@ def _methods() -> dict[str, Callable[[], Any]]:
     """The methods of the floors table, constructed directly (registered names are recipes whose
     warm-ups would time something else)."""
     import gradcomp as gc
-    from ..compressors.quantize import QuantizePerChannel, QuantizePerTensor
+    from gradcomp.compressors.quantize import QuantizePerChannel, QuantizePerTensor
 
     ef = gc.ErrorFeedback
     return {
@@ -146,7 +147,8 @@ def _bucket_tasks(x: np.ndarray, methods: str, comm: Any) -> list[_Task]:
 
 def _reducer_tasks(model: str, methods: str, comm: Any, bucket_mb: float = 25.0) -> tuple[list[_Task], int]:
     """Each method's ``GradientReducer.step()`` on ``model``'s shapes, and the bytes of them."""
-    from ..reducer import GradientReducer
+    from gradcomp.reducer import GradientReducer
+
     from .shapes import model_shapes
 
     shapes = model_shapes(model)
@@ -192,7 +194,7 @@ def measure(mb: float = 100.0, repeats: int = 9, methods: str = "floors",
 
     from mpi4py import MPI
 
-    from ..comm import MPICommunicator
+    from gradcomp.comm import MPICommunicator
 
     comm = MPICommunicator(MPI.COMM_SELF)
     tasks += _bucket_tasks(x, methods, comm)
@@ -251,7 +253,7 @@ def _extra_tasks(x: np.ndarray) -> list[_Task]:
         tasks.append(_Task("fp16 round trip, torch 1 thread", torch_rt(1)))
         tasks.append(_Task(f"fp16 round trip, torch {default_threads} threads", torch_rt(default_threads)))
 
-    from ..compressors.quantize.kernels import chunk_count, dequantize, quantize
+    from gradcomp.compressors.quantize.kernels import chunk_count, dequantize, quantize
 
     width = 512
     params = np.empty((2, chunk_count(n, width)), np.float32)
@@ -298,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import os
 
-    p = argparse.ArgumentParser(prog="python -m gradcomp.bench.kernels",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels",
                                 description="kernel throughput against memcpy and the memory-traffic floor "
                                             "(one process)")
     p.add_argument("--mb", type=float, default=100.0)

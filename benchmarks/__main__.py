@@ -1,9 +1,10 @@
-"""Command line: ``python -m gradcomp bench ...`` (also the ``gradcomp`` console script).
+"""Command line: ``python -m benchmarks bench ...`` and ``python -m benchmarks report DIR``, run from
+the repository root (the benchmarks are not part of the installed package).
 
 ``bench``  run the benchmarks (ranks x models x methods, plus kernel throughput) and write
            results.json, results.csv, kernels.csv, summary.md and PNG figures to ``--out``.
 ``report`` rebuild the summary, CSV and figures from the JSON files already in a folder (for
-           example after adding ``capped-*.json`` files from ``bench/capped.sh`` runs).
+           example after adding ``capped-*.json`` files from ``benchmarks/capped_steps.sh`` runs).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gradcomp", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run the benchmarks")
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args(argv)
 
-    from .bench import driver
+    from . import driver
 
     if args.command == "bench":
         result = driver.run(args)

@@ -1,7 +1,7 @@
 """End-to-end check of gradcomp's CUDA paths on one GPU with 2 ranks.
 
-    .venv/bin/python scripts/gpu_check.py            # relaunches itself: mpiexec -n 2 ... --ranks
-    .venv/bin/mpiexec -n 2 .venv/bin/python scripts/gpu_check.py --ranks
+    .venv/bin/python benchmarks/scripts/gpu_check.py            # relaunches itself: mpiexec -n 2 ... --ranks
+    .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/scripts/gpu_check.py --ranks
 
 Without CUDA, CuPy or torch with CUDA it prints why and exits 0 (nothing to check here).
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
 
