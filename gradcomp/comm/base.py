@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Hashable, Iterable, Protocol, runtime_checkable
 
@@ -23,16 +24,13 @@ class Communicator(Protocol):
     The blocking collectives never modify their input unless told they may (``overwrite``) and
     return arrays of the input's array module. ``bytes_sent`` counts the bytes this rank put on the
     wire by the bandwidth-optimal algorithm of each collective (``wire_bytes``); ``collectives``
-    counts the collectives started. ``probe_bytes_sent`` and ``probe_collectives``: the part of
-    them that measured the link (``auto``'s probe, ``note_probe``), which no method's traffic counts.
+    counts the collectives started.
     """
 
     rank: int
     size: int
     bytes_sent: float
     collectives: int
-    probe_bytes_sent: float
-    probe_collectives: int
 
     def submit(self, run: Callable[[Any, BaseException | None], Any],
                prepare: Callable[[Workspace], Any] | None = None,
@@ -110,17 +108,33 @@ def pin_blas_threads(threads: int | None) -> None:
     threadpool_limits(limits=threads, user_api="blas")
 
 
+#: per communicator, ``[bytes, collectives]`` of its counted traffic that measured the link
+#: (``note_probe``); kept beside the communicators, not in them, as only ``auto`` measures
+_PROBES: "weakref.WeakKeyDictionary[Any, list[float]]" = weakref.WeakKeyDictionary()
+
+
+def probe_traffic(comm: Communicator) -> tuple[float, int]:
+    """Bytes and collectives of ``comm``'s counters that measured the link (``note_probe``)."""
+    try:
+        nbytes, collectives = _PROBES.get(comm, (0.0, 0))
+    except TypeError:  # a communicator that takes no weak reference has noted no probe
+        return 0.0, 0
+    return nbytes, int(collectives)
+
+
 def method_traffic(comm: Communicator) -> tuple[float, int]:
     """Bytes and collectives ``comm`` has counted for methods: all of them but its probes'."""
-    return (comm.bytes_sent - getattr(comm, "probe_bytes_sent", 0.0),
-            getattr(comm, "collectives", 0) - getattr(comm, "probe_collectives", 0))
+    probe_bytes, probe_collectives = probe_traffic(comm)
+    return comm.bytes_sent - probe_bytes, getattr(comm, "collectives", 0) - probe_collectives
 
 
 def note_probe(comm: Communicator, nbytes: float, collectives: int) -> None:
-    """Mark ``nbytes`` and ``collectives`` that ``comm`` just counted as a measurement of the link,
-    not a method's traffic (``method_traffic`` leaves them out)."""
-    comm.probe_bytes_sent = getattr(comm, "probe_bytes_sent", 0.0) + nbytes
-    comm.probe_collectives = getattr(comm, "probe_collectives", 0) + collectives
+    """Mark ``nbytes`` and ``collectives`` that ``comm`` just counted as a measurement of the link
+    (``auto``'s probe), not a method's traffic: ``method_traffic`` leaves them out, so the
+    compressor whose stage ran the probe does not count it as its own."""
+    tally = _PROBES.setdefault(comm, [0.0, 0])
+    tally[0] += nbytes
+    tally[1] += collectives
 
 
 class OrderedCommunicator:
@@ -137,14 +151,10 @@ class OrderedCommunicator:
     size: int
     bytes_sent: float
     collectives: int
-    probe_bytes_sent: float
-    probe_collectives: int
 
     def _start(self, name: str, abort_grace_s: float | None, depth: int) -> None:
         self.bytes_sent = 0.0
         self.collectives = 0
-        self.probe_bytes_sent = 0.0
-        self.probe_collectives = 0
         self._grace = _default_grace() if abort_grace_s is None else float(abort_grace_s)
         self._pipeline = Pipeline(name, self._on_failure, depth)
 

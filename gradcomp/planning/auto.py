@@ -2,43 +2,30 @@
 
 The best method depends on the link (compression that wins at 1 Gbit/s loses at 100 Gbit/s), on
 the bucket (int8's per-chunk scales weigh on a tiny bucket, latency dominates small ones) and on
-what the method's compute costs here. ``Auto`` measures all three once:
+what the method's compute costs here. ``Auto`` measures all three once (``measurements``: the
+link's latency and bandwidth, each candidate's compute, the topology), at the first bucket's
+ordered stage, after every rank agreed on the configuration.
 
-* **the link**: timed allreduces of a few sizes, up to the first bucket's, on the real
-  communicator, each started together (``_probe``); every rank's medians are gathered and the
-  slowest taken, so every rank fits the same latency and bandwidth (the alpha-beta model of
-  ``cost``). On one host this is the link the exchange is priced on;
-* **the compute**: each candidate's whole reduction of a bucket of the first bucket's layout (its
-  tensors' shapes, repeated or cut to 4-32 MiB: out of the caches, as real buckets are; PowerSGD's
-  cost is its matrices') on a one-rank communicator (the kernel cost
-  without a peer), and the share of it in its local stage, timed on rank 0
-  while the others wait; or a table loaded from a JSON file (``table=``: ``{"int8": seconds per
-  float32 byte, ...}``, or ``[seconds, share]`` pairs; e.g. from ``gradcomp.bench.kernels``).
-  A two-stage code's owner stage re-encodes the whole bucket on one rank and 1/N of it on N
-  (``cost.Model.rank_cpu``);
-* **the topology**: ``MPICommunicator.topology`` (how many ranks share each host's link and cores).
-  On several hosts of several ranks every candidate is also priced in the hierarchical schedule
-  (``Hierarchical``: exact inside the host, the method across it; labelled ``hier-NAME``), with
-  the link inside a host probed too (every host's, the slowest agreed) and a memory pass timed:
-  a flat-only choice there lost to the fixed methods' own default schedule (BENCHMARKS.md,
-  section 9).
-  On one host there is no link to spare: shared memory moves bytes at memory speed, so a
-  method's casts and codes cost about what they save, and fp32 beat every compressed method
-  there (BENCHMARKS.md, sections 1 and 9). So a one-host job keeps the first allowed method
-  (``allreduce`` by default) unless a ``table`` says otherwise, and since the topology decides,
-  it measures nothing: no probe traffic, no timing; ``stats()`` says so per bucket.
-  ``predict=True`` measures anyway, for ``stats()`` to hold every candidate's prediction
-  (BENCHMARKS.md, section 1, compares them with measured steps), and still keeps the first method.
+On several hosts of several ranks every candidate is also priced in the hierarchical schedule
+(``Hierarchical``: exact inside the host, the method across it; labelled ``hier-NAME``): a
+flat-only choice there lost to the fixed methods' own default schedule (BENCHMARKS.md, section 9).
+On one host there is no link to spare: shared memory moves bytes at memory speed, so a method's
+casts and codes cost about what they save, and fp32 beat every compressed method there
+(BENCHMARKS.md, sections 1 and 9). So a one-host job keeps the first allowed method (``allreduce``
+by default) unless a ``table`` says otherwise, and since the topology decides, it measures
+nothing: no probe traffic, no timing; ``stats()`` says so per bucket. ``predict=True`` measures
+anyway, for ``stats()`` to hold every candidate's prediction (BENCHMARKS.md, section 1, compares
+them with measured steps), and still keeps the first method.
 
-(measured at the first bucket's ordered stage, after every rank agreed on the configuration). For
-each bucket layout it then predicts every candidate's time with ``cost.Model`` and takes the
+For each bucket layout it then predicts every candidate's time with ``cost.Model`` and takes the
 fastest in the reducer's pipeline (``cost.pipelined``: a candidate's local stage, its encode,
 overlaps the previous bucket's exchange, so it is ranked by its time per bucket in a run of
 buckets like this one, not by its seconds alone); ties within 2% go to the earlier candidate
-(less compressed: ``allowed`` is in order of increasing compression). The choice depends only on agreed inputs, so every rank makes the same
-one; it is part of what ranks agree on before each bucket (its state), it is checkpointed, and it
-is kept: ``replan()`` (on every rank) or a change of layout (DDP's bucket rebuild) chooses again.
-Residuals move with their tensors when a tensor's method changes (``Schedule``'s hand-over).
+(less compressed: ``allowed`` is in order of increasing compression). The choice depends only on
+agreed inputs, so every rank makes the same one; it is part of what ranks agree on before each
+bucket (its state), it is checkpointed, and it is kept: ``replan()`` (on every rank) or a change
+of layout (DDP's bucket rebuild) chooses again. Residuals move with their tensors when a tensor's
+method changes (``Schedule``'s hand-over).
 
 Candidates are the registered names that met the convergence targets as hook-level methods
 (BENCHMARKS.md, section 6): ``allreduce``, ``fp16``, ``bf16``, ``int8``, ``int4``. ``allowed``
@@ -47,54 +34,54 @@ says, per bucket, what was chosen, the predicted seconds of every candidate, and
 """
 from __future__ import annotations
 
-import json
-import math
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-import numpy as np
-
 from ..arrays import Array
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
-from ..comm.base import note_probe
 from ..compressors.base import Compressor, run_stage, sends_part
 from ..compressors.hierarchical import Hierarchical
 from ..state import reject_leftovers
 from . import cost
+from .measurements import PROBE_SIZES, Measurements, measure, topology
 
 #: the candidates by default: the hook-level methods within the convergence targets
 DEFAULT_ALLOWED = ("allreduce", "fp16", "bf16", "int8", "int4")
-#: message sizes of the link probe (float32 values) and its repeats
-PROBE_SIZES = (1024, 65536, 1048576)
-PROBE_REPEATS = 5
 #: a candidate wins only by more than this fraction (else the earlier, less compressed one)
 TIE = 0.02
-#: the compute is timed on a bucket of the first bucket's layout, within these bounds (float32
-#: values; ``_timed_shapes``): a bucket that fits in the caches would time a memory-bound method
-#: (fp16's casts) at cache speed, several times faster than on a real bucket
-TIMED_MIN, TIMED_MAX = 1 << 20, 1 << 23
 #: candidates are ranked by their time per bucket in a pipeline of this many buckets like it
 #: (``cost.pipelined``): a local stage that overlaps the previous bucket's exchange is worth less
 #: than its seconds
 PACED_BUCKETS = 4
 
 
-#: measurements per communicator (see ``Auto.measure``)
-_MEASURED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+#: measurements per communicator and candidate list (see ``Auto.measure``); None: the topology
+#: decided, nothing was measured
+_MEASURED: "weakref.WeakKeyDictionary[Any, dict[tuple, Measurements | None]]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
 class _Routed:
+    """A bucket's chosen option (an index of ``Auto._options``; -1: not chosen yet), the bucket
+    (with residuals handed over from another option) and that option's local-stage result."""
     choice: int
     bucket: Bucket
     inner: Any
 
 
 class Auto(Compressor):
-    """Per-bucket choice among ``allowed`` from measured costs (see the module docstring)."""
+    """Per-bucket choice among ``allowed`` from measured costs (see the module docstring).
+
+    Args:
+        allowed: the candidates' registry specs, in order of increasing compression (a sequence,
+            or one comma-separated string); a tie goes to the earlier one.
+        table: a JSON compute table (``measurements.load_table``) used instead of timing the
+            candidates; with one, a one-host job chooses by the model too.
+        predict: measure and predict where the topology decides alone (one host), for
+            ``stats()`` to hold every candidate's prediction; the choice stays the first method.
+    """
 
     def __init__(self, allowed: Sequence[str] | str = DEFAULT_ALLOWED, table: str | None = None,
                  predict: bool = False):
@@ -116,7 +103,7 @@ class Auto(Compressor):
         self._choices: dict[str, int] = {}      # layout digest -> option (an index of _options)
         self._why: dict[str, dict[str, Any]] = {}
         self._last: dict[str, int] = {}          # tensor key -> option that reduced it last
-        self._measured: dict[str, Any] | None = None
+        self._measured: Measurements | None = None  # None: not measured yet, or nothing to measure
         self._probe_bytes = 0.0                  # what this auto's measurement sent
 
     def config(self) -> dict[str, Any]:
@@ -138,59 +125,37 @@ class Auto(Compressor):
 
     # -- measurement ---------------------------------------------------------------------------
     def measure(self, comm: Communicator, numel: int = PROBE_SIZES[-1],
-                shapes: Sequence[tuple[int, ...]] | None = None) -> dict[str, Any]:
-        """The link, the compute table and the topology, agreed by every rank (collective). Kept
-        per communicator and candidate list: every ``auto`` of a job sees the same numbers, so
-        equal layouts get equal choices. ``numel``: the largest probe (the first bucket's size:
-        how fast large messages move depends on their size, through shared memory most);
-        ``shapes``: its tensors' shapes, the layout the compute is timed on (PowerSGD's cost is
-        its matrices'; a flat vector it sends as it is). The compute is timed on rank 0 alone,
-        while the others wait: timed on every rank at once, the ranks sharing a core would slow
-        each other, and the model multiplies by that sharing (``cost.Cluster.contention``)
-        itself."""
+                shapes: Sequence[tuple[int, ...]] | None = None) -> Measurements | None:
+        """The link, the compute table and the topology, agreed by every rank (collective).
+
+        Args:
+            comm: the job's communicator.
+            numel: the largest probe, in float32 values (the first bucket's size).
+            shapes: the first bucket's tensor shapes, the layout the compute is timed on.
+
+        Returns:
+            The measurements (``measurements.measure``), or None where the topology decides
+            (one host of several ranks, no ``table``, no ``predict``): then nothing is measured.
+
+        Kept per communicator and candidate list: every ``auto`` of a job sees the same numbers,
+        so equal layouts get equal choices.
+        """
         key = (self.allowed, self.table, self.predict)
         known = _MEASURED.setdefault(comm, {})
-        if key in known:
-            return known[key]
-        topo = getattr(comm, "topology", None)
-        hosts, per_host = (topo.hosts, topo.local_size) if topo is not None else (comm.size, 1)
-        if self._topology_decides(hosts, comm.size):
-            known[key] = {"decided": True, "hosts": hosts, "per_host": per_host}
-            return known[key]
-        before, rounds = comm.bytes_sent, getattr(comm, "collectives", 0)  # the measurement's own traffic
-        link = _probe(comm, max(numel, PROBE_SIZES[-1]))
-        if self.table:
-            compute, shares = _load_table(self.table)
-        else:
-            timed = _timed_shapes(shapes or [(numel,)])
-            # fp32's compute (its division) is in the probed link already, as ``cost.fit`` has it:
-            # not timed, zero below
-            methods = [n for n in self.allowed if n != "allreduce"]
-            compute, shares = _time_candidates(methods, timed) if comm.rank == 0 else ({}, {})
-        names = list(self.allowed)
-        memory = _memory_pass() if comm.rank == 0 else 0.0
-        worst = np.max(comm.allgather(np.array([[compute.get(n, 0.0) for n in names] + [memory],
-                                                [shares.get(n, 0.0) for n in names] + [0.0]])), axis=0)
-        compute = {n: float(v) for n, v in zip(names, worst[0])}
-        shares = {n: float(v) for n, v in zip(names, worst[1])}
-        levels = comm.split_by_host() if hosts > 1 and per_host > 1 and hasattr(comm, "split_by_host") else None
-        # the link inside a host, where a hierarchical schedule would use it: every host's probed,
-        # the slowest agreed
-        inside = _probe(levels[0], numel, agree=comm) if levels else None
-        known[key] = {"link": link, "compute": compute, "prepare_share": shares, "hosts": hosts,
-                      "per_host": per_host, "contention": _contention(comm), "inside": inside,
-                      "memory_pass": float(worst[0][-1])}
-        # not the method's bytes (a probe of 25 MB messages had read the digits MLP's whole-run
-        # compression as 0.7x), whichever compressor counts the stage: reported apart in stats()
-        self._probe_bytes += comm.bytes_sent - before
-        note_probe(comm, comm.bytes_sent - before, getattr(comm, "collectives", 0) - rounds)
+        if key not in known:
+            hosts, _ = topology(comm)
+            if self._topology_decides(hosts, comm.size):
+                known[key] = None
+            else:
+                known[key] = measured = measure(comm, self.allowed, self.table, numel, shapes)
+                self._probe_bytes += measured.probe_bytes_sent
         return known[key]
 
     def _topology_decides(self, hosts: int, size: int) -> bool:
         """One host of several ranks, no ``table``: the first allowed method, whatever a cost
         model would predict (module docstring), so nothing is probed or timed unless ``predict``
-        asks for the predictions. (The probe had sent 26.8 MB, against 30.8 MB for the whole
-        800-step run it was to plan, on the digits MLP at 2 ranks.)"""
+        asks for the predictions: on a small model the probe alone sends about as much as the
+        whole run it is to plan."""
         return hosts == 1 and size > 1 and not self.table and not self.predict
 
     def replan(self) -> None:
@@ -209,15 +174,16 @@ class Auto(Compressor):
             return self._choices[key]
         m = self._measured if self._measured is not None else self.measure(comm, bucket.numel, bucket.shapes)
         self._measured = m
-        if m.get("decided"):
+        if m is None:
             return self._keep_first(key, bucket, comm)
-        hosts, per_host = m["hosts"], m["per_host"]
-        several = m["inside"] is not None  # several hosts of several ranks: both schedules
+        hosts, per_host = m.hosts, m.ranks_per_host
+        several = m.link_inside_host is not None  # several hosts of several ranks: both schedules
         # cores_per_host such that per_host / cores_per_host is how many ranks share a core here
-        cluster = cost.Cluster(hosts, per_host, m["link"], cores_per_host=per_host / m["contention"])
+        cluster = cost.Cluster(hosts, per_host, m.link, cores_per_host=per_host / m.ranks_per_core)
         # on one host the exchange runs inside it: over the probed link, not the model's default
-        model = cost.Model(m["compute"], prepare_share=m["prepare_share"], local_pass=m["memory_pass"],
-                           local=m["link"] if hosts == 1 else m["inside"])
+        model = cost.Model(m.compute_s_per_byte, prepare_share=m.local_stage_share,
+                           local_pass=m.memory_pass_s_per_byte,
+                           local=m.link if hosts == 1 else m.link_inside_host)
         n = len(self.allowed)
         order = []  # options in tie order: the allowed order, each name's default schedule first
         for k, comp in enumerate(self.candidates):
@@ -234,7 +200,7 @@ class Auto(Compressor):
             # a hierarchical schedule runs wholly on the wire thread: no local stage to overlap. The
             # overlap also needs a core: with c ranks on each, a rank's compute thread finds one
             # 1/c of the time
-            stages[label] = (0.0, cpu, total) if hier else (local / m["contention"], cpu, total)
+            stages[label] = (0.0, cpu, total) if hier else (local / m.ranks_per_core, cpu, total)
             times[label] = total
             paced[label] = cost.pipelined([stages[label]] * PACED_BUCKETS) / PACED_BUCKETS
         one_host = hosts == 1 and comm.size > 1 and not self.table
@@ -248,8 +214,8 @@ class Auto(Compressor):
                           "why": (f"one host ({comm.size} ranks): no link to spare, the first allowed "
                                   "method" if one_host else
                                   f"fastest predicted in the pipeline on a link of "
-                                  f"{m['link'].beta * 8 / 1e9:.3g} Gbit/s, "
-                                  f"{m['link'].alpha * 1e6:.0f} us latency, {comm.size} ranks"
+                                  f"{m.link.beta * 8 / 1e9:.3g} Gbit/s, "
+                                  f"{m.link.alpha * 1e6:.0f} us latency, {comm.size} ranks"
                                   + (f" on {hosts} hosts (flat and hierarchical)" if several else ""))}
         return best
 
@@ -318,11 +284,11 @@ class Auto(Compressor):
         s = super().stats()
         s["choices"] = list(self._why.values())
         s["probe_bytes_sent"] = self._probe_bytes
-        if self._measured is not None and not self._measured.get("decided"):
-            link = self._measured["link"]
+        if self._measured is not None:
+            link = self._measured.link
             s["link"] = {"alpha_s": link.alpha, "beta_bytes_per_s": link.beta}
-            s["compute_s_per_byte"] = dict(self._measured["compute"])
-            s["local_stage_share"] = dict(self._measured["prepare_share"])
+            s["compute_s_per_byte"] = dict(self._measured.compute_s_per_byte)
+            s["local_stage_share"] = dict(self._measured.local_stage_share)
         return s
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -367,161 +333,3 @@ class Auto(Compressor):
             raise
         self._choices, self._last = choices, last
         self._why = {}
-
-
-def _contention(comm: Communicator) -> float:
-    """How many ranks share each of this machine's cores, at least 1; the largest over ranks.
-    A machine's ranks are those with its name (``MPI.Get_processor_name``), not MPI's
-    shared-memory nodes: ``bench/capped.sh`` makes each emulated host a node of its own, while
-    all of them share this machine's cores."""
-    import os
-    import socket
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        from mpi4py import MPI
-
-        name = MPI.Get_processor_name()
-    except ImportError:
-        name = socket.gethostname()
-    names = comm.allgather(np.array([digest(name)], dtype=np.uint64)).reshape(-1)
-    here = int(np.count_nonzero(names == names[comm.rank]))
-    mine = max(1.0, here / cores)
-    return float(np.max(comm.allgather(np.array([mine]))))
-
-
-def _probe(comm: Communicator, largest: int = PROBE_SIZES[-1], agree: Communicator | None = None) -> cost.Link:
-    """Latency and bandwidth of ``comm``'s allreduce, the slowest rank's, the same on every rank,
-    from buckets of ``PROBE_SIZES`` and ``largest`` float32 values. Each is reduced as the
-    reducer reduces an fp32 bucket (``Allreduce``'s ordered stage: the agreement, the allreduce in
-    place, the division): a bare ``comm.allreduce`` that allocated its result read shared memory
-    at 0.7-0.8x the reducer's speed, one in place at 1.3-1.6x (the reducer's agreement and
-    division cost 2-7 ms a 25 MB bucket). So fp32's own compute is in the link (``measure``).
-    Each timed bucket starts right after a one-value allreduce, so that the ranks enter it
-    together (unsynchronised, a rank's clock also ran while it waited for a later one: the
-    probe read shared memory at half its speed); each rank keeps the median of its repeats per
-    size, and the slowest rank's medians are fitted."""
-    from ..compressors.allreduce import Allreduce
-
-    if comm.size == 1:
-        return cost.Link(0.0, float("inf"))
-    sizes = sorted(set(PROBE_SIZES) | {largest})
-    sync = np.zeros(1, np.float32)
-    fp32 = Allreduce()
-    medians = []
-    for i, n in enumerate(sizes):
-        x = np.zeros(n, np.float32)  # zeros: summed in place, they stay zeros
-        bucket = Bucket(x, i, [(n,)], scratch=True)
-        fp32.checked_run(bucket, comm)  # warm
-        times = []
-        for _ in range(PROBE_REPEATS):
-            comm.allreduce(sync)
-            start = time.perf_counter()
-            fp32.checked_run(bucket, comm)
-            times.append(time.perf_counter() - start)
-        medians.append(float(np.median(times)))
-    # the slowest rank's medians; ``agree``: of every rank there (each host's link inside it)
-    worst = np.max((comm if agree is None else agree).allgather(np.array(medians)), axis=0)
-    N = comm.size
-    t = cost.Traffic("allreduce", 0.0)
-    cluster = cost.Cluster(N, 1, cost.Link(0, 1))
-    pairs = [(cost.messages(t, cluster, False), cost.rank_bytes(cost.Traffic("allreduce", 4.0 * n), N))
-             for n in sizes]
-    alpha, inv_beta = cost._least_squares(pairs, [float(w) for w in worst])
-    return cost.Link(max(alpha, 0.0), 1.0 / inv_beta if inv_beta > 0 else float("inf"))
-
-
-def _memory_pass(numel: int = TIMED_MAX // 2, repeats: int = 5) -> float:
-    """Seconds per float32 byte of one pass over memory (a copy, out of the caches): what a
-    hierarchical schedule's exact stages inside the host cost besides their messages
-    (``cost.Model.local_pass``)."""
-    src = np.ones(numel, np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - start)
-    return best / (4 * numel)
-
-
-def _timed_shapes(shapes: Sequence[Sequence[int]], lo: int = TIMED_MIN, hi: int = TIMED_MAX
-                  ) -> list[tuple[int, ...]]:
-    """``shapes`` repeated until they hold ``lo`` values, cut at ``hi`` (a tensor that crosses
-    it keeps its trailing dimensions and loses rows): a bucket of the measured bucket's layout,
-    large enough to be out of the caches."""
-    out: list[tuple[int, ...]] = []
-    total = 0
-    if not any(math.prod(s) for s in shapes):
-        return [(lo,)]
-    while total < lo:
-        for shape in shapes:
-            shape = tuple(int(d) for d in shape)
-            row = math.prod(shape[1:])
-            rows = min(shape[0] if shape else 1, (hi - total) // max(row, 1))
-            if rows <= 0:
-                return out or [(hi,)]
-            out.append((rows, *shape[1:]))
-            total += rows * row
-            if rows < (shape[0] if shape else 1):
-                return out
-    return out
-
-
-def _time_candidates(names: Sequence[str], shapes: Sequence[tuple[int, ...]] = ((1 << 20,),),
-                     repeats: int = 3) -> tuple[dict[str, float], dict[str, float]]:
-    """Seconds per float32 byte of each method's whole reduction of one bucket of ``shapes`` on
-    one rank, and the share of it in the local stage (``prepare``, which the pipeline overlaps)."""
-    from mpi4py import MPI
-
-    from ..comm.mpi import MPICommunicator
-    from ..registry import make, steady
-
-    alone = MPICommunicator(MPI.COMM_SELF, blas_threads=None)
-    numel = sum(math.prod(s) for s in shapes)
-    g = np.random.default_rng(0).standard_t(3, numel).astype(np.float32)
-    out, shares = {}, {}
-    try:
-        for name in names:
-            comp = make(steady(name))
-            best, local, rest = float("inf"), float("inf"), float("inf")
-            warm = max(3, comp.warmup_steps)
-            for i in range(repeats + warm):
-                bucket = Bucket(g.copy(), 0, shapes, scratch=True)
-                start = time.perf_counter()
-                comp.reduce(bucket, alone).result()
-                took = time.perf_counter() - start
-                bucket = Bucket(g.copy(), 0, shapes, scratch=True)  # the two stages, timed apart
-                start = time.perf_counter()
-                prepared = comp.prepare(bucket, alone, alone.workspace)
-                middle = time.perf_counter()
-                run_stage(comp, bucket, alone, prepared)
-                if i >= warm:  # past the compiles, the first allocations and the warm-up steps
-                    # (PowerSGD's start_iter=2: exact, nothing to do on one rank: had timed it at
-                    # 0.04 ns a byte)
-                    best = min(best, took)
-                    local, rest = min(local, middle - start), min(rest, time.perf_counter() - middle)
-            out[name] = best / (4 * numel)
-            shares[name] = local / (local + rest) if local + rest > 0 else 0.0
-    finally:
-        alone.close()
-    return out, shares
-
-
-def _load_table(path: str) -> tuple[dict[str, float], dict[str, float]]:
-    """A compute table: method -> seconds per float32 byte, or ``[seconds per byte, share of
-    them in the local stage]``."""
-    with open(path) as f:
-        data = json.load(f)
-
-    def entry(v: Any) -> bool:
-        number = (int, float)
-        return isinstance(v, number) or (isinstance(v, list) and len(v) == 2
-                                         and all(isinstance(x, number) for x in v) and 0 <= v[1] <= 1)
-
-    if not isinstance(data, dict) or not all(entry(v) for v in data.values()):
-        raise ValueError(f"auto: {path} must hold a JSON object of method -> seconds per float32 byte "
-                         "(or [seconds per byte, local-stage share from 0 to 1])")
-    compute = {str(k): float(v[0] if isinstance(v, list) else v) for k, v in data.items()}
-    shares = {str(k): float(v[1]) for k, v in data.items() if isinstance(v, list)}
-    return compute, shares

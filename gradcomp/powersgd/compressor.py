@@ -9,52 +9,34 @@ nothing is lost for good, only delayed.
 The semantics follow PyTorch's ``powerSGD_hook``; the differences are deliberate and listed in
 ``PowerSGD``'s docstring. The work is split in two stages (``gradcomp.compressors.base``): the
 local stage adds the residual and computes the first factor, overlapping the previous bucket's
-transfer; the ordered stage sends it, computes the second factor, sends that and reconstructs.
+transfer (``local_stage``); the ordered stage sends it, computes the second factor, sends that and
+reconstructs (``ordered_stage``). This module holds what decides and records a step: the
+parameters, which steps and tensors are compressed, the traffic declared, statistics and
+checkpoints.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..arrays import Array, ArrayModule, add_into, array_module, cast, dtype_name, half_dtype, subtract_into
+from ..arrays import Array
 from ..bucket import Bucket
 from ..comm import Communicator, Workspace
 from ..compressors.allreduce import mean_allreduce
 from ..compressors.base import Compressor, Traffic
+from ..compressors.quantize import QuantizedAllreduce
 from ..params import check_bool, check_choice, check_float, check_int
 from ..state import ClaimCheck, TensorStore
 from .checkpoint import checked, saved
-from .plan import Plan, orthogonalize
-from .products import Products
-from ..compressors.quantize import QuantizedAllreduce
-
-HALF = ("float16", "bfloat16")
-
-
-@dataclass
-class _Work:
-    """One bucket's decisions and the local stage's results, handed to the ordered stage."""
-    step: int
-    compress: bool
-    phase: int = 0                 # rounds=1: 0 sends P (from last Q), 1 sends Q (from last P)
-    plan: Plan | None = None       # set when ``compress``
-    products: Any = None
-    x: Any = None                  # gradient + residual (the residual region itself when kept)
-    mx: Any = None                 # x in the compute dtype, padded for the batched square
-    out: Any = None
-    wire: Any = None               # the first message: uncompressed tensors, then P (or Q)
-    basis: Any = None              # the factor the first message was projected on
-    fold: bool = False             # the new residual is subtracted inside the reconstruction
-    direct: bool = False           # no cast and no padding: the output is the result
-    storage: Any = None
-    compute: Any = None
-    half: bool = False
+from .local_stage import LocalStage
+from .ordered_stage import OrderedStage
+from .plan import Plan
+from .work import Work
 
 
-class PowerSGD(Compressor):
+class PowerSGD(LocalStage, OrderedStage, Compressor):
     """Low-rank compression with error feedback and warm start, layer by layer.
 
     Parameters (PyTorch's ``PowerSGDState`` names in brackets):
@@ -182,15 +164,15 @@ class PowerSGD(Compressor):
     def warmup_steps(self) -> int:
         return self.start_iter
 
-    # -- the local stage ---------------------------------------------------------------------------
-    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Work:
+    # -- the two stages (their work in local_stage and ordered_stage) ----------------------------
+    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> Work:
         step = self._step
         if bucket.is_last:
             self._step += 1
         if step < self.start_iter:
-            return _Work(step, compress=False)
+            return Work(step, compress=False)
         plan = self._plan(bucket)
-        work = _Work(step, compress=True, plan=plan, phase=(step - self.start_iter) % 2)
+        work = Work(step, compress=True, plan=plan, phase=(step - self.start_iter) % 2)
         if plan.matrices:
             self._local(bucket, workspace, work)
         self._claims.saw(bucket.keys, bucket.is_last, [self._errors, self._q, self._p], type(self).__name__)
@@ -207,121 +189,8 @@ class PowerSGD(Compressor):
                                            self.batch_same_shape, f"square:{bucket.layout_key():x}")
         return plan
 
-    def _local(self, bucket: Bucket, workspace: Workspace, w: _Work) -> None:
-        g = bucket.buffer
-        xp = array_module(g)
-        plan = w.plan
-        assert plan is not None  # compressing
-        n = bucket.numel
-        w.storage = g.dtype
-        w.half = dtype_name(g.dtype) in HALF
-        w.compute = xp.dtype(xp.float32) if w.half else g.dtype
-        w.products = Products(plan, xp, w.compute)
-        # 1. x = gradient + residual, written into the residual (ours) or kept as the gradient
-        #    itself (read only). With the compiled products the matrices' part of the sum is done
-        #    inside the first product (``pending``), saving a pass.
-        direct = w.compute == w.storage and plan.padded == n  # no cast, no padding
-        pending = None
-        if self.error_feedback:
-            ef = w.storage if self.error_dtype is None else _dtype(self.error_dtype, xp)
-            x, _ = self._errors.region(bucket.placements(), n, ef, like=g)
-            if w.products.fused and direct and x.dtype == w.compute:
-                pending = g
-                for a, b in plan.runs:
-                    add_into(x[a:b], g[a:b])
-            else:
-                add_into(x, g if g.dtype == x.dtype else cast(g, x.dtype))
-        else:
-            x = g
-        mx = x
-        if x.dtype != w.compute or plan.padded != n:
-            mx = workspace.array(self, "mx", plan.padded, w.compute, like=g)
-            cast(x, w.compute, out=mx[:n])
-            mx[n:] = 0
-        w.x, w.mx = x, mx
-        # 2. the output: a DDP bucket (scratch) takes it itself, no new array and no copy back (the
-        #    bucket is read only by the first product, ``pending``, or as ``x`` before this point);
-        #    with a cast or padding in between it is a reused temporary
-        if direct:
-            w.out = g if bucket.scratch else xp.empty(n, w.compute)
-        else:
-            w.out = workspace.array(self, "out", plan.padded, w.compute, like=g)
-        w.direct = direct
-        # 3. the new residual x - output is subtracted inside the last product where it can be
-        w.fold = self.error_feedback and w.products.fused and direct and mx is x
-        # 4. the first message: uncompressed tensors, then P = M Q (or Q = M^T P, rounds=1 phase 1)
-        first_p = self.rounds == 2 or w.phase == 0
-        w.basis = self._basis(bucket, workspace, w, "q" if first_p else "p")
-        size = plan.p_size if first_p else plan.q_size
-        w.wire = workspace.array(self, "wire", plan.n_unc + size, w.compute, like=g)
-        pos = 0
-        for a, b in plan.runs:
-            w.wire[pos:pos + b - a] = mx[a:b]
-            pos += b - a
-        local = w.wire[plan.n_unc:]
-        if first_p:
-            w.products.project(mx, w.basis, local, add=pending)
-        else:
-            w.products.project_t(mx, w.basis, local, add=pending)
 
-    def _basis(self, bucket: Bucket, workspace: Workspace, w: _Work, which: str) -> Array:
-        """This step's orthonormal starting factor: last step's (warm start) or fresh from the
-        seeded generator. A block with an all-zero column (its layer's gradient was zero) would
-        stay zero for ever, so it is drawn afresh; every rank holds the same factor and makes
-        the same decision."""
-        plan = w.plan
-        assert plan is not None  # compressing
-        g = bucket.buffer
-        store = self._q if which == "q" else self._p
-        placements = plan.q_placements if which == "q" else plan.p_placements
-        size = plan.q_size if which == "q" else plan.p_size
-        groups = plan.q_groups if which == "q" else plan.p_groups
-        if self.warm_start:
-            memory, missing = store.region(placements, size, w.compute, like=g)
-        else:
-            memory, missing = None, [t.key for t in plan.matrices]
-        region = workspace.array(self, "basis", size, w.compute, like=g)
-        if memory is not None:
-            region[...] = memory
-        if missing:
-            wanted = set(missing)
-            self._draw(region, plan, [i for i, t in enumerate(plan.matrices) if t.key in wanted], which, w)
-        dead = orthogonalize(region, groups, not w.half, self.orthogonalization_epsilon)
-        if dead:
-            self._draw(region, plan, sorted(dead), which, w)
-            orthogonalize(region, groups, not w.half, self.orthogonalization_epsilon)
-        return self._round(region, w)
-
-    def _draw(self, region: Array, plan: Plan, numbers: list[int], which: str, w: _Work) -> None:
-        """Fill the Q (or P) blocks of the given matrices from ``fresh_q`` (P: (m, n) swapped)."""
-        xp = array_module(region)
-        mats = [plan.matrices[k] for k in numbers]
-        if which == "q":
-            shapes, rows, offs = [(t.n, t.m, t.r) for t in mats], [t.m for t in mats], [t.q_off for t in mats]
-        else:
-            shapes, rows, offs = [(t.m, t.n, t.r) for t in mats], [t.n for t in mats], [t.p_off for t in mats]
-        for t, k, off, values in zip(mats, rows, offs, self.fresh_q(shapes)):
-            values = np.asarray(values, dtype=np.float64).reshape(-1)
-            region[off:off + k * t.r] = xp.asarray(values).astype(region.dtype)
-        if w.half:
-            region[...] = self._round(region, w)
-
-    def _round(self, a: Array, w: _Work) -> Array:
-        """``a`` rounded to the bucket's half dtype (kept in float32), where PyTorch stores half."""
-        return cast(cast(a, w.storage), a.dtype, out=a) if w.half else a
-
-    def fresh_q(self, matrices: list[tuple[int, int, int]]) -> list[np.ndarray]:
-        """Random starting Q for the compressed matrices ``(n, m, r)`` of one bucket, in bucket order:
-        one ``(m, r)`` array each, standard normal, from this compressor's seeded generator.
-
-        Every rank holds the same generator state and calls this at the same points, so every rank
-        gets the same Q. Override it to reproduce another implementation's initial Q exactly (the
-        PyTorch parity test does); the result must be the same on every rank.
-        """
-        return [self._rng.standard_normal((m, r)) for _, m, r in matrices]
-
-    # -- the ordered stage ---------------------------------------------------------------------------------
-    def finish(self, bucket: Bucket, comm: Communicator, work: _Work) -> Array:
+    def finish(self, bucket: Bucket, comm: Communicator, work: Work) -> Array:
         if not work.compress:  # warm-up: exactly Allreduce (in place if scratch)
             return mean_allreduce(bucket, comm)
         plan = work.plan
@@ -344,79 +213,6 @@ class PowerSGD(Compressor):
         finally:
             c["compressed_rounds"] += comm.collectives - before
 
-    def _factor_numel(self, n: int, itemsize: int) -> int:
-        """What ``n`` factor values cost on the wire, counted in values of ``itemsize`` bytes."""
-        codec = self._factor_codec
-        return n if codec is None else -(-codec.message_size(n) // itemsize)
-
-    def _mean(self, wire: Array, comm: Communicator, w: _Work, exact: int = 0) -> Array:
-        """The mean over ranks of ``wire``, returned in ``compute`` (in ``wire`` itself where it
-        can be); with ``factor_bits`` its first ``exact`` values (the uncompressed tensors) go
-        exactly and the rest, the factor, as quantized codes."""
-        codec = self._factor_codec
-        if codec is None:
-            return self._exact_mean(wire, comm, w)
-        if exact:
-            wire[:exact] = self._exact_mean(wire[:exact], comm, w)  # a copy onto itself at most
-        factor = Bucket(wire[exact:], scratch=True)
-        mean = codec.finish(factor, comm, codec.prepare(factor, comm, comm.workspace))
-        if mean is not factor.buffer:
-            wire[exact:] = mean
-        return wire
-
-    def _exact_mean(self, wire: Array, comm: Communicator, w: _Work) -> Array:
-        """Sum of ``wire / size`` over ranks, sent in the bucket's dtype, returned in ``compute``."""
-        xp = array_module(wire)
-        if comm.size > 1:
-            xp.divide(wire, w.compute.type(comm.size), out=wire)
-        if w.compute != w.storage:
-            half = comm.workspace.array(self, "half-wire", wire.shape[0], w.storage, like=wire)
-            summed = comm.allreduce(cast(wire, w.storage, out=half), overwrite=True)
-            return cast(summed, w.compute, out=wire)
-        return comm.allreduce(wire, overwrite=True)
-
-    def _send(self, bucket: Bucket, comm: Communicator, w: _Work) -> Array:
-        xp = array_module(bucket.buffer)
-        plan, n = w.plan, bucket.numel
-        assert plan is not None  # compressing
-        summed = self._mean(w.wire, comm, w, exact=plan.n_unc)
-        pos = 0
-        for a, b in plan.runs:
-            w.out[a:b] = summed[pos:pos + b - a]
-            pos += b - a
-        new = summed[plan.n_unc:]
-        residual = w.x if w.fold else None
-        if self.rounds == 2:
-            p = new
-            orthogonalize(p, plan.p_groups, not w.half, self.orthogonalization_epsilon)
-            p = self._round(p, w)
-            q_local = comm.workspace.array(self, "q-local", plan.q_size, w.compute, like=w.mx)
-            w.products.project_t(w.mx, p, q_local)
-            q = self._mean(q_local, comm, w)
-            w.products.reconstruct(w.out, p, q, residual)
-        else:
-            p, q = (new, w.basis) if w.phase == 0 else (w.basis, new)
-            w.products.reconstruct(w.out, p, q, residual)
-        result = w.out
-        if not w.direct:
-            result = cast(w.out[:n], w.storage, out=bucket.buffer if bucket.scratch else None)
-        keys = [t.key for t in plan.matrices]
-        if not (bool(xp.isfinite(p).all()) and bool(xp.isfinite(q).all())):
-            # identical P and Q on every rank: every rank drops the memory together
-            self._errors.drop(bucket.keys)
-            self._q.drop(keys)
-            self._p.drop(keys)
-            return result
-        if self.error_feedback:
-            if not w.fold:
-                subtract_into(w.x, result if result.dtype == w.x.dtype else cast(result, w.x.dtype))
-            for a, b in plan.runs:
-                w.x[a:b] = 0
-        if self.warm_start:
-            self._q.region(plan.q_placements, plan.q_size, w.compute, like=w.mx)[0][...] = q
-            if self.rounds == 1:
-                self._p.region(plan.p_placements, plan.p_size, w.compute, like=w.mx)[0][...] = p
-        return result
 
     def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
         n = sum(math.prod(s) for s in shapes)
@@ -429,7 +225,7 @@ class PowerSGD(Compressor):
         return Traffic("allreduce", first.message_bytes, extra=(Traffic("allreduce", plan.q_size * itemsize),))
 
     # -- declared state, hand-over, statistics, checkpoints ----------------------------------------------------
-    def agreement_state(self, bucket: Bucket, prepared: _Work | None) -> dict[str, Any]:
+    def agreement_state(self, bucket: Bucket, prepared: Work | None) -> dict[str, Any]:
         if prepared is None:
             return {"step": self._step}
         state: dict[str, Any] = {"step": prepared.step, "compressing": prepared.compress}
@@ -503,6 +299,3 @@ class BatchedPowerSGD(PowerSGD):
             out["factor_bits"] = self.factor_bits
         return out
 
-
-def _dtype(name: str, xp: ArrayModule) -> Any:
-    return half_dtype(name, xp) if name in HALF else xp.dtype(name)

@@ -17,6 +17,7 @@ SHAPES = [(256, 200), (200,), (4000,), (128, 128)]
 
 def rank_auto(table: str | None, predict: bool = False):
     import gradcomp as gc
+    from gradcomp.comm.base import probe_traffic
     from gradcomp.planning.auto import Auto
 
     comm = gc.MPICommunicator()
@@ -36,14 +37,14 @@ def rank_auto(table: str | None, predict: bool = False):
         # one host (both ranks here): the topology decides, the first allowed method, and
         # nothing is probed or timed (the probe had cost 26.8 MB against 30.8 MB for a whole
         # 800-step run); stats() says so
-        assert stats["probe_bytes_sent"] == 0 and comm.probe_bytes_sent == 0 and comm.bytes_sent > 0, stats
+        assert stats["probe_bytes_sent"] == 0 and probe_traffic(comm) == (0.0, 0) and comm.bytes_sent > 0, stats
         assert all(c["chosen"] == "allreduce" and c["predicted_s"] == {} for c in choices), choices
         assert all("one host" in c["why"] and "nothing was probed or timed" in c["why"] for c in choices), choices
         assert "link" not in stats and "compute_s_per_byte" not in stats, stats
         assert stats["compression_ratio"] == pytest.approx(1.0), stats
     else:
         # the link probe's bytes are its own, not the method's, and the communicator marks them so
-        assert stats["probe_bytes_sent"] > 0 and comm.probe_bytes_sent == stats["probe_bytes_sent"], stats
+        assert stats["probe_bytes_sent"] > 0 and probe_traffic(comm)[0] == stats["probe_bytes_sent"], stats
         assert all(set(c["predicted_s"]) == {"allreduce", "int8"} for c in choices), choices
     # every rank chose the same, and holds the same bits
     mine = json.dumps(sorted((c["bucket"], c["chosen"]) for c in choices))
@@ -136,17 +137,17 @@ def test_compute_timed_on_the_bucket_layout():
     (what the timing used before) it sends the vector as it is: nothing to compute on one rank."""
     import math
 
-    from gradcomp.planning.auto import TIMED_MAX, TIMED_MIN, _time_candidates, _timed_shapes
+    from gradcomp.planning.measurements import TIMED_MAX, TIMED_MIN, time_candidates, timed_shapes
 
-    small = _timed_shapes([(64, 32), (32,)])
+    small = timed_shapes([(64, 32), (32,)])
     assert small[:4] == [(64, 32), (32,), (64, 32), (32,)]
     assert TIMED_MIN <= sum(math.prod(s) for s in small) < TIMED_MIN + 64 * 32 + 32
-    assert _timed_shapes([(30522, 768)]) == [(TIMED_MAX // 768, 768)]
-    assert _timed_shapes([(3, 4), (TIMED_MAX, 2)]) == [(3, 4), ((TIMED_MAX - 12) // 2, 2)]
-    assert _timed_shapes([(0, 5)]) == [(TIMED_MIN,)]
-    layout = _timed_shapes([(1024, 1024), (1024,)], lo=1 << 21)
-    on_matrices, _ = _time_candidates(["powersgd"], layout, repeats=2)
-    on_a_vector, _ = _time_candidates(["powersgd"], [(sum(math.prod(s) for s in layout),)], repeats=2)
+    assert timed_shapes([(30522, 768)]) == [(TIMED_MAX // 768, 768)]
+    assert timed_shapes([(3, 4), (TIMED_MAX, 2)]) == [(3, 4), ((TIMED_MAX - 12) // 2, 2)]
+    assert timed_shapes([(0, 5)]) == [(TIMED_MIN,)]
+    layout = timed_shapes([(1024, 1024), (1024,)], lo=1 << 21)
+    on_matrices, _ = time_candidates(["powersgd"], layout, repeats=2)
+    on_a_vector, _ = time_candidates(["powersgd"], [(sum(math.prod(s) for s in layout),)], repeats=2)
     # rank-4 power iterations and orthogonalization against a copy: about ten times apart here
     assert on_matrices["powersgd"] > 3 * on_a_vector["powersgd"], (on_matrices, on_a_vector)
 
@@ -154,6 +155,7 @@ def test_compute_timed_on_the_bucket_layout():
 def rank_auto_hosts():
     import gradcomp as gc
     from gradcomp.planning import cost
+    from gradcomp.planning.measurements import Measurements
 
     comm = gc.MPICommunicator()
     assert comm.topology.hosts == 2 and comm.topology.local_size == 2, comm.topology
@@ -170,9 +172,10 @@ def rank_auto_hosts():
     # a host link 1000x slower than the path inside: fp32's hierarchical schedule halves what
     # crosses it, and int8's costly compute loses (the measurement injected, so the choice is sure)
     comp.replan()
-    comp._measured = {"link": cost.Link(1e-4, 1e6), "inside": cost.Link(1e-6, 1e9), "hosts": 2, "per_host": 2,
-                      "compute": {"allreduce": 0.0, "int8": 1e-5}, "prepare_share": {}, "contention": 1.0,
-                      "memory_pass": 1e-10}
+    comp._measured = Measurements(hosts=2, ranks_per_host=2, link=cost.Link(1e-4, 1e6),
+                                  compute_s_per_byte={"allreduce": 0.0, "int8": 1e-5}, local_stage_share={},
+                                  ranks_per_core=1.0, link_inside_host=cost.Link(1e-6, 1e9),
+                                  memory_pass_s_per_byte=1e-10)
     for _ in range(2):
         outs = reducer.step([g.copy() for g in grads])
     chosen = {c["chosen"] for c in comp.stats()["choices"]}
@@ -214,14 +217,16 @@ def test_overlap_needs_a_core():
 
     import gradcomp as gc
     from gradcomp.planning import cost
+    from gradcomp.planning.measurements import Measurements
 
     shapes = [(1024, 1024)]
     paced = {}
     for contention in (1.0, 2.0):
         comp = gc.make("auto:allowed=int4")
-        comp._measured = {"link": cost.Link(0.0, 1.25e8), "inside": None, "hosts": 4, "per_host": 1,
-                          "compute": {"int4": 1e-9}, "prepare_share": {"int4": 0.6}, "contention": contention,
-                          "memory_pass": 1e-10}
+        comp._measured = Measurements(hosts=4, ranks_per_host=1, link=cost.Link(0.0, 1.25e8),
+                                      compute_s_per_byte={"int4": 1e-9}, local_stage_share={"int4": 0.6},
+                                      ranks_per_core=contention, link_inside_host=None,
+                                      memory_pass_s_per_byte=1e-10)
         bucket = gc.Bucket(np.zeros(1 << 20, np.float32), 0, shapes)
         comp._choose(bucket, SimpleNamespace(size=4, rank=0))
         why = comp.stats()["choices"][0]
