@@ -280,7 +280,7 @@ class RandomK(Codec):
         index = workspace.array(self, "index", k, np.int64, like=x)
         jit = _jit(x, message, index)
         if jit is not None:
-            top = _gather(jit, x)(x, x, False, index, message[:k], _BLOCK)
+            top = jit.randomk_gather(x, x, False, index, message[:k], _BLOCK)
             finite = _sum_is_finite(top, x.shape[0], x.dtype)
             if finite is not None:
                 message[k] = 0 if finite else np.nan
@@ -299,7 +299,7 @@ class RandomK(Codec):
         index = workspace.array(self, "index", k, np.int64, like=x)
         jit = _jit(x, residual, message, index)
         if jit is not None:
-            top = _gather(jit, x)(x, residual, True, index, message[:k], _BLOCK)  # zero where sent
+            top = jit.randomk_gather(x, residual, True, index, message[:k], _BLOCK)  # zero where sent
             finite = _sum_is_finite(top, x.shape[0], x.dtype)
             if finite is None:  # only the sum of the values (before zeroing) can tell
                 residual[index] = message[:k]
@@ -341,10 +341,6 @@ class RandomK(Codec):
         step = take_int(state, "step", "RandomK")
         reject_leftovers(state, "RandomK")
         self._step = step
-
-
-def _gather(jit: Any, x: Array) -> Any:
-    return jit.randomk_gather if x.dtype == np.float32 else jit.randomk_gather64
 
 
 def _scatter(out: Array, index: Array, values: Array, add: bool) -> bool:

@@ -40,49 +40,34 @@ def _f16_decode(typingctx, u):
     return types.float32(types.uint16), codegen
 
 
-@intrinsic
-def _f32_bits(typingctx, x):
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.uint32(types.float32), codegen
+def _bitcast(source, target):
+    """An intrinsic: a ``source`` value's bits read as a ``target`` of the same width (no
+    instruction: LLVM's bitcast)."""
+    def cast(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(target))
+        return target(source), codegen
+    return intrinsic(cast)
 
 
-@intrinsic
-def _f32_from_bits(typingctx, u):
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.uint32), codegen
+_f32_bits = _bitcast(types.float32, types.uint32)
+_f32_from_bits = _bitcast(types.uint32, types.float32)
+_f64_bits = _bitcast(types.float64, types.int64)
+_f64_from_bits = _bitcast(types.int64, types.float64)
 
 
-@intrinsic
-def _f64_from_bits(typingctx, u):
-    """int64 bits -> the float64 they encode."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-    return types.float64(types.int64), codegen
+def _select32(op):
+    """An intrinsic: of two int32, the one that wins ``op`` against the other ("<": the smaller,
+    ">": the larger), as an int32."""
+    def pick(typingctx, a, b):
+        def codegen(context, builder, signature, args):
+            return builder.select(builder.icmp_signed(op, args[0], args[1]), args[0], args[1])
+        return types.int32(types.int32, types.int32), codegen
+    return intrinsic(pick)
 
 
-@intrinsic
-def _min32(typingctx, a, b):
-    """The smaller of two int32, as an int32."""
-    def codegen(context, builder, signature, args):
-        return builder.select(builder.icmp_signed("<", args[0], args[1]), args[0], args[1])
-    return types.int32(types.int32, types.int32), codegen
-
-
-@intrinsic
-def _max32(typingctx, a, b):
-    """The larger of two int32, as an int32."""
-    def codegen(context, builder, signature, args):
-        return builder.select(builder.icmp_signed(">", args[0], args[1]), args[0], args[1])
-    return types.int32(types.int32, types.int32), codegen
-
-
-@intrinsic
-def _f64_bits(typingctx, x):
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(64))
-    return types.int64(types.float64), codegen
+_min32 = _select32("<")
+_max32 = _select32(">")
 
 
 @intrinsic

@@ -10,7 +10,7 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .base import _f32_from_bits, _max32, _min32, inline, kernel
 
@@ -53,23 +53,25 @@ def _order_key64(b):
     return b ^ ((b >> np.int64(63)) & np.int64(0x7FFFFFFFFFFFFFFF))
 
 
+def _zeros_of(bits):
+    """(+0.0, -0.0) as the bits of ``bits``' values (float32 as int32, float64 as int64)."""
+
+
+@overload(_zeros_of, inline="always")
+def _zeros_of_impl(bits):
+    if bits.dtype == types.int32:
+        return lambda bits: (np.int32(0), np.int32(-0x80000000))
+    return lambda bits: (np.int64(0), np.int64(-0x7FFFFFFFFFFFFFFF - 1))
+
+
 @kernel
 def _has_both_zeros(bits):
-    """True when ``bits`` (float32 as int32) hold both +0.0 and -0.0."""
+    """True when ``bits`` (float32 as int32, float64 as int64) hold both +0.0 and -0.0."""
+    plus_zero, minus_zero = _zeros_of(bits)
     plus = minus = False
     for i in range(bits.shape[0]):
-        plus |= bits[i] == np.int32(0)
-        minus |= bits[i] == np.int32(-0x80000000)
-    return plus and minus
-
-
-@kernel
-def _has_both_zeros64(bits):
-    """True when ``bits`` (float64 as int64) hold both +0.0 and -0.0."""
-    plus = minus = False
-    for i in range(bits.shape[0]):
-        plus |= bits[i] == np.int64(0)
-        minus |= bits[i] == np.int64(-0x7FFFFFFFFFFFFFFF - 1)
+        plus |= bits[i] == plus_zero
+        minus |= bits[i] == minus_zero
     return plus and minus
 
 
@@ -79,9 +81,7 @@ def _keys(xs, n):
     kmin = np.int32(0x7FFFFFFF)
     kmax = np.int32(-0x80000000)
     for i in range(n):
-        k = _key_of(xs[i])
-        kmin = _min32(kmin, k)
-        kmax = _max32(kmax, k)
+        kmin, kmax = _key_range(xs[i], kmin, kmax)
     return kmin, kmax
 
 
@@ -237,6 +237,48 @@ def _packed_part(codes, start, n):
 
 
 @inline
+def _decode_into(a, cs, n, scale, lo, add, zero):
+    """``a (+)= codes * scale + offset`` over ``n`` values: ``a + code * scale`` then ``+ offset``,
+    two roundings in ``a``'s dtype (the product in float32; the NumPy kernels' sequence, no fused
+    multiply-add); writing is adding to ``zero`` (of ``a``'s dtype). Every decoder's loop: ``add``
+    is a constant in most callers, and a branch around the two loops elsewhere."""
+    if add:
+        for i in range(n):
+            a[i] = (a[i] + np.float32(cs[i]) * scale) + lo
+    else:
+        for i in range(n):
+            a[i] = (zero + np.float32(cs[i]) * scale) + lo
+
+
+@inline
+def _key_range(v, kmin, kmax):
+    """(kmin, kmax) widened to hold float32 ``v``'s order key."""
+    k = _key_of(v)
+    return _min32(kmin, k), _max32(kmax, k)
+
+
+@inline
+def _encode_chunk(xs, es, n, kmin, kmax, bits, top, zero, feedback, params, c, codes, ctmp, start, packed):
+    """Chunk ``c`` of float32 values ``xs`` whose order keys run from ``kmin`` to ``kmax``
+    (``bits``: its float32 bits as int32): its offset and scale into ``params``, its codes into
+    ``codes`` (packed where ``packed``) and, with ``feedback``, ``es`` = its error. True (and
+    nothing but ``params`` written) where the NumPy kernels must redo the chunk (``_range_of``)."""
+    lo, scale, inv, bad = _range_of(kmin, kmax, top, bits, zero)
+    params[0, c] = lo
+    params[1, c] = scale
+    if bad:
+        return True
+    cs = _codes_of(codes, ctmp, start, n, packed)
+    if feedback:
+        _codes_and_error(xs, es, cs, n, lo, scale, inv, top)
+    else:
+        _codes(xs, cs, n, lo, inv, top)
+    if packed:
+        _pack4(cs, n, _packed_part(codes, start, n))
+    return False
+
+
+@inline
 def _keep_error(xs, es, cs, n, lo, scale):
     """``es = xs - (codes * scale + offset)``: the residual from the chunk's own codes, decoded
     as ``dequantize_chunks`` does into a zeroed array (float64 chunks)."""
@@ -268,17 +310,9 @@ def _decode_rows(rows, row_params, chunks, c, start, n, packed, xs, ctmp, count)
     decoded and summed in rank order into ``xs``, from zero: ``dequantize_chunks`` row after
     row. The rows' parameters are finite (``_rows_finite``)."""
     zero = np.zeros(1, xs.dtype)[0]
-    base = 8 * chunks
     for r in range(count):
-        lo = row_params[r, c]
-        scale = row_params[r, chunks + c]
-        cs = _row_codes(rows, r, base, start, n, packed, ctmp)
-        if r == 0:
-            for i in range(n):
-                xs[i] = (zero + np.float32(cs[i]) * scale) + lo
-        else:
-            for i in range(n):
-                xs[i] = (xs[i] + np.float32(cs[i]) * scale) + lo
+        cs = _row_codes(rows, r, 8 * chunks, start, n, packed, ctmp)
+        _decode_into(xs, cs, n, row_params[r, chunks + c], row_params[r, c], r > 0, zero)
 
 
 @inline

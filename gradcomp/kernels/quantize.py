@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import _max32, _min32, _store_fence, _stream, inline, kernel
+from .base import _store_fence, _stream, inline, kernel
 from .chunks import (
-    _codes,
-    _codes_and_error,
-    _codes_of,
+    _decode_into,
     _decode_rows,
-    _key_of,
+    _encode_chunk,
+    _key_range,
     _keys,
-    _pack4,
     _packed_part,
-    _range_of,
     _row_codes,
     _rows_finite,
     _unpack4,
@@ -55,17 +52,10 @@ def quantize_chunks(x, bits, width, levels, params, codes, redo, packed, ctmp, z
         xs = x[start:start + width]
         n = xs.shape[0]
         kmin, kmax = _keys(xs, n)
-        lo, scale, inv, bad = _range_of(kmin, kmax, top, bits[start:start + n], zero)
-        params[0, c] = lo
-        params[1, c] = scale
-        if bad:
+        if _encode_chunk(xs, xs, n, kmin, kmax, bits[start:start + n], top, zero, False, params, c, codes, ctmp,
+                         start, packed):
             redo[c] = True
             redone += 1
-            continue
-        cs = _codes_of(codes, ctmp, start, n, packed)
-        _codes(xs, cs, n, lo, inv, top)
-        if packed:
-            _pack4(cs, n, _packed_part(codes, start, n))
     return redone
 
 
@@ -85,12 +75,7 @@ def dequantize_chunks(acc, params, codes, width, add):
         if not (np.isfinite(lo) and np.isfinite(scale)):
             a[:] = np.nan
             continue
-        if add:
-            for i in range(a.shape[0]):
-                a[i] = (a[i] + np.float32(cs[i]) * scale) + lo
-        else:
-            for i in range(a.shape[0]):
-                a[i] = (zero + np.float32(cs[i]) * scale) + lo
+        _decode_into(a, cs, a.shape[0], scale, lo, add, zero)
 
 
 @kernel
@@ -107,14 +92,8 @@ def unpack4_dequantize_chunks(acc, params, packed, width, add, ctmp):
         if not (np.isfinite(lo) and np.isfinite(scale)):
             a[:] = np.nan
             continue
-        cs = ctmp
-        _unpack4(_packed_part(packed, start, n), n, cs)
-        if add:
-            for i in range(n):
-                a[i] = (a[i] + np.float32(cs[i]) * scale) + lo
-        else:
-            for i in range(n):
-                a[i] = (zero + np.float32(cs[i]) * scale) + lo
+        _unpack4(_packed_part(packed, start, n), n, ctmp)
+        _decode_into(a, ctmp, n, scale, lo, add, zero)
 
 
 @kernel
@@ -136,13 +115,7 @@ def dequantize_rows_chunks(rows, row_params, base, width, acc, div):
             if not (np.isfinite(lo) and np.isfinite(scale)):
                 a[:] = np.nan
                 continue
-            cs = rows[r, base + start:base + start + n]
-            if r == 0:
-                for i in range(n):
-                    a[i] = (zero + np.float32(cs[i]) * scale) + lo
-            else:
-                for i in range(n):
-                    a[i] = (a[i] + np.float32(cs[i]) * scale) + lo
+            _decode_into(a, rows[r, base + start:base + start + n], n, scale, lo, r > 0, zero)
         if size > 1:
             for i in range(n):
                 a[i] = a[i] / div
@@ -164,16 +137,12 @@ def dequantize_rows_chunks_streamed(rows, row_params, base, width, acc, div, tmp
         lo = row_params[0, 0, c]
         scale = row_params[0, 1, c]
         good = np.isfinite(lo) and np.isfinite(scale)
-        cs = rows[0, base + start:base + start + n]
-        for i in range(n):
-            tmp[i] = (zero + np.float32(cs[i]) * scale) + lo
+        _decode_into(tmp, rows[0, base + start:base + start + n], n, scale, lo, False, zero)
         for r in range(1, size):
             lo = row_params[r, 0, c]
             scale = row_params[r, 1, c]
             good = good and np.isfinite(lo) and np.isfinite(scale)
-            cs = rows[r, base + start:base + start + n]
-            for i in range(n):
-                tmp[i] = (tmp[i] + np.float32(cs[i]) * scale) + lo
+            _decode_into(tmp, rows[r, base + start:base + start + n], n, scale, lo, True, zero)
         if size > 1:
             for i in range(n):
                 tmp[i] = tmp[i] / div
@@ -206,20 +175,11 @@ def quantize_feedback_chunks(g, e, width, levels, params, codes, redo, tmp, tmp_
         for i in range(n):
             v = _wide(gs[i], bf16) + es[i]
             xs[i] = v
-            k = _key_of(v)
-            kmin = _min32(kmin, k)
-            kmax = _max32(kmax, k)
-        lo, scale, inv, bad = _range_of(kmin, kmax, top, tmp_bits[:n], zero)
-        params[0, c] = lo
-        params[1, c] = scale
-        if bad:
+            kmin, kmax = _key_range(v, kmin, kmax)
+        if _encode_chunk(xs, es, n, kmin, kmax, tmp_bits[:n], top, zero, True, params, c, codes, ctmp, start,
+                         packed):
             redo[c] = True
             redone += 1
-            continue
-        cs = _codes_of(codes, ctmp, start, n, packed)
-        _codes_and_error(xs, es, cs, n, lo, scale, inv, top)
-        if packed:
-            _pack4(cs, n, _packed_part(codes, start, n))
     return redone
 
 
@@ -233,37 +193,31 @@ def _last_row(rows, row_params, chunks, c, start, n, packed, xs, es, feedback, d
     lo = row_params[r, c]
     scale = row_params[r, chunks + c]
     cs = _row_codes(rows, r, 8 * chunks, start, n, packed, ctmp)
+    if size == 1 and feedback:  # each case its own loop: the flags constants in it
+        return _last_row_keys(xs, cs, es, n, scale, lo, div, True, True)
+    if size == 1:
+        return _last_row_keys(xs, cs, es, n, scale, lo, div, True, False)
+    if feedback:
+        return _last_row_keys(xs, cs, es, n, scale, lo, div, False, True)
+    return _last_row_keys(xs, cs, es, n, scale, lo, div, False, False)
+
+
+@inline
+def _last_row_keys(xs, cs, es, n, scale, lo, div, alone, feedback):
+    """``_last_row``'s loop: ``xs = (xs + code * scale) + offset`` (from zero where the row is
+    ``alone``, else divided by ``div`` after), plus ``es`` (``feedback``), and the keys' range."""
     zero = np.float32(0.0)
     kmin = np.int32(0x7FFFFFFF)
     kmax = np.int32(-0x80000000)
-    if size == 1 and feedback:
-        for i in range(n):
-            v = ((zero + np.float32(cs[i]) * scale) + lo) + es[i]
-            xs[i] = v
-            k = _key_of(v)
-            kmin = _min32(kmin, k)
-            kmax = _max32(kmax, k)
-    elif size == 1:
-        for i in range(n):
+    for i in range(n):
+        if alone:
             v = (zero + np.float32(cs[i]) * scale) + lo
-            xs[i] = v
-            k = _key_of(v)
-            kmin = _min32(kmin, k)
-            kmax = _max32(kmax, k)
-    elif feedback:
-        for i in range(n):
-            v = (((xs[i] + np.float32(cs[i]) * scale) + lo) / div) + es[i]
-            xs[i] = v
-            k = _key_of(v)
-            kmin = _min32(kmin, k)
-            kmax = _max32(kmax, k)
-    else:
-        for i in range(n):
+        else:
             v = ((xs[i] + np.float32(cs[i]) * scale) + lo) / div
-            xs[i] = v
-            k = _key_of(v)
-            kmin = _min32(kmin, k)
-            kmax = _max32(kmax, k)
+        if feedback:
+            v = v + es[i]
+        xs[i] = v
+        kmin, kmax = _key_range(v, kmin, kmax)
     return kmin, kmax
 
 
@@ -292,20 +246,10 @@ def quantize_owner_chunks(rows, row_params, chunks, width, levels, packed, feedb
             continue
         _decode_rows(rows, row_params, chunks, c, start, n, packed, xs, ctmp, rows.shape[0] - 1)
         kmin, kmax = _last_row(rows, row_params, chunks, c, start, n, packed, xs, es, feedback, div, ctmp)
-        lo, scale, inv, bad = _range_of(kmin, kmax, top, tmp_bits[:n], zero)
-        params[0, c] = lo
-        params[1, c] = scale
-        if bad:
+        if _encode_chunk(xs, es, n, kmin, kmax, tmp_bits[:n], top, zero, feedback, params, c, codes, ctmp, start,
+                         packed):
             redo[c] = True
             redone += 1
-            continue
-        cs = _codes_of(codes, ctmp, start, n, packed)
-        if feedback:
-            _codes_and_error(xs, es, cs, n, lo, scale, inv, top)
-        else:
-            _codes(xs, cs, n, lo, inv, top)
-        if packed:
-            _pack4(cs, n, _packed_part(codes, start, n))
     return redone
 
 

@@ -14,7 +14,7 @@ from .chunks import (
     REDO_TIE,
     _codes_of,
     _decode_rows,
-    _has_both_zeros64,
+    _has_both_zeros,
     _keep_error,
     _mean_and_residual,
     _order_key64,
@@ -61,7 +61,7 @@ def _chunk_range64(xs, bs, top, wide, zero):
         inv = np.float32(1.0) / (scale if scale > np.float32(0.0) else np.float32(1.0))
         if not (np.isfinite(lo) and np.isfinite(scale) and np.isfinite(inv)):
             mark = REDO_BAD
-        elif not zero and (kmin == np.int64(-1) or kmax == np.int64(0)) and _has_both_zeros64(bs):
+        elif not zero and (kmin == np.int64(-1) or kmax == np.int64(0)) and _has_both_zeros(bs):
             mark = REDO_TIE
     return lo, scale, inv, mark
 

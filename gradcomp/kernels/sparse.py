@@ -9,11 +9,47 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .base import _abs_bits32, _ctz64, _f64_bits, _max32, _popcount64, _prefetch, _store_fence, _stream, inline, kernel
 
 _ABS64 = np.int64(0x7FFFFFFFFFFFFFFF)
+
+
+def _abs_bits(v):
+    """|v|'s bits as a signed integer of v's width (float32: int32, float64: int64): ordered
+    like |v|, every NaN above infinity."""
+
+
+@overload(_abs_bits, inline="always")
+def _abs_bits_impl(v):
+    if v == types.float32:
+        return lambda v: _abs_bits32(v)
+    if v == types.float64:
+        return lambda v: _f64_bits(v) & _ABS64
+    return None
+
+
+def _larger(a, b):
+    """The larger of two integers of one width (int32 in 32-bit arithmetic: ``_max32``)."""
+
+
+@overload(_larger, inline="always")
+def _larger_impl(a, b):
+    if a == types.int32:
+        return lambda a, b: _max32(a, b)
+    return lambda a, b: max(a, b)
+
+
+def _no_bits(x):
+    """Zero in ``_abs_bits``'s integer type for ``x``'s values."""
+
+
+@overload(_no_bits, inline="always")
+def _no_bits_impl(x):
+    if x.dtype == types.float32:
+        return lambda x: np.int32(0)
+    return lambda x: np.int64(0)
 
 
 @inline
@@ -23,23 +59,10 @@ def _absmax_block(gs, es, m, feedback, top):
         for i in range(m):
             v = gs[i] + es[i]
             es[i] = v
-            top = _max32(top, _abs_bits32(v))
+            top = _larger(top, _abs_bits(v))
     else:
         for i in range(m):
-            top = _max32(top, _abs_bits32(gs[i]))
-    return top
-
-
-@inline
-def _absmax_block64(gs, es, m, feedback, top):
-    if feedback:
-        for i in range(m):
-            v = gs[i] + es[i]
-            es[i] = v
-            top = max(top, _f64_bits(v) & _ABS64)
-    else:
-        for i in range(m):
-            top = max(top, _f64_bits(gs[i]) & _ABS64)
+            top = _larger(top, _abs_bits(gs[i]))
     return top
 
 
@@ -60,13 +83,13 @@ def _gather_block(gs, es, b0, b1, feedback, index, values, t):
 
 @kernel
 def randomk_gather(g, e, feedback, index, values, block):
-    """random-k's encode in one pass over a float32 bucket, a block (in L1) at a time:
-    ``e = g + e`` where ``feedback``, the values at ``index`` (ascending) into ``values`` and,
-    with ``feedback``, ``e`` zeroed there; returns the bits of the largest |value| (above
-    infinity's when a value is NaN), from which the caller knows whether the bucket's sum is
-    finite (``sparse._sum_is_finite``)."""
+    """random-k's encode in one pass over a float32 or float64 bucket, a block (in L1) at a
+    time: ``e = g + e`` where ``feedback``, the values at ``index`` (ascending) into ``values``
+    and, with ``feedback``, ``e`` zeroed there; returns the bits of the largest |value| (as
+    int64; above infinity's when a value is NaN), from which the caller knows whether the
+    bucket's sum is finite (``sparse._sum_is_finite``)."""
     n = g.shape[0]
-    top = np.int32(0)
+    top = _no_bits(g)
     t = 0
     for b0 in range(0, n, block):
         b1 = min(b0 + block, n)
@@ -75,21 +98,6 @@ def randomk_gather(g, e, feedback, index, values, block):
         top = _absmax_block(gs, es, b1 - b0, feedback, top)
         t = _gather_block(gs, es, b0, b1, feedback, index, values, t)
     return np.int64(top)
-
-
-@kernel
-def randomk_gather64(g, e, feedback, index, values, block):
-    """``randomk_gather`` of a float64 bucket (the bits as int64)."""
-    n = g.shape[0]
-    top = np.int64(0)
-    t = 0
-    for b0 in range(0, n, block):
-        b1 = min(b0 + block, n)
-        gs = g[b0:b1]
-        es = e[b0:b1]
-        top = _absmax_block64(gs, es, b1 - b0, feedback, top)
-        t = _gather_block(gs, es, b0, b1, feedback, index, values, t)
-    return top
 
 
 @kernel
