@@ -13,9 +13,9 @@ import numpy as np
 
 from ...arrays import Array, DTypeLike
 from ...comm import Workspace
+from ...kernels import stream
 from ...params import check_int
 from ..codec import Codec
-from ...kernels import stream
 from .kernels import _compiled, chunk_count, dequantize, quantize
 
 #: the longest chunk decoded through a chunk-sized buffer to be streamed (``kernels.stream``)

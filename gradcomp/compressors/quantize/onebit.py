@@ -17,8 +17,8 @@ import numpy as np
 
 from ...arrays import Array, ArrayModule, DTypeLike, array_module, zero_non_finite
 from ...comm import Workspace
-from ..codec import Codec
 from ...kernels import stream
+from ..codec import Codec
 from .kernels import _compiled, _half_kind, chunk_count
 
 CHUNK = 512
