@@ -100,24 +100,31 @@ def randomk_gather(g, e, feedback, index, values, block):
     return np.int64(top)
 
 
+@inline
+def _scatter_block(os, m, b0, b1, index, values, t, add, zero):
+    """``os[:m] = zero`` (unless ``add``), then ``os[j - b0] += values[t]`` for the positions
+    ``j = index[t]`` from ``t`` on that lie below ``b1``; returns the next ``t``."""
+    if not add:
+        for i in range(m):
+            os[i] = zero
+    k = index.shape[0]
+    while t < k and index[t] < b1:
+        j = index[t] - b0
+        os[j] = os[j] + values[t]
+        t += 1
+    return t
+
+
 @kernel
 def scatter_into(out, index, values, block, add):
     """``out = 0`` then ``out[index] += values`` (``index`` ascending, no repeats; ``add``: no
     zeroing, just the adds), a block at a time: one write of ``out``."""
     n = out.shape[0]
-    k = index.shape[0]
     zero = np.zeros(1, out.dtype)[0]
     t = 0
     for b0 in range(0, n, block):
         b1 = min(b0 + block, n)
-        os = out[b0:b1]
-        if not add:
-            for i in range(b1 - b0):
-                os[i] = zero
-        while t < k and index[t] < b1:
-            j = index[t] - b0
-            os[j] = os[j] + values[t]
-            t += 1
+        t = _scatter_block(out[b0:b1], b1 - b0, b0, b1, index, values, t, add, zero)
 
 
 @kernel
@@ -126,18 +133,12 @@ def scatter_into_streamed(out, index, values, tmp):
     ``tmp`` (in the L1 cache: zeros, then the values' ``0 + v``) and stored with ``_stream``:
     for a large ``out``, whose lines are then not read before they are written."""
     n = out.shape[0]
-    k = index.shape[0]
     block = tmp.shape[0]
     zero = np.zeros(1, out.dtype)[0]
     t = 0
     for b0 in range(0, n, block):
         b1 = min(b0 + block, n)
-        for i in range(block):
-            tmp[i] = zero
-        while t < k and index[t] < b1:
-            j = index[t] - b0
-            tmp[j] = tmp[j] + values[t]
-            t += 1
+        t = _scatter_block(tmp, block, b0, b1, index, values, t, False, zero)
         _stream(out, b0, tmp, b1 - b0)
     _store_fence()
 
