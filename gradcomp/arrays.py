@@ -16,6 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import halfcast as _halfcast
+from . import kernels as _kernels
 
 #: A NumPy or CuPy array (see the module docstring).
 Array = Any
@@ -71,18 +72,21 @@ def _half_name(dtype: DTypeLike) -> str | None:
 _JIT_MIN = 256
 
 
-_jit: Any = None  # gradcomp.jit once imported and working, False when not usable here
+_jit: Any = None  # gradcomp.kernels.half once imported and working, False when not usable here
 
 
 def compiled_kernels() -> Any:
-    """``gradcomp.jit`` when its compiled kernels work here, else None. Imported on first need
-    only: numba takes a good fraction of a second to import, which processes that never touch a
-    half-precision array should not pay."""
+    """``gradcomp.kernels.half`` when the compiled kernels work here (``kernels.available()``),
+    else None. Imported on first need only: numba takes a good fraction of a second to import,
+    which processes that never touch a half-precision array should not pay."""
     global _jit
     if _jit is None:
-        from . import jit
+        if _kernels.available():
+            from .kernels import half
 
-        _jit = jit if jit.available() else False
+            _jit = half
+        else:
+            _jit = False
     return _jit or None
 
 
@@ -115,7 +119,7 @@ def cast(array: Array, dtype: DTypeLike, out: Array | None = None) -> Array:
     one place every dtype conversion of gradcomp goes through, so the fastest available kernel is
     chosen once for all methods.
 
-    Contiguous NumPy float32 <-> float16/bfloat16 use the compiled kernels of ``gradcomp.jit``
+    Contiguous NumPy float32 <-> float16/bfloat16 use the compiled kernels of ``gradcomp.kernels.half``
     (hardware conversion, about a memory pass); without numba, float32 <-> float16 uses
     ``gradcomp.halfcast`` (SIMD bit manipulation, several times faster than ``astype``). Both give
     ``astype``'s bits; everything else is ``astype``.

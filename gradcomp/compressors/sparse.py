@@ -12,7 +12,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..arrays import Array, DTypeLike, add_into, array_module, compiled_kernels, zero_non_finite
+from .. import kernels
+from ..arrays import Array, DTypeLike, add_into, array_module, zero_non_finite
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
 from ..params import check_float, check_int
@@ -26,14 +27,23 @@ _BLOCK = 2048  # values per block of the compiled one-pass kernels (in the L1 ca
 
 
 def _jit(*arrays: Array) -> Any:
-    """``gradcomp.jit`` where its sparse kernels take ``arrays`` (contiguous NumPy float32 or
+    """``gradcomp.kernels.sparse`` where its kernels take ``arrays`` (contiguous NumPy float32 or
     float64 of one dtype, the first ones; index arrays after), else None."""
     floats = [a for a in arrays if a.dtype.kind == "f"]
     if not all(type(a) is np.ndarray and a.flags.c_contiguous for a in arrays):
         return None
     if not floats or floats[0].dtype not in (np.float32, np.float64) or any(a.dtype != floats[0].dtype for a in floats):
         return None
-    return compiled_kernels()
+    return _compiled()
+
+
+def _compiled() -> Any:
+    """``gradcomp.kernels.sparse`` when the compiled kernels run here, else None."""
+    if not kernels.available():
+        return None
+    from ..kernels import sparse
+
+    return sparse
 
 
 def _sum_is_finite(top_bits: int, n: int, dtype: np.dtype) -> bool | None:
@@ -249,7 +259,7 @@ class RandomK(Codec):
         than 2% of a large ``n``) and the kernels are here, the same draws from the same bit
         generator by a compiled loop (``jit.floyd_bits``, checked against NumPy on first use),
         which marks them in a bitmap whose set bits are the sorted positions (no sort)."""
-        jit = compiled_kernels() if type(index) is np.ndarray else None
+        jit = _compiled() if type(index) is np.ndarray else None
         floyd = k and not (n > 10000 and k > n // 50) and n < 1 << 31
         if jit is None or not floyd or not _floyd_matches_numpy(jit):
             chosen = np.sort(rng.choice(n, size=k, replace=False, shuffle=False)) if k else np.zeros(0, np.int64)
@@ -274,7 +284,7 @@ class RandomK(Codec):
         index = workspace.array(self, "index", k, np.int64, like=x)
         jit = _jit(x, message, index)
         if jit is not None:
-            top = _gather(jit, x)(x, x, False, index, message[:k], _BLOCK)
+            top = jit.randomk_gather(x, x, False, index, message[:k], _BLOCK)
             finite = _sum_is_finite(top, x.shape[0], x.dtype)
             if finite is not None:
                 message[k] = 0 if finite else np.nan
@@ -293,7 +303,7 @@ class RandomK(Codec):
         index = workspace.array(self, "index", k, np.int64, like=x)
         jit = _jit(x, residual, message, index)
         if jit is not None:
-            top = _gather(jit, x)(x, residual, True, index, message[:k], _BLOCK)  # zero where sent
+            top = jit.randomk_gather(x, residual, True, index, message[:k], _BLOCK)  # zero where sent
             finite = _sum_is_finite(top, x.shape[0], x.dtype)
             if finite is None:  # only the sum of the values (before zeroing) can tell
                 residual[index] = message[:k]
@@ -337,10 +347,6 @@ class RandomK(Codec):
         self._step = step
 
 
-def _gather(jit: Any, x: Array) -> Any:
-    return jit.randomk_gather if x.dtype == np.float32 else jit.randomk_gather64
-
-
 def _scatter(out: Array, index: Array, values: Array, add: bool) -> bool:
     """``out (+)= scatter(index, values)`` in one write of ``out`` (``jit.scatter_into``: zeros and
     the values' ``0 + v`` a block at a time) where the kernels take the arrays and ``index`` is
@@ -351,9 +357,7 @@ def _scatter(out: Array, index: Array, values: Array, add: bool) -> bool:
     n = out.shape[0]
     if index.shape[0] and not (int(index[0]) >= 0 and int(index[-1]) < n and bool((index[1:] > index[:-1]).all())):
         return False
-    from ..jit import stream  # (numba is loaded already: jit is not None)
-
-    if not add and stream(out):
+    if not add and kernels.stream(out):
         jit.scatter_into_streamed(out, index, values, np.empty(_BLOCK, out.dtype))
     else:
         jit.scatter_into(out, index, values, _BLOCK, add)

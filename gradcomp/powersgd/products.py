@@ -1,5 +1,5 @@
 """The three products of a PowerSGD step for every matrix of a plan: compiled loops on NumPy
-float32/float64 buckets (``loops``: one memory pass each, with the gradient add and the
+float32/float64 buckets (``kernels.lowrank``: one memory pass each, with the gradient add and the
 residual subtract folded in), else a matmul per matrix (CuPy, or numba unavailable)."""
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import kernels
 from ..arrays import Array, ArrayModule, DTypeLike, array_module
 from .plan import Plan
 
@@ -30,11 +31,11 @@ class Products:
 
     def __init__(self, plan: Plan, xp: ArrayModule, dtype: DTypeLike):
         self.plan = plan
-        self.loops: Any = None  # gradcomp.powersgd.loops where it runs
-        if xp is np and dtype in (np.float32, np.float64):
-            from . import loops
+        self.loops: Any = None  # gradcomp.kernels.lowrank where it runs
+        if xp is np and dtype in (np.float32, np.float64) and kernels.available():
+            from ..kernels import lowrank
 
-            self.loops = loops if loops.available() else None
+            self.loops = lowrank
 
     @property
     def fused(self) -> bool:

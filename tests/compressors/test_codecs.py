@@ -171,17 +171,17 @@ def _compiled_and_numpy_bits(name, comm):
 def test_compiled_and_numpy_kernels_give_the_same_bits(name):
     """The fused error-feedback kernels against the NumPy sequence, step after step: every rank
     must compute the same bits whichever kernels it has."""
-    from gradcomp import jit
+    from gradcomp import kernels
 
-    if not jit.available():
+    if not kernels.available():
         pytest.skip("numba kernels unavailable")
     _compiled_and_numpy_bits(name, gc.MPICommunicator(pipeline_depth=0))
 
 
 def rank_compiled_and_numpy_bits():
-    from gradcomp import jit
+    from gradcomp import kernels
 
-    assert jit.available(), "the test checks for the kernels before launching"
+    assert kernels.available(), "the test checks for the kernels before launching"
     comm = gc.MPICommunicator()
     for name in TWO_STAGE:
         _compiled_and_numpy_bits(name, comm)
@@ -224,9 +224,9 @@ def test_pieces_give_the_bits_of_whole_slices():
 def test_compiled_and_numpy_kernels_give_the_same_bits_on_three_ranks():
     """The same at 3 ranks, where the slice owner averages three messages (its one-pass stage
     against the steps) and the slices have tails."""
-    from gradcomp import jit
+    from gradcomp import kernels
 
-    if not jit.available():
+    if not kernels.available():
         pytest.skip("numba kernels unavailable")
     run_ranks(3, "tests.compressors.test_codecs:rank_compiled_and_numpy_bits")
 

@@ -1,4 +1,4 @@
-"""The compiled half-precision kernels (``gradcomp.jit``) and the dispatch in ``gradcomp.arrays``.
+"""The compiled half-precision kernels (``gradcomp.kernels.half``) and the dispatch in ``gradcomp.arrays``.
 
 Every result must carry NumPy's (float16) or ml_dtypes' (bfloat16) bits, with one documented
 exception: the hardware conversion quiets signalling NaNs, so only NaN-ness and sign are compared
@@ -15,18 +15,21 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gradcomp import arrays, jit
+from gradcomp import arrays, kernels
+
+if kernels.available():
+    from gradcomp.kernels import half as jit
 from tests.kernels.test_kernels import _awkward_float32_bits
 
 HALVES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
-needs_jit = pytest.mark.skipif(not jit.available(), reason="numba kernels unavailable here")
+needs_jit = pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable here")
 
 
 @pytest.fixture(params=["jit", "numpy"])
 def backend(request, monkeypatch):
     """Run a test with the compiled kernels, then with the NumPy fallback."""
-    if request.param == "jit" and not jit.available():
+    if request.param == "jit" and not kernels.available():
         pytest.skip("numba kernels unavailable here")
     monkeypatch.setattr(arrays, "_jit", jit if request.param == "jit" else False)
     return request.param

@@ -1,4 +1,4 @@
-"""The compiled PowerSGD products (``gradcomp.powersgd.loops``) against NumPy matmul, one process.
+"""The compiled PowerSGD products (``gradcomp.kernels.lowrank``) against NumPy matmul, one process.
 
 Every row-blocking case is covered: ranks 1 to 8 (groups of four columns plus a remainder), row
 counts that are not multiples of four, narrow matrices (one row at a time) and wide ones (four
@@ -12,9 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradcomp.powersgd import loops as lowrank
+from gradcomp import kernels
 
-pytestmark = pytest.mark.skipif(not lowrank.available(),
+if kernels.available():
+    from gradcomp.kernels import lowrank
+
+pytestmark = pytest.mark.skipif(not kernels.available(),
                                 reason="numba kernels unavailable (numba missing or GRADCOMP_JIT=0)")
 
 # (n, m, r): narrow and wide (m * r * itemsize above lowrank._WIDE_BYTES), n % 4 != 0 included

@@ -1,4 +1,4 @@
-"""The quantization kernels, compiled (``gradcomp.jit``, numba) and NumPy, bit for bit.
+"""The quantization kernels, compiled (``gradcomp.kernels``, numba) and NumPy, bit for bit.
 
 Both paths must give the documented reference sequence's bits (``test_kernels``'s reference), and
 the same bits as each other on the inputs where the reference leaves NumPy's choices open (which
@@ -10,14 +10,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradcomp import jit
+from gradcomp import kernels
 from gradcomp.compressors.quantize import kernels as quantize_module
 from gradcomp.compressors.quantize.kernels import chunk_count, dequantize, quantize
 
 from tests.mpi_launch import run_ranks
 from tests.kernels.test_kernels import _quantize_cases, _reference_dequantize_add, _reference_quantize
 
-COMPILED = jit.available()
+COMPILED = kernels.available()
 PATHS = ["numpy", pytest.param("compiled", marks=pytest.mark.skipif(
     not COMPILED, reason="numba kernels unavailable (numba missing or GRADCOMP_JIT=0)"))]
 SHAPES = [(8, 512), (4, 512), (1, 512), (8, 3), (8, 100000), (8, 300000), (8, None)]
@@ -134,7 +134,7 @@ def test_compiled_and_numpy_paths_give_the_same_bits(bits, width, zero, monkeypa
 
 @pytest.mark.skipif(not COMPILED, reason="numba kernels unavailable")
 def test_numpy_arrays_use_the_compiled_kernels(monkeypatch):
-    from gradcomp.compressors.quantize import compiled
+    from gradcomp.kernels import quantize as compiled
 
     calls = []
     for name in ("quantize_chunks", "dequantize_chunks"):
@@ -209,7 +209,7 @@ def test_float64_compiled_and_numpy_paths_give_the_same_bits(bits, width, zero, 
 def test_packed_codes_are_pack4_of_the_codes(dtype):
     """The kernels' 4-bit codes, packed as they are made, equal ``pack4`` of the byte codes (an
     odd last code alone in its byte), and unpack back."""
-    from gradcomp.compressors.quantize import compiled
+    from gradcomp.kernels import quantize as compiled
     from gradcomp.compressors.quantize.kernels import pack4, quantize_compiled
 
     rng = np.random.default_rng(9)
@@ -329,10 +329,10 @@ def test_codecs_compiled_and_numpy_give_the_same_bits_on_three_ranks():
 @pytest.mark.skipif(not COMPILED, reason="numba kernels unavailable")
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_streamed_decode_gives_the_same_bits(dtype):
-    """The kernels that write a large output around the caches (``jit.stream``) give the bits of
+    """The kernels that write a large output around the caches (``kernels.stream``) give the bits of
     the plain ones: several rows (divided), a row with a NaN offset, one with an infinite scale,
     an odd tail, outputs aligned to 16 bytes and not (the plain stores)."""
-    from gradcomp.compressors.quantize import compiled
+    from gradcomp.kernels import quantize as compiled
 
     rng = np.random.default_rng(21)
     for n in (512 * 7, 512 * 5 + 37, 130):
@@ -357,10 +357,10 @@ def test_streamed_decode_gives_the_same_bits(dtype):
 @pytest.mark.skipif(not COMPILED, reason="numba kernels unavailable")
 @pytest.mark.parametrize("name", ["quantize-channel", "onebit", "onebit-noef", "int8"])
 def test_codecs_streaming_every_output_give_the_same_bits(name, monkeypatch):
-    """With every output streamed (``jit.STREAM_BYTES`` 0), the codecs against NumPy's steps."""
+    """With every output streamed (``kernels.STREAM_BYTES`` 0), the codecs against NumPy's steps."""
     import gradcomp as gc
 
-    monkeypatch.setattr(jit, "STREAM_BYTES", 0)
+    monkeypatch.setattr(kernels, "STREAM_BYTES", 0)
     comm = gc.MPICommunicator(pipeline_depth=0)
     try:
         for dtype in ("float32", "float64"):
@@ -377,7 +377,8 @@ def test_onebit_kernels_on_odd_byte_counts(dtype):
     NumPy's encode and decode."""
     from unittest import mock
 
-    from gradcomp.compressors.quantize import compiled, onebit
+    from gradcomp.compressors.quantize import onebit
+    from gradcomp.kernels import onebit as compiled
     from gradcomp.comm.pipeline import Workspace
 
     codec = onebit.OneBit()
@@ -442,7 +443,8 @@ def test_onebit_owner_by_sign_patterns_gives_the_same_bits(case, dtype):
     from unittest import mock
 
     from gradcomp.comm.pipeline import Workspace
-    from gradcomp.compressors.quantize import compiled, onebit
+    from gradcomp.compressors.quantize import onebit
+    from gradcomp.kernels import onebit as compiled
 
     codec = onebit.OneBit()
     rng = np.random.default_rng(31)

@@ -1,14 +1,16 @@
 """Top-k's and random-k's compiled output paths against NumPy, bit for bit: the streamed scatter
-(``jit.scatter_into_streamed``, a large output written around the caches) and the picked
-candidates' hand-over (``jit.topk_take``)."""
+(``kernels.sparse.scatter_into_streamed``, a large output written around the caches) and the picked
+candidates' hand-over (``kernels.sparse.topk_take``)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gradcomp import jit
+from gradcomp import kernels
 
-pytestmark = pytest.mark.skipif(not jit.available(), reason="numba kernels unavailable")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
+if kernels.available():
+    from gradcomp.kernels import sparse as jit
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

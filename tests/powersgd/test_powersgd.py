@@ -387,11 +387,11 @@ def rank_batch_same_shape():
 
 
 def rank_compiled_products():
-    """The compiled products (``gradcomp.lowrank``) against the matmul path, over 6 steps with
+    """The compiled products (``gradcomp.kernels.lowrank``) against the matmul path, over 6 steps with
     memory: within float32 rounding of each other for every variant, bit-identical on every rank.
     A scratch bucket (DDP's) receives the result itself, with the same bits as a bucket that is
     not scratch, whose input stays untouched."""
-    from gradcomp.powersgd import loops as lowrank
+    from gradcomp import kernels
 
     comm = gc.MPICommunicator()
     variants = [dict(rank=1), dict(rank=2), dict(rank=4), dict(rank=5, min_compression_rate=1),
@@ -411,11 +411,11 @@ def rank_compiled_products():
                 b = scratch.reduce(gc.Bucket(work, index, layout, last, scratch=True), comm).result()
                 assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{kwargs} step {step}"
                 assert np.shares_memory(b, work), "the scratch bucket should take the result"
-                available, lowrank.available = lowrank.available, lambda: False
+                available, kernels.available = kernels.available, lambda: False
                 try:
                     c = matmul.reduce(gc.Bucket(g, index, layout, last), comm).result()
                 finally:
-                    lowrank.available = available
+                    kernels.available = available
                 err = np.abs(a - c).max() / np.abs(c).max()
                 assert err < 1e-5, f"{kwargs} step {step}: compiled vs matmul {err:.3g}"
                 assert same_everywhere(comm, a)

@@ -13,11 +13,12 @@ import numpy as np
 
 from ...arrays import Array, DTypeLike
 from ...comm import Workspace
+from ...kernels import stream
 from ...params import check_int
 from ..codec import Codec
 from .kernels import _compiled, chunk_count, dequantize, quantize
 
-#: the longest chunk decoded through a chunk-sized buffer to be streamed (``jit.stream``)
+#: the longest chunk decoded through a chunk-sized buffer to be streamed (``kernels.stream``)
 _STREAM_CHUNK = 1 << 14
 
 
@@ -59,7 +60,7 @@ class QuantizePerChannel(Codec):
 
     def decode_mean(self, rows: Array, out: Array, workspace: Workspace) -> bool:
         """Every rank's codes decoded, summed in rank order and averaged a chunk at a time, in one
-        write of ``out`` (``compiled.dequantize_rows_chunks``): NumPy float32/float64 only."""
+        write of ``out`` (``kernels.quantize.dequantize_rows_chunks``): NumPy float32/float64 only."""
         n = out.shape[0]
         width = self._width(n)
         chunks = chunk_count(n, width)
@@ -70,8 +71,6 @@ class QuantizePerChannel(Codec):
         params = workspace.array(self, "row-params", size * 2 * chunks, np.float32, like=out).reshape(size, 2, chunks)
         for r in range(size):
             params[r] = rows[r, :8 * chunks].view(np.float32).reshape(2, chunks)
-        from ...jit import stream  # (here numba is loaded already)
-
         if stream(out) and width <= _STREAM_CHUNK:  # (per tensor: one chunk, the whole bucket)
             tmp = workspace.array(self, "chunk", width, out.dtype, like=out)
             jit.dequantize_rows_chunks_streamed(rows, params, 8 * chunks, width, out, out.dtype.type(size), tmp)

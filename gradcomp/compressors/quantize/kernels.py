@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...arrays import array_module, compiled_kernels, zero_non_finite
+from ...arrays import array_module, zero_non_finite
+from ...kernels import ROUND_MAGIC, available
 
 _BLOCK = 1 << 18  # values per NumPy block (1 MiB of float32 scratch: fewer Python round trips)
-_ROUND_MAGIC = np.float32(2.0 ** 23)
 
 
 def chunk_count(n: int, width: int) -> int:
@@ -32,12 +32,12 @@ def chunk_count(n: int, width: int) -> int:
 
 
 def _compiled(*arrays):
-    """The compiled kernels module when they can take ``arrays`` (contiguous NumPy arrays, numba
-    present and enabled), else None."""
-    if all(type(a) is np.ndarray and a.flags.c_contiguous for a in arrays) and compiled_kernels():
-        from . import compiled
+    """``gradcomp.kernels.quantize`` when the compiled kernels can take ``arrays`` (contiguous
+    NumPy arrays, numba present and enabled), else None."""
+    if all(type(a) is np.ndarray and a.flags.c_contiguous for a in arrays) and available():
+        from ...kernels import quantize
 
-        return compiled
+        return quantize
     return None
 
 
@@ -172,9 +172,9 @@ def redone(redo, n: int, width: int, levels: int, params, codes, packed: bool, v
     ``values(part)`` (the chunks' values, a slice of the bucket's) into ``params`` and ``codes``
     (packed where ``packed``) and, with ``residual`` (the chunks' residual, ``values`` then
     without it), keep the error there as the runner's steps do. The marks of the float64 kernels
-    say why (``compiled.REDO_*``): a chunk whose rounding depends on its NumPy block takes that
+    say why (``kernels.chunks.REDO_*``): a chunk whose rounding depends on its NumPy block takes that
     block's path (the reference where the block holds a non-finite chunk)."""
-    from .compiled import REDO_BAD, REDO_ROUNDING
+    from ...kernels.chunks import REDO_BAD, REDO_ROUNDING
 
     rows = n // width
     per = max(1, _BLOCK // width) if width <= _BLOCK else 1
@@ -251,7 +251,7 @@ def _encode_block(part, out, lo, scale, scratch, levels, reference=False):
     # [0, levels]; rint + narrowing is one float add of 2**23 (round half to even, the integer in
     # the low mantissa bits) and an integer copy (tests compare with the reference bit for bit).
     np.multiply(q, inv[:, None], out=q)
-    np.add(q, _ROUND_MAGIC, out=q)
+    np.add(q, ROUND_MAGIC, out=q)
     np.copyto(out, q.view(np.uint32), casting="unsafe")
 
 

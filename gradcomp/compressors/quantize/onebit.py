@@ -17,11 +17,12 @@ import numpy as np
 
 from ...arrays import Array, ArrayModule, DTypeLike, array_module, zero_non_finite
 from ...comm import Workspace
+from ...kernels import stream
 from ..codec import Codec
 from .kernels import _compiled, _half_kind, chunk_count
 
 CHUNK = 512
-_BLOCK_CHUNKS = 4  # = compiled.TOTALS_AT_ONCE (that module imports only with numba)
+_BLOCK_CHUNKS = 4  # = kernels.signs.TOTALS_AT_ONCE (that module imports only with numba)
 
 
 class OneBit(Codec):
@@ -81,8 +82,13 @@ class OneBit(Codec):
         return True
 
     def _jit(self, *arrays: Array):
-        """The compiled kernels where they take ``arrays`` (the first one float32 or float64)."""
-        return _compiled(*arrays) if arrays[0].dtype in (np.float32, np.float64) else None
+        """``gradcomp.kernels.onebit`` where the compiled kernels take ``arrays`` (the first one
+        float32 or float64), else None."""
+        if arrays[0].dtype not in (np.float32, np.float64) or _compiled(*arrays) is None:
+            return None
+        from ...kernels import onebit
+
+        return onebit
 
     def average_with_feedback(self, rows: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
         """The owner's stage in one compiled pass per chunk (``onebit_owner_chunks``): NumPy
@@ -110,7 +116,7 @@ class OneBit(Codec):
 
     def _chunk(self, workspace: Workspace, like: Array, dtype: DTypeLike) -> Array:
         """A block of chunks of values of ``dtype``, for the compiled kernels (whose chunks'
-        sums run side by side: ``compiled.TOTALS_AT_ONCE``; in the L1 cache)."""
+        sums run side by side: ``kernels.signs.TOTALS_AT_ONCE``; in the L1 cache)."""
         return workspace.array(self, "tmp", _BLOCK_CHUNKS * CHUNK, dtype, like=like)
 
     def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
@@ -120,8 +126,6 @@ class OneBit(Codec):
             return
         jit = self._jit(out, scales, bits)
         if jit is not None:
-            from ...jit import stream  # (here numba is loaded already)
-
             if not add and stream(out):
                 jit.onebit_decode_chunks_streamed(scales, bits, out, CHUNK, self._chunk(workspace, out, out.dtype))
             else:
