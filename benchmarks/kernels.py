@@ -74,7 +74,7 @@ class _Task:
     """One timed thing: ``fn`` after ``before`` (untimed), and its floor (bytes) where known."""
 
     def __init__(self, name: str, fn: Callable[[], Any], before: Callable[[], Any] | None = None,
-                 traffic: floors.Traffic | None = None, nbytes: float = 0.0):
+                 traffic: floors.Passes | None = None, nbytes: float = 0.0):
         self.name, self.fn, self.before, self.traffic, self.nbytes = name, fn, before, traffic, nbytes
 
 
@@ -99,8 +99,8 @@ def _alternating(task: _Task, memcpy: Callable[[], Any], repeats: int) -> dict[s
     row["cpu_vs_memcpy"] = row["cpu_s"] / row["memcpy_cpu_s"] if row["memcpy_cpu_s"] else float("nan")
     if task.traffic is not None:
         bandwidth = floors.memcpy_bandwidth(row["memcpy_s"], task.nbytes)
-        row["floor_memcpys"] = task.traffic.memcpys(task.nbytes)
-        row["floor_s"] = task.traffic.seconds(bandwidth)
+        row["floor_memcpys"] = floors.memcpys(task.traffic, task.nbytes)
+        row["floor_s"] = floors.seconds(task.traffic, bandwidth)
         row["vs_floor"] = row["time_s"] / row["floor_s"] if row["floor_s"] else None
         row["cpu_vs_floor"] = (row["cpu_vs_memcpy"] / row["floor_memcpys"]) if row["floor_memcpys"] else None
     return row
@@ -167,7 +167,7 @@ def _reducer_tasks(model: str, methods: str, comm: Any, bucket_mb: float = 25.0)
         for _ in range(3):
             refill()
             reducer.step()
-        traffic: floors.Traffic | None = floors.NONE
+        traffic: floors.Passes | None = floors.NONE
         for bucket, _members in reducer.buckets:
             t = floors.floor(comp, bucket.numel, bucket.dtype, 1, bucket.shapes)
             traffic = None if t is None or traffic is None else traffic + t

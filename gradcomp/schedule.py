@@ -19,6 +19,7 @@ from .arrays import Array, cast
 from .bucket import Bucket
 from .comm import Communicator, Workspace
 from .compressors.base import Compressor, Traffic, run_stage
+from .compressors.passes import Passes
 from .state import reject_leftovers, take_int
 
 
@@ -143,6 +144,9 @@ class Schedule(Compressor):
 
     def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
         return self.compressors[-1].traffic(shapes, ranks, itemsize)  # the steady state
+
+    def memory_passes(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Passes | None:
+        return self.compressors[-1].memory_passes(shapes, ranks, itemsize)  # the steady state
 
     def agreement_state(self, bucket: Bucket, prepared: _Stage | None) -> dict[str, Any]:
         if prepared is None:

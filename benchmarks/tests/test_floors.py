@@ -44,3 +44,31 @@ def test_floors_counted_by_hand():
     two = floors.floor(stage("topk:stages=2,ratio=0.005"), N, np.float32, 4)
     assert dict((n, r) for n, r, _ in two.passes)["alltoall"] == pytest.approx(8 * 4 * -(-N // 4 // 200))
     assert dict((n, w) for n, _, w in one.passes)["allgather"] == pytest.approx(4 * 8 * -(-N // 100))
+
+
+@pytest.mark.parametrize("spec", sorted(n for n in gc.REGISTRY if n != "auto") + ["topk:stages=2"])
+def test_every_registered_method_declares_its_passes(spec):
+    # the recipe declares its steady stage's passes, and the floor is what the method declares
+    shapes = [(1024, 1024)]
+    declared = gc.make(steady(spec)).memory_passes(shapes, 4, 4)
+    assert declared is not None, spec
+    assert declared == stage(spec).memory_passes(shapes, 4, 4) == floors.floor(stage(spec), N, np.float32, 4, shapes)
+    assert declared.total == pytest.approx(sum(r + w for _, r, w in declared.passes))
+
+
+def test_wrappers_delegate_and_undeclared_say_none():
+    from gradcomp.compressors import passes
+    from gradcomp.compressors.hierarchical import Hierarchical
+
+    shapes, n = [(N,)], N
+    int8 = gc.QuantizedAllreduce(bits=8)
+    for owner in (True, False):  # error feedback tells its codec which residuals it keeps
+        fed = gc.ErrorFeedback(int8, owner_feedback=owner).memory_passes(shapes, 4, 4)
+        assert fed == int8.memory_passes(shapes, 4, 4, passes.Residuals(owner=owner))
+        assert ("owner residual" in [p.name for p in fed.passes]) == owner
+    inner = gc.ErrorFeedback(gc.TopK(0.01))
+    half = gc.FP16(inner).memory_passes(shapes, 4, 4)  # the inner method on the half copy
+    assert half == passes.cast(n, 4, 2, inner.memory_passes(shapes, 4, 2))
+    assert gc.BF16(gc.PowerSGD(rank=2, batched=True)).memory_passes(shapes, 4, 4) is None
+    assert Hierarchical(gc.Allreduce()).memory_passes(shapes, 4, 4) is None
+    assert floors.floor(Hierarchical(gc.Allreduce()), N) is None

@@ -11,6 +11,7 @@ from ..bucket import Bucket
 from ..comm import Communicator
 from .allgather import exact_bound
 from .base import Compressor, Traffic
+from .passes import Passes, allreduce, numel
 
 
 class Allreduce(Compressor):
@@ -37,6 +38,9 @@ class Allreduce(Compressor):
 
     def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
         return Traffic("allreduce", sum(math.prod(s) for s in shapes) * itemsize)
+
+    def memory_passes(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Passes | None:
+        return allreduce(numel(shapes), itemsize, ranks)
 
     def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray:
         return exact_bound(inputs, dtype)

@@ -34,6 +34,7 @@ from ..comm import Communicator, Workspace, default_communicator, wire_bytes
 from ..comm.base import method_traffic
 from .agreement import agree
 from .guard import ADVICE, Guard
+from .passes import Passes
 
 
 def _on_device(device: Any, fn: Callable[..., Any], *args: Any) -> Any:
@@ -104,6 +105,13 @@ class Compressor:
         warm-up). A ``TypeError`` where the method does not declare it (``auto``, which plans per
         bucket)."""
         raise TypeError(f"the cost model does not know {type(self).__name__}")
+
+    def memory_passes(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Passes | None:
+        """The passes over memory one step of this method makes on a bucket of tensors of
+        ``shapes`` (values of ``itemsize`` bytes) at ``ranks`` ranks, per rank, in steady state:
+        the bytes each reads and writes, by name (``compressors.passes``). None where the method
+        does not declare them."""
+        return None
 
     def hierarchical_pays(self) -> bool:
         """Whether the hierarchical schedule (``Hierarchical``) is the better default for this

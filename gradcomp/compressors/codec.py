@@ -46,6 +46,7 @@ import numpy as np
 from ..arrays import Array, DTypeLike, add_into, array_module, cast, dtype_name
 from ..bucket import Bucket
 from ..comm import Communicator, Workspace
+from . import passes
 from . import pieces as piece_layout
 from .base import Compressor, Traffic
 
@@ -151,6 +152,24 @@ class Codec(Compressor):
             pieces = max(1, min(piece_layout.MAX_PIECES, chunks // piece_layout.PIECE_CHUNKS)) if self.independent_chunks else 1
             return Traffic("two-stage", max(ranks, 1) * self.message_size(chunks * self.chunk) * unit, pieces)
         return Traffic(self.collective, self.message_size(n) * unit)
+
+    def memory_passes(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4,
+                      residuals: passes.Residuals | None = None) -> passes.Passes | None:
+        """The runner's passes (``compressors.passes``) for this codec's collective and
+        ``message_size``, with the ``residuals`` error feedback keeps (``ErrorFeedback`` says
+        which): two-stage codes with or without them, allgathered ones without (an allreduced
+        code, or an allgathered one with feedback, declares its own). Override it where ``encode``
+        or ``decode`` makes passes of its own."""
+        n = passes.numel(shapes)
+        unit = itemsize if self.message_dtype is None else np.dtype(self.message_dtype).itemsize
+        if self.collective == "two-stage":  # one message per rank's slice of whole chunks
+            compute = self.compute_dtype(np.dtype(f"f{itemsize}")).itemsize
+            per_slice = -(-(-(-n // self.chunk)) // ranks) * self.chunk
+            message = ranks * self.message_size(per_slice) * unit
+            return passes.two_stage(n, itemsize, compute, message, ranks, residuals)
+        if self.collective == "allgather" and residuals is None:
+            return passes.allgathered(n, itemsize, self.message_size(n) * unit, ranks)
+        return None
 
     # -- the runner -----------------------------------------------------------------------------------
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace,

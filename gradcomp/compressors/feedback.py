@@ -28,6 +28,7 @@ from ..state import (ClaimCheck, TensorStore, pop_shapes, reject_leftovers, shap
                      tensor_arrays)
 from .base import Compressor, Traffic
 from .codec import Codec, Prepared
+from .passes import Passes, Residuals
 
 
 class ErrorFeedback(Compressor):
@@ -65,6 +66,11 @@ class ErrorFeedback(Compressor):
 
     def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
         return self.inner.traffic(shapes, ranks, itemsize)
+
+    def memory_passes(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Passes | None:
+        """The codec's passes with the residuals kept here: the worker's, and the owner's where
+        ``owner_feedback``."""
+        return self.inner.memory_passes(shapes, ranks, itemsize, Residuals(owner=self.owner_feedback))
 
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> Prepared:
         prepared = self.inner.prepare(bucket, comm, workspace, feedback=self)

@@ -19,6 +19,7 @@ from ..comm import Communicator, Workspace
 from ..params import check_float, check_int
 from ..state import reject_leftovers, take_int
 from .codec import Codec
+from . import passes
 
 
 _SAMPLE = 1 << 16  # values in top-k's threshold sample
@@ -208,6 +209,11 @@ class TopK(Codec):
             np.divide(out, out.dtype.type(size), out=out)
         return True
 
+    def memory_passes(self, shapes: passes.Shapes, ranks: int = 1, itemsize: int = 4,
+                      residuals: passes.Residuals | None = None) -> passes.Passes | None:
+        n = passes.numel(shapes)
+        return passes.topk(n, itemsize, kept(n, self.ratio), ranks, residuals is not None)
+
 
 class ReducedTopK(TopK):
     """Top-k reduced in two stages, as int8's codes are: each rank sends the ``ratio`` largest of
@@ -219,6 +225,13 @@ class ReducedTopK(TopK):
     (``ErrorFeedback(ReducedTopK(r))``, the registered ``topk:stages=2``)."""
 
     collective = "two-stage"
+
+    def memory_passes(self, shapes: passes.Shapes, ranks: int = 1, itemsize: int = 4,
+                      residuals: passes.Residuals | None = None) -> passes.Passes | None:
+        n = passes.numel(shapes)
+        k = ranks * kept(-(-n // ranks), self.ratio)  # k a slice
+        return passes.reduced_topk(n, itemsize, k, ranks, residuals is not None,
+                                   residuals is not None and residuals.owner)
 
 
 class RandomK(Codec):
@@ -345,6 +358,11 @@ class RandomK(Codec):
         step = take_int(state, "step", "RandomK")
         reject_leftovers(state, "RandomK")
         self._step = step
+
+    def memory_passes(self, shapes: passes.Shapes, ranks: int = 1, itemsize: int = 4,
+                      residuals: passes.Residuals | None = None) -> passes.Passes | None:
+        n = passes.numel(shapes)
+        return passes.randomk(n, itemsize, kept(n, self.ratio), ranks, residuals is not None)
 
 
 def _scatter(out: Array, index: Array, values: Array, add: bool) -> bool:

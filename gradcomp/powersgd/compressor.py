@@ -24,6 +24,7 @@ import numpy as np
 from ..arrays import Array
 from ..bucket import Bucket
 from ..comm import Communicator, Workspace
+from ..compressors import passes
 from ..compressors.allreduce import mean_allreduce
 from ..compressors.base import Compressor, Traffic
 from ..compressors.quantize import QuantizedAllreduce
@@ -32,7 +33,7 @@ from ..state import ClaimCheck, TensorStore
 from .checkpoint import checked, saved
 from .local_stage import LocalStage
 from .ordered_stage import OrderedStage
-from .plan import Plan
+from .plan import Plan, should_compress
 from .work import Work
 
 
@@ -223,6 +224,36 @@ class PowerSGD(LocalStage, OrderedStage, Compressor):
         if self.rounds == 1:
             return first
         return Traffic("allreduce", first.message_bytes, extra=(Traffic("allreduce", plan.q_size * itemsize),))
+
+    def memory_passes(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> passes.Passes | None:
+        """Per compressed matrix M (the residual), ``M += G`` and ``P = M Q`` in one pass, ``Q = M^T
+        P`` after the allreduce of P (a second read: P must be summed first), ``OUT = P Q^T`` and
+        ``M -= OUT`` after the allreduce of Q (a third read, and the writes); the uncompressed
+        tensors travel with P (copied in and out). Factors: ``(rows + cols) * rank`` values each.
+        Not declared when ``batched`` (the stacked copies of same-shape matrices are not counted)."""
+        if self.batched:
+            return None
+        compute = 8 if itemsize == 8 else 4
+        matrices, vectors = [], 0
+        for s in shapes:
+            size = math.prod(s)
+            rows = int(s[0]) if len(s) >= 2 else 0
+            if rows and should_compress(rows, size // rows, self.rank, self.min_compression_rate):
+                matrices.append((rows, size // rows))
+            else:
+                vectors += size
+        e = sum(r * c for r, c in matrices)
+        factors = sum((r + c) * min(self.rank, r, c) for r, c in matrices) * compute
+        one = passes.one
+        t = (one("project: residual += gradient, P = M Q", e * (compute + itemsize), e * compute)
+             + one("project_t: Q = M^T P", e * compute)
+             + one("reconstruct: out = P Q^T, residual -= out", e * compute, e * (compute + itemsize)))
+        if vectors:
+            t += one("uncompressed tensors, in and out", 2 * vectors * itemsize, 2 * vectors * itemsize)
+        t += one("factors", 2 * factors, 2 * factors)
+        if ranks > 1:
+            t += passes.allreduce(vectors + factors // compute, compute, ranks)
+        return t
 
     # -- declared state, hand-over, statistics, checkpoints ----------------------------------------------------
     def agreement_state(self, bucket: Bucket, prepared: Work | None) -> dict[str, Any]:

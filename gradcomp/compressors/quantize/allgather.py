@@ -17,6 +17,7 @@ from ...kernels import stream
 from ...params import check_int
 from ..codec import Codec
 from .kernels import _compiled, chunk_count, dequantize, quantize
+from .. import passes
 
 #: the longest chunk decoded through a chunk-sized buffer to be streamed (``kernels.stream``)
 _STREAM_CHUNK = 1 << 14
@@ -110,3 +111,10 @@ class QuantizePerTensor(QuantizePerChannel):
 
     def __init__(self, bits: int = 8):
         super().__init__(bits=bits, channel_size=None)
+
+    def memory_passes(self, shapes: passes.Shapes, ranks: int = 1, itemsize: int = 4,
+                      residuals: passes.Residuals | None = None) -> passes.Passes | None:
+        """The range of the whole bucket must be known before the first code is written, and the
+        bucket is far larger than the caches: a read of it before the allgathered code's passes."""
+        inner = super().memory_passes(shapes, ranks, itemsize, residuals)
+        return None if inner is None else passes.one("range of the bucket", passes.numel(shapes) * itemsize) + inner
