@@ -65,7 +65,7 @@ def kept(n: int, ratio: float) -> int:
     """How many of a bucket's ``n`` values a sparsifier with ``ratio`` sends (``TopK``,
     ``RandomK``; ``ReducedTopK`` per slice): ``ceil(ratio * n)``, at least 1 and at most ``n``
     (0 for an empty bucket). Public so that code outside the codecs can count what they move
-    without re-deriving the rounding (the memory-traffic floors in ``benchmarks/floors.py``)."""
+    without re-deriving the rounding (the sparsifiers' memory passes, the benchmarks)."""
     return min(n, max(1, math.ceil(ratio * n))) if n else 0
 
 
