@@ -161,14 +161,12 @@ class Codec(Compressor):
         code, or an allgathered one with feedback, declares its own). Override it where ``encode``
         or ``decode`` makes passes of its own."""
         n = passes.numel(shapes)
-        unit = itemsize if self.message_dtype is None else np.dtype(self.message_dtype).itemsize
-        if self.collective == "two-stage":  # one message per rank's slice of whole chunks
+        message = int(self.traffic(shapes, ranks, itemsize).message_bytes)  # what the runner sends
+        if self.collective == "two-stage":
             compute = self.compute_dtype(np.dtype(f"f{itemsize}")).itemsize
-            per_slice = -(-(-(-n // self.chunk)) // ranks) * self.chunk
-            message = ranks * self.message_size(per_slice) * unit
             return passes.two_stage(n, itemsize, compute, message, ranks, residuals)
         if self.collective == "allgather" and residuals is None:
-            return passes.allgathered(n, itemsize, self.message_size(n) * unit, ranks)
+            return passes.allgathered(n, itemsize, message, ranks)
         return None
 
     # -- the runner -----------------------------------------------------------------------------------

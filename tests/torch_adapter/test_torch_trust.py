@@ -360,7 +360,7 @@ def slow_callback(_):
 
 
 handed_to_torch.then(slow_callback)
-done = comm._pipeline.submit(lambda prepared, error: 1)
+done = comm.submit(lambda prepared, error: 1)
 done.add_done_callback(lambda _: handed_to_torch.set_result(torch.zeros(1)))  # on the wire thread
 done.result()
 while not entered:
