@@ -53,6 +53,7 @@ from ..compressors.quantize import OneBit
 from ..params import check_bool, check_float, check_int
 from ..registry import make, steady
 from ..schedule import Schedule
+from ..settling import Settling
 from .base import Hyper, Optimizer
 
 
@@ -86,7 +87,7 @@ class OneBitAdam(Optimizer):
                       "update least")
 
     def __init__(self, params: Sequence[Array], lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: Hyper = 0.0, warmup: int = 200,
+                 eps: float = 1e-8, weight_decay: Hyper = 0.0, warmup: int | str = "auto",
                  compressor: Compressor | str | None = None, preconditioned: bool = True,
                  floor: float = 0.01, local_momentum: bool = False,
                  warmup_compressor: Compressor | str = "int8",
@@ -97,7 +98,9 @@ class OneBitAdam(Optimizer):
         self.betas = (check_float("beta1", betas[0], minimum=0, maximum=0.999999),
                       check_float("beta2", betas[1], minimum=0, maximum=0.999999))
         self.eps = check_float("eps", eps, above=0)
-        self.warmup = check_int("warmup", warmup, 1)
+        self.warmup = warmup if warmup == "auto" else check_int("warmup", warmup, 1)
+        self.settling = Settling() if warmup == "auto" else None
+        self._freeze = self.settling.latest if self.settling else self.warmup  # the first frozen step
         self.preconditioned = check_bool("preconditioned", preconditioned)
         self.floor = check_float("floor", floor, minimum=0, maximum=1)
         self.local_momentum = check_bool("local_momentum", local_momentum)
@@ -114,7 +117,8 @@ class OneBitAdam(Optimizer):
         # an exact warm-up is described as before warmup_compressor existed: its checkpoints load
         exact = warm.describe() == Allreduce().describe()
         self._warmup_config = {} if exact else {"warmup_compressor": warm.describe()}
-        reducer = self._exchange(Schedule([(0, warm), (self.warmup, inner)]))
+        self._schedule = Schedule([(0, warm), (self._freeze, inner)])
+        reducer = self._exchange(self._schedule)
         self._sent = reducer.gradients  # what travels: gradients in the warm-up, momentum after
         xp = array_module(self.params[0])
         self.m = [xp.zeros(p.shape, p.dtype) for p in self.params]
@@ -130,16 +134,16 @@ class OneBitAdam(Optimizer):
                 "floor": self.floor, "local_momentum": self.local_momentum}
 
     def phase(self) -> str:
-        return "warm-up" if self.steps < self.warmup else "frozen variance"
+        return "warm-up" if self.steps < self._freeze else "frozen variance"
 
     def step(self, grads: Sequence[Array], lr: Hyper | None = None, weight_decay: Hyper | None = None) -> None:
         """One update from this rank's local ``grads`` (one per parameter, any float dtype)."""
         grads = self._check_grads(grads)
         rates, decay = self._hyper(lr, weight_decay)
         b1, b2 = self.betas
-        warm = self.steps < self.warmup
+        warm = self.steps < self._freeze
         t = self.steps + 1
-        if self.steps == self.warmup and self.warmup_compressor is not self.momentum_compressor:
+        if self.steps == self._freeze and self.warmup_compressor is not self.momentum_compressor:
             # the warm-up's residual is a gradient's error; from now on the momentum travels (in
             # the update's units): handed over, it would be added to a quantity of other units
             self.warmup_compressor.take_residual(self._keys)
@@ -153,8 +157,10 @@ class OneBitAdam(Optimizer):
                 v *= v.dtype.type(b2)
                 v += v.dtype.type(1 - b2) * g * g
             second = 1 - b2 ** t
+            if self.settling is not None:
+                self._observe()
         elif self.local_momentum:
-            second = 1 - b2 ** min(t - 1, self.warmup)
+            second = 1 - b2 ** min(t - 1, self._freeze)
             for s, m, g, d in zip(self._sent, self.m, grads, self._denominators(second)):
                 m *= m.dtype.type(b1)  # this rank's own momentum (DGC's momentum correction)
                 m += m.dtype.type(1 - b1) * g
@@ -168,7 +174,7 @@ class OneBitAdam(Optimizer):
                     m[acc.reshape(m.shape) == 0] = 0  # sent: its momentum goes with it
                 s *= live
         else:
-            second = 1 - b2 ** min(t - 1, self.warmup)  # frozen with the variance
+            second = 1 - b2 ** min(t - 1, self._freeze)  # frozen with the variance
             scale = self._denominators(second) if self.preconditioned else [None] * len(self.m)
             for s, m, g, d in zip(self._sent, self.m, grads, scale):
                 s[...] = m
@@ -200,13 +206,45 @@ class OneBitAdam(Optimizer):
             p -= kind(rate / first) * m / denom
         self.steps += 1
 
+    def _observe(self) -> None:
+        """Feed the averaged gradients' scale (each tensor's mean square) to ``settling``; when it
+        has settled, the next step is the first frozen one (the same step on every rank: the
+        gradients were averaged)."""
+        assert self.settling is not None
+        levels = [float(array_module(g).square(g, dtype=np.float64).mean()) for g in self._sent]
+        if self.settling.observe(levels, [g.size for g in self._sent]):
+            self._freeze = self.steps + 1
+            self._schedule.starts[1] = self._freeze
+
+    def stats(self) -> dict[str, Any]:
+        s = super().stats()
+        if self.settling is not None:
+            s.update(self.settling.stats())
+        return s
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        if self.settling is not None:
+            out.update({f"settling/{k}": v for k, v in self.settling.state_dict().items()})
+        return out
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        state = dict(state)
+        settling = None
+        if self.settling is not None:
+            settling = Settling()
+            settling.load_state_dict({k[len("settling/"):]: state.pop(k) for k in list(state)
+                                      if k.startswith("settling/")})
         saved = str(np.asarray(state.get("config", "")))
         if self._warmup_config and saved and "warmup_compressor=" not in saved:
             raise ValueError(f"OneBitAdam state: saved by {saved}, whose warm-up averaged exactly (the "
                              "default before warmup_compressor, now int8); to resume it, construct "
                              "OneBitAdam(..., warmup_compressor='allreduce')")
         super().load_state_dict(state)
+        if settling is not None:
+            self.settling = settling
+            self._freeze = settling.latest if settling.ended_at is None else settling.ended_at
+            self._schedule.starts[1] = self._freeze
         self._frozen = None  # the denominators follow the loaded variance
         self._alive = None
 

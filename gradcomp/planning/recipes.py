@@ -18,14 +18,22 @@ state (1-bit Adam, DGC) are in ``gradcomp.optim``.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
+from ..arrays import Array, array_module
+from ..bucket import Bucket
+from ..comm import Communicator
 from ..compressors.allreduce import Allreduce
+from ..compressors.quantize import QuantizedAllreduce
 from ..compressors.base import Compressor
 from ..compressors.codec import Codec
 from ..compressors.feedback import ErrorFeedback
 from ..params import check_choice, check_float, check_int
 from ..schedule import Schedule
+from ..settling import Settling
 
 #: the error-feedback forms of a two-stage or sparse codec: the workers' residual and the slice
 #: owners', the workers' only, or none
@@ -36,12 +44,43 @@ RAMP = (0.25, 0.0625, 0.015625, 0.00390625)
 
 
 class Recipe(Schedule):
-    """A named ``Schedule`` whose configuration is its name and parameters (see the module)."""
+    """A named ``Schedule`` whose configuration is its name and parameters (see the module).
 
-    def __init__(self, name: str, params: dict[str, Any], stages: Sequence[tuple[int, Compressor]]):
+    ``settling``: the first stage is a warm-up whose end ``Settling`` decides (``warmup="auto"``).
+    The later stages are laid out as if it lasted ``settling.latest`` steps, and move earlier, all
+    together, when it ends. Its levels are each tensor's mean square in the warm-up's output, the
+    averaged gradient, so every rank decides the same step."""
+
+    def __init__(self, name: str, params: dict[str, Any], stages: Sequence[tuple[int, Compressor]],
+                 settling: Settling | None = None):
         super().__init__(stages)
         self.name = name
         self.params = dict(params)
+        self.settling = settling
+        self._planned = list(self.starts)  # the stages' steps for a warm-up of settling.latest
+        self._levels: dict[str, float] = {}
+        self._sizes: dict[str, int] = {}
+
+    def finish(self, bucket: Bucket, comm: Communicator, prepared: Any) -> Array:
+        out = super().finish(bucket, comm, prepared)
+        if self.settling is not None and self.settling.warm and prepared.stage == 0:
+            xp = array_module(out)
+            for key, off, shape in bucket.placements():
+                part = out[off:off + math.prod(shape)]
+                self._levels[key] = float(xp.square(part, dtype=np.float64).mean()) if part.size else 0.0
+                self._sizes[key] = part.size
+            if bucket.is_last:
+                keys = sorted(self._levels)
+                if self.settling.observe([self._levels[k] for k in keys], [self._sizes[k] for k in keys]):
+                    self._move_stages()
+                self._levels.clear()
+        return out
+
+    def _move_stages(self) -> None:
+        assert self.settling is not None
+        ended = self.settling.latest if self.settling.ended_at is None else self.settling.ended_at
+        shift = ended - self.settling.latest
+        self.starts = [0] + [s + shift for s in self._planned[1:]]
 
     def config(self) -> dict[str, Any]:
         return {"recipe": self.name, **self.params, "stages": super().config()["stages"]}
@@ -54,6 +93,12 @@ class Recipe(Schedule):
         """As ``Schedule``'s; a state with another number of stages was saved by another definition
         of the name (``int8`` gained its exact warm-up: an ``int8`` checkpoint saved before loads
         into ``int8:warmup=0``), and the error says so."""
+        state = dict(state)
+        settling = None
+        if self.settling is not None:
+            settling = Settling(**self._settling_args())
+            settling.load_state_dict({k[len("settling/"):]: state.pop(k) for k in list(state)
+                                      if k.startswith("settling/")})
         numbers = [k.partition("/")[0][len("stage"):] for k in state if k.startswith("stage") and "/" in k]
         saved = max((int(n) + 1 for n in numbers if n.isdigit()), default=0)  # the last stateful stage
         try:
@@ -67,12 +112,28 @@ class Recipe(Schedule):
                     f"'{self.name}:warmup=0' where an exact warm-up was added since). Build the "
                     f"compressor the checkpoint was saved with ({exc})") from exc
             raise
+        if settling is not None:
+            self.settling = settling
+            self._move_stages()
+
+    def _settling_args(self) -> dict[str, Any]:
+        assert self.settling is not None
+        s = self.settling
+        return {"window": s.window, "tolerance": s.tolerance, "earliest": s.earliest, "latest": s.latest}
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()
         s["recipe"] = self.describe()
         s["warmup_steps_left"] = max(self.starts[-1] - self.step, 0)
+        if self.settling is not None:
+            s.update(self.settling.stats())
         return s
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        if self.settling is not None:
+            out.update({f"settling/{k}": v for k, v in self.settling.state_dict().items()})
+        return out
 
 
 def with_feedback(codec: Codec, feedback: str) -> Compressor:
@@ -83,9 +144,16 @@ def with_feedback(codec: Codec, feedback: str) -> Compressor:
     return ErrorFeedback(codec, owner_feedback=feedback == "both")
 
 
-def warmed(name: str, params: dict[str, Any], warmup: int, stages: Sequence[tuple[int, Compressor]]) -> Recipe:
-    """A recipe: exact allreduce for ``warmup`` steps, then ``stages`` (their steps counted from
-    the end of the warm-up)."""
+def warmed(name: str, params: dict[str, Any], warmup: int | str, stages: Sequence[tuple[int, Compressor]]) -> Recipe:
+    """A recipe: a warm-up, then ``stages`` (their steps counted from the end of the warm-up).
+    ``warmup``: a number of exact allreduce steps, or ``"auto"``: 8-bit two-stage codes with
+    error feedback (a quarter of fp32's bytes, which a short run cannot spend on exact steps)
+    until the gradients' scale settles (``Settling``)."""
+    if warmup == "auto":
+        settling = Settling()
+        warm = ErrorFeedback(QuantizedAllreduce(bits=8), owner_feedback=True)
+        shifted = [(settling.latest + s, c) for s, c in stages]
+        return Recipe(name, params, [(0, warm)] + shifted, settling)
     warmup = check_int(f"{name} warmup", warmup, 0)
     shifted = [(warmup + s, c) for s, c in stages]
     return Recipe(name, params, ([(0, Allreduce())] if warmup else []) + shifted)

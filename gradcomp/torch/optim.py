@@ -150,7 +150,7 @@ class OneBitAdam(_Wrapped):
     method = core.OneBitAdam
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, warmup: int = 200,
+                 eps: float = 1e-8, weight_decay: float = 0.0, warmup: int | str = "auto",
                  compressor: Any = None, preconditioned: bool = True, floor: float = 0.01,
                  local_momentum: bool = False, warmup_compressor: Any = "int8", model: Any = None,
                  comm: Communicator | None = None, bucket_cap_mb: float = 25.0):

@@ -1,0 +1,123 @@
+"""warmup="auto": the warm-up ends when the gradients' scale settles, on the same step on every
+rank, said in stats(), and carried through a checkpoint."""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from gradcomp.settling import Settling, drift
+from tests.mpi_launch import run_ranks
+
+
+def _levels(step: int) -> list[float]:
+    """Two tensors whose scale falls tenfold over 60 steps, then holds (a little noise)."""
+    fall = 10.0 ** (-min(step, 60) / 60)
+    wobble = 1 + 0.01 * np.sin(step)
+    return [fall * wobble, 4 * fall * wobble]
+
+
+def test_ends_at_the_first_settled_window():
+    s = Settling(window=10, tolerance=0.1, earliest=20, latest=500)
+    ended = [step for step in range(200) if s.observe(_levels(step), [100, 10])]
+    # windows ending at 10..60 fall by 10^(1/6) (drift log(10)/6 = 0.38); 70 still holds steps of
+    # the fall; the window ending at 80 is the first flat one against a flat one
+    assert ended == [79] and s.ended_at == 80
+    assert "settled" in s.reason and s.stats()["warmup_ended_at"] == 80
+    assert not s.observe(_levels(200), [100, 10])  # decided once
+
+
+def test_latest_ends_it_anyway_and_says_so():
+    s = Settling(window=10, tolerance=0.01, earliest=10, latest=50)
+    ended = [step for step in range(100) if s.observe([10.0 ** (-step / 20)], [1])]
+    assert ended == [49] and s.ended_at == 50 and "latest=50" in s.reason
+
+
+def test_drift_weighs_by_size_and_skips_tensors_without_gradient():
+    assert drift(np.array([2.0, 1.0]), np.array([1.0, 1.0]), np.array([1.0, 3.0])) == pytest.approx(np.log(2) / 4)
+    assert drift(np.array([0.0, 1.0]), np.array([5.0, 1.0]), np.array([1.0, 1.0])) == 0.0
+
+
+def test_a_checkpoint_mid_window_decides_the_same_step():
+    straight = Settling(window=10, tolerance=0.1, earliest=20, latest=500)
+    first = [step for step in range(200) if straight.observe(_levels(step), [100, 10])]
+    resumed = Settling(window=10, tolerance=0.1, earliest=20, latest=500)
+    for step in range(37):
+        resumed.observe(_levels(step), [100, 10])
+    again = Settling(window=10, tolerance=0.1, earliest=20, latest=500)
+    again.load_state_dict(resumed.state_dict())
+    assert [step for step in range(37, 200) if again.observe(_levels(step), [100, 10])] == first
+    bad = resumed.state_dict()
+    bad["ended_at"] = 99
+    with pytest.raises(ValueError, match="ended_at"):
+        Settling().load_state_dict(bad)
+    with pytest.raises(ValueError, match="unexpected"):
+        Settling().load_state_dict({**resumed.state_dict(), "stray": 1})
+
+
+def _gradient(rank: int, step: int, n: int) -> np.ndarray:
+    """Each rank's gradient: a scale that falls over 40 steps and then holds, plus rank noise."""
+    rng = np.random.default_rng([rank, step])
+    return (10.0 ** (-min(step, 40) / 40) * (1 + 0.1 * rng.standard_normal(n))).astype(np.float32)
+
+
+def rank_recipes_and_onebit_adam_settle_together():
+    """A recipe and OneBitAdam with warmup='auto' end their warm-up on the same step on every rank
+    (agreed before every bucket), say so in stats(), compress afterwards, and a run resumed from a
+    checkpoint taken in the warm-up ends it on the same step, with the same bits."""
+    import gradcomp as gc
+
+    comm = gc.MPICommunicator()
+    n = 3000
+
+    def run(steps: int, resume_at: int | None = None):
+        recipe = gc.make("onebit:warmup='auto'")
+        outs = []
+        for step in range(steps):
+            if step == resume_at:
+                saved = recipe.state_dict()
+                recipe = gc.make("onebit:warmup='auto'")
+                recipe.load_state_dict(saved)
+            outs.append(recipe.reduce(gc.Bucket(_gradient(comm.rank, step, n), 0, [(n,)]), comm).result().copy())
+        return recipe, outs
+
+    recipe, outs = run(120)
+    stats = recipe.stats()
+    ended = stats["warmup_ended_at"]
+    assert ended is not None and 40 <= ended < 100, stats
+    assert "settled" in stats["warmup_reason"], stats
+    assert recipe.stage_at(ended - 1) == 0 and recipe.stage_at(ended) == 1
+    ends = comm.allgather(np.array([ended], np.int64))[:, 0]
+    assert (ends == ended).all(), f"ranks ended the warm-up at {ends}"
+    digests = comm.allgather(np.array([zlib.crc32(outs[-1].tobytes())], np.int64))[:, 0]
+    assert (digests == digests[0]).all(), "the result differs across ranks"
+    # onebit's sign code after the warm-up: every value of a slice is +-scale
+    assert len(np.unique(np.abs(outs[-1][:512]))) <= 2 < len(np.unique(np.abs(outs[ended - 1][:512])))
+    again, outs2 = run(120, resume_at=ended - 7)
+    assert again.stats()["warmup_ended_at"] == ended
+    assert all(np.array_equal(a, b) for a, b in zip(outs, outs2)), "a resumed warm-up changed the result"
+
+    # OneBitAdam: the variance freezes on the step the averaged gradients settled
+    params = [np.ones(n, np.float32)]
+    opt = gc.optim.OneBitAdam(params, lr=1e-3, betas=(0.9, 0.95), comm=comm)
+    assert opt.config()["warmup"] == "auto"
+    for step in range(120):
+        if step == 50:
+            saved = opt.state_dict()
+            copy = [p.copy() for p in params]
+        opt.step([_gradient(comm.rank, step, n)])
+    s = opt.stats()
+    assert s["warmup_ended_at"] is not None and "settled" in s["warmup_reason"], s
+    assert s["phase"] == "frozen variance", s
+    resumed = gc.optim.OneBitAdam(copy, lr=1e-3, betas=(0.9, 0.95), comm=comm)
+    resumed.load_state_dict(saved)
+    for step in range(50, 120):
+        resumed.step([_gradient(comm.rank, step, n)])
+    assert resumed.stats()["warmup_ended_at"] == s["warmup_ended_at"]
+    assert np.array_equal(copy[0], params[0]), "a resumed OneBitAdam froze elsewhere"
+    print(f"rank {comm.rank}: settled at {ended} and {s['warmup_ended_at']}", flush=True)
+
+
+def test_recipes_and_onebit_adam_settle_together():
+    run_ranks(2, "tests.planning.test_settling:rank_recipes_and_onebit_adam_settle_together")
