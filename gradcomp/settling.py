@@ -90,7 +90,7 @@ class Settling:
     def _end(self, reason: str) -> bool:
         self.ended_at = self._steps
         self.reason = reason
-        self._sum = self._before = None
+        self._sum = self._before = self._sizes = None
         return True
 
     def stats(self) -> dict[str, Any]:
@@ -123,6 +123,12 @@ class Settling:
                 arrays[name] = check_array(state.pop(name), name, owner, None, ("float64",))
         drift_ = state.pop("drift", None)
         reject_leftovers(state, owner)
+        lengths = {name: a.shape for name, a in arrays.items()}
+        if len(set(lengths.values())) > 1 or any(len(shape) != 1 for shape in lengths.values()):
+            raise ValueError(f"{owner} state: sum, before and sizes must be 1-D, one value per tensor; "
+                             f"got shapes {lengths}")
+        if ended < 0 and ("sum" in arrays) != ("sizes" in arrays):
+            raise ValueError(f"{owner} state: a warm-up in progress needs both 'sum' and 'sizes'")
         if ended >= 0 and ended > steps:
             raise ValueError(f"{owner} state: ended_at={ended} is after the {steps} steps seen")
         self._steps = steps

@@ -108,6 +108,11 @@ class ErrorFeedback(Compressor):
         key = self._owner_key(bucket, comm)
         return self.owner_residuals.region([(key, 0, (slice_len,))], slice_len, dtype, like=like)[0]
 
+    def drop_owner_residuals(self) -> None:
+        """Forget the slice owners' residuals (a warm-up that has ended for good: its re-encoding
+        error is the warm-up's, and no later step of this stage would send it)."""
+        self.owner_residuals = TensorStore()
+
     # -- Schedule hand-over and checkpoints ----------------------------------------------------------------
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         return self.store.pop(keys)

@@ -297,12 +297,13 @@ def _agree_values(comm: Communicator, arrays: list[np.ndarray], name: str) -> No
 
 
 def onebit_adam(learning_rate: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                weight_decay: float = 0.0, warmup: int = 100, compressor: Compressor | str | None = None,
+                weight_decay: float = 0.0, warmup: int | str = "auto", compressor: Compressor | str | None = None,
                 comm: Communicator | None = None, bucket_cap_mb: float = 25.0, **options: Any) -> Transformation:
     """``gradcomp.optim.OneBitAdam`` as an optax transformation: this rank's local gradients in,
-    AdamW updates out (exact for ``warmup`` steps, then frozen variance and compressed momentum).
+    AdamW updates out (a warm-up until the gradients' scale settles, or for ``warmup`` steps, then
+    frozen variance and compressed momentum).
 
-        tx = gradcomp.jax.onebit_adam(3e-3, b2=0.95, weight_decay=0.1, warmup=200)
+        tx = gradcomp.jax.onebit_adam(3e-3, b2=0.95, weight_decay=0.1)
         updates, state = tx.update(local_grads, state, params)    # params are required
 
     Not chained after ``mean``: it averages what it sends itself. ``learning_rate``: a float or an

@@ -5,11 +5,12 @@ variance sees the compressed, bursty gradients and rescales every coordinate dif
 step, so the error that feedback re-sends is not the error that was made. 1-bit Adam's answer,
 followed here:
 
-1. **Warm-up** (``warmup`` steps): plain AdamW on averaged gradients (the same update as
-   ``torch.optim.AdamW``, bias corrections included). The variance settles. The gradients are
-   averaged through ``warmup_compressor``: ``int8`` by default (its own 50 exact steps first, then
-   8-bit codes with error feedback, a hook that keeps AdamW close to exact averaging),
-   as DeepSpeed's 1-bit Adam warms up on half-precision gradients; ``"allreduce"`` is exact.
+1. **Warm-up**: plain AdamW on averaged gradients (the same update as ``torch.optim.AdamW``,
+   bias corrections included), until the averaged gradients' scale has settled (``warmup="auto"``,
+   ``gradcomp.settling``: the variance then holds what it will hold), or for ``warmup`` steps.
+   The gradients are averaged through ``warmup_compressor``: 8-bit codes with error feedback by
+   default (``WARMUP_COMPRESSOR``), which keep AdamW close to exact averaging, as DeepSpeed's 1-bit
+   Adam warms up on half-precision gradients; ``"allreduce"`` is exact.
    Its residual, a gradient's error, is dropped at the freeze, where the momentum starts to
    travel instead.
 2. **Frozen variance**: from then on ``v`` (bias-corrected at the freeze) no longer changes, so Adam
@@ -57,6 +58,11 @@ from ..settling import Settling
 from .base import Hyper, Optimizer
 
 
+#: the warm-up's exchange: 8-bit codes from the first step (a quarter of fp32's bytes; ``int8``'s
+#: own 50 exact steps would cost a 300-step run half its saving)
+WARMUP_COMPRESSOR = "int8:warmup=0"
+
+
 class OneBitAdam(Optimizer):
     """Adam(W) whose momentum is averaged through a compressed exchange after a warm-up.
 
@@ -65,10 +71,11 @@ class OneBitAdam(Optimizer):
             grads = local_gradients(params)     # this rank's own gradients, not averaged
             opt.step(grads)                     # params updated in place, identical on every rank
 
-    ``warmup``: steps of AdamW before the variance freezes (1-bit Adam used 15-25% of
-    training), on gradients averaged through ``warmup_compressor`` (default ``"int8"``: about 4x
-    fewer bytes than fp32; ``"allreduce"``: exact); the int8 warm-up reaches exact AdamW's loss
-    sooner than the exact one on a slow link.
+    ``warmup``: ``"auto"`` (the default) freezes the variance once the averaged gradients' scale
+    has settled, on the same step on every rank (``stats()`` says when and why; the decision is
+    checkpointed); a number is that many steps of AdamW (1-bit Adam used 15-25% of training).
+    The warm-up's gradients are averaged through ``warmup_compressor`` (default
+    ``"int8:warmup=0"``: 4x fewer bytes than fp32; ``"allreduce"``: exact).
 
     A sparse or low-rank code delays the update more than 1 bit does and needs a longer warm-up
     (a fifth of training rather than a fifteenth), and PowerSGD a rank of 8:
@@ -90,7 +97,7 @@ class OneBitAdam(Optimizer):
                  eps: float = 1e-8, weight_decay: Hyper = 0.0, warmup: int | str = "auto",
                  compressor: Compressor | str | None = None, preconditioned: bool = True,
                  floor: float = 0.01, local_momentum: bool = False,
-                 warmup_compressor: Compressor | str = "int8",
+                 warmup_compressor: Compressor | str = WARMUP_COMPRESSOR,
                  comm: Communicator | None = None, bucket_cap_mb: float = 25.0):
         super().__init__(params, lr, weight_decay, comm, bucket_cap_mb)
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -98,6 +105,8 @@ class OneBitAdam(Optimizer):
         self.betas = (check_float("beta1", betas[0], minimum=0, maximum=0.999999),
                       check_float("beta2", betas[1], minimum=0, maximum=0.999999))
         self.eps = check_float("eps", eps, above=0)
+        if isinstance(warmup, str) and warmup != "auto":
+            raise ValueError(f"OneBitAdam warmup: a number of steps or 'auto', got {warmup!r}")
         self.warmup = warmup if warmup == "auto" else check_int("warmup", warmup, 1)
         self.settling = Settling() if warmup == "auto" else None
         self._freeze = self.settling.latest if self.settling else self.warmup  # the first frozen step

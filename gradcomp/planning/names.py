@@ -84,17 +84,18 @@ def _allgathered(name: str, codec_factory: Any, default_warmup: int) -> Any:
     return factory
 
 
-def onebit(warmup: int = 100, feedback: str = "none") -> Any:
-    """Signs and a scale per 512 values, two stages, after an exact warm-up. Without error
+def onebit(warmup: int | str = "auto", feedback: str = "none") -> Any:
+    """Signs and a scale per 512 values, two stages, after a warm-up: 8-bit codes until the
+    gradients' scale settles (``"auto"``, ``Settling``), or ``warmup`` exact steps. Without error
     feedback: under momentum SGD and AdamW both residuals, or the workers' alone, trained worse.
     With Adam, prefer
     ``gradcomp.optim.OneBitAdam``, where the feedback works on the frozen-variance momentum."""
     return codec_recipe("onebit", OneBit, warmup, feedback)
 
 
-def topk(ratio: float = 0.01, warmup: int = 100, ramp: int = 0, feedback: str | None = None,
+def topk(ratio: float = 0.01, warmup: int | str = "auto", ramp: int = 0, feedback: str | None = None,
          stages: int = 1) -> Any:
-    """The largest ``ratio`` of each bucket after an exact warm-up: allgathered (``stages=1``,
+    """The largest ``ratio`` of each bucket after a warm-up (as ``onebit``'s): allgathered (``stages=1``,
     the workers' residual), or reduced in two stages (``stages=2``: ``ReducedTopK``, bytes flat in
     the number of ranks, both residuals)."""
     stages = check_choice("topk stages", stages, (1, 2))

@@ -61,6 +61,11 @@ class Recipe(Schedule):
         self._levels: dict[str, float] = {}
         self._sizes: dict[str, int] = {}
 
+    @property
+    def error_feedback_on(self) -> bool:
+        """The method's own (its last stage's): an 8-bit warm-up's feedback is the warm-up's."""
+        return self.compressors[-1].error_feedback_on if self.settling is not None else super().error_feedback_on
+
     def finish(self, bucket: Bucket, comm: Communicator, prepared: Any) -> Array:
         out = super().finish(bucket, comm, prepared)
         if self.settling is not None and self.settling.warm and prepared.stage == 0:
@@ -73,6 +78,9 @@ class Recipe(Schedule):
                 keys = sorted(self._levels)
                 if self.settling.observe([self._levels[k] for k in keys], [self._sizes[k] for k in keys]):
                     self._move_stages()
+                    warm = self.compressors[0]
+                    if isinstance(warm, ErrorFeedback):
+                        warm.drop_owner_residuals()  # the warm-up does not come back
                 self._levels.clear()
         return out
 
@@ -149,6 +157,8 @@ def warmed(name: str, params: dict[str, Any], warmup: int | str, stages: Sequenc
     ``warmup``: a number of exact allreduce steps, or ``"auto"``: 8-bit two-stage codes with
     error feedback (a quarter of fp32's bytes, which a short run cannot spend on exact steps)
     until the gradients' scale settles (``Settling``)."""
+    if isinstance(warmup, str) and warmup != "auto":
+        raise ValueError(f"{name} warmup: a number of exact steps or 'auto', got {warmup!r}")
     if warmup == "auto":
         settling = Settling()
         warm = ErrorFeedback(QuantizedAllreduce(bits=8), owner_feedback=True)
@@ -173,7 +183,7 @@ def sparsity_ramp(ratio: float, steps: int) -> list[tuple[int, float]]:
     return stages + ([(steps, ratio)] if steps > stages[-1][0] else [])
 
 
-def codec_recipe(name: str, codec_factory: Any, warmup: int, feedback: str, shown: bool = True,
+def codec_recipe(name: str, codec_factory: Any, warmup: int | str, feedback: str, shown: bool = True,
                  extra: dict[str, Any] | None = None, **codec_args: Any) -> Recipe:
     """Warm-up, then one codec with ``feedback``; ``shown``: the codec's arguments are parameters
     of the recipe (False where the name fixes them: ``int8`` is 8 bits); ``extra``: parameters
@@ -183,7 +193,7 @@ def codec_recipe(name: str, codec_factory: Any, warmup: int, feedback: str, show
     return warmed(name, params, warmup, [(0, with_feedback(codec, feedback))])
 
 
-def sparse_recipe(name: str, codec_factory: Any, ratio: float, warmup: int, ramp: int, feedback: str,
+def sparse_recipe(name: str, codec_factory: Any, ratio: float, warmup: int | str, ramp: int, feedback: str,
                   extra: dict[str, Any] | None = None, **codec_args: Any) -> Recipe:
     """Warm-up, then the sparsity ramp down to ``ratio`` over ``ramp`` steps, ``feedback`` throughout;
     ``extra``: parameters of the recipe that chose ``codec_factory`` (shown, not passed to it)."""

@@ -152,7 +152,7 @@ class OneBitAdam(_Wrapped):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, warmup: int | str = "auto",
                  compressor: Any = None, preconditioned: bool = True, floor: float = 0.01,
-                 local_momentum: bool = False, warmup_compressor: Any = "int8", model: Any = None,
+                 local_momentum: bool = False, warmup_compressor: Any = core.WARMUP_COMPRESSOR, model: Any = None,
                  comm: Communicator | None = None, bucket_cap_mb: float = 25.0):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay), model, comm, bucket_cap_mb,
                          betas=betas, eps=eps, warmup=warmup, compressor=compressor,
