@@ -8,7 +8,8 @@ The model, corpus, batches (seeded by step and rank), AdamW and its schedule are
 ``--mode ddp`` averages the gradients exactly at every step (a ``GradientReducer`` with
 ``Allreduce`` over MPI: DDP's arithmetic without torch.distributed), ``--mode diloco`` steps each
 rank's AdamW locally and runs DiLoCo's outer step every ``--sync-every`` steps. Validation loss is
-torch_lm.py's (nats per byte on fixed windows), taken at outer steps, where the replicas agree.
+torch_lm.py's (nats per byte on fixed windows), taken at outer steps, where the replicas agree;
+each point of ``val_curve`` is ``[step, loss, training seconds]`` (validation time left out).
 What docs/guides/local-steps.md's table was measured with.
 """
 from __future__ import annotations
@@ -54,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--corpus-mb", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
+    p.add_argument("--stop-at", type=float, help="end the run at the first evaluation at or below this "
+                   "validation loss (time to quality: the rest of the run is not needed)")
     return p.parse_args(argv)
 
 
@@ -93,6 +96,7 @@ def main(argv=None) -> None:
         reducer = gradcomp.GradientReducer([as_array(g) for g in grads], gradcomp.Allreduce(), comm)
     curve = []
     start = time.perf_counter()
+    evaluating = 0.0  # seconds spent on validation, left out of the training time
     for step in range(args.steps):
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + comm.rank)
         starts = torch.randint(0, len(train_text) - args.context - 1, (args.batch_size,), generator=gen)
@@ -118,10 +122,15 @@ def main(argv=None) -> None:
                 if step + 1 != args.steps:
                     continue  # some fragment is always between its syncs
                 outer.sync_now()  # streaming: every fragment synced once more at the end
+            before = time.perf_counter()
+            training = before - start - evaluating
             loss = validation_loss(model, val_text, val_starts, args.context, comm)
-            curve.append([step + 1, loss])
+            evaluating += time.perf_counter() - before
+            curve.append([step + 1, loss, training])
             if comm.rank == 0:
-                print(f"step {step + 1:5d}  val {loss:.4f}  {time.perf_counter() - start:6.1f} s", flush=True)
+                print(f"step {step + 1:5d}  val {loss:.4f}  {curve[-1][2]:6.1f} s training", flush=True)
+            if args.stop_at is not None and loss <= args.stop_at:
+                break
     digests = comm.allgather(np.frombuffer(bytes.fromhex(weights_digest(model))[:8], np.int64).copy())
     result = dict(vars(args), val_curve=curve, final_val_loss=curve[-1][1],
                   weights_identical=bool((digests == digests[0]).all()), ranks=comm.size,
