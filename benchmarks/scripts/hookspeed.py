@@ -8,6 +8,9 @@ slowest rank's time; medians):
 
 * ``reducer``: ``GradientReducer.step()`` on its own buffers (``.gradients``, the README form;
   the worker's ``--path reducer``): the gradients are already in the buckets, nothing is copied.
+* ``reducer-ddp-layout``: the same over DDP's bucket layout (DDP fills buckets from the last
+  parameter backwards and closes one once it reaches the cap: here 4 buckets of 21-26 MB against
+  the reducer's 5, whose last is 8 MB).
 * ``reducer+copy``: ``GradientReducer.step(arrays)`` on arrays of their own: the gradients are
   copied into the buckets and the means back out (``--reducer-arrays own``).
 * ``ddp``: zero_grad + forward + backward of a DDP model (``gradient_as_bucket_view=True``) whose
@@ -88,6 +91,11 @@ def main() -> None:
             r.step()
             tl["t1"] = time.perf_counter()
         cases.append((f"{spec} reducer", lambda v=views: refill(v), rstep, tlr))
+        # the reducer over DDP's bucket layout (DDP fills its buckets from the last parameter
+        # backwards and closes one once it reaches the cap: fewer, larger buckets)
+        red3 = GradientReducer(grads, gradcomp.make(spec), comm, _groups=_ddp_groups(grads, 25.0))
+        views3 = red3.gradients
+        cases.append((f"{spec} reducer-ddp-layout", lambda v=views3: refill(v), lambda r=red3: r.step(), None))
         red2 = GradientReducer(grads, gradcomp.make(spec), comm)
         own = [s.copy() for s in saved]
         cases.append((f"{spec} reducer+copy", lambda o=own: refill(o), lambda r=red2, o=own: r.step(o), None))
@@ -225,6 +233,19 @@ def _breakdown(tl: dict) -> dict[str, float]:
         out["reduce"] = max(done) - first
         out["after"] = tl["t1"] - max(done)
     return out
+
+
+def _ddp_groups(grads, cap_mb: float) -> list[list[int]]:
+    groups, cur, size = [], [], 0
+    for i in reversed(range(len(grads))):
+        cur.append(i)
+        size += grads[i].nbytes
+        if size >= cap_mb * 2**20:
+            groups.append(cur)
+            cur, size = [], 0
+    if cur:
+        groups.append(cur)
+    return groups
 
 
 def _split(methods: str) -> list[str]:
