@@ -358,7 +358,7 @@ class DDPPath:
                                        gradient_as_bucket_view=self.args.bucket_view == "on")
 
     def baselines(self) -> list[Case]:
-        return [_Backward(self), _DDPCase(self, None)]
+        return [_Backward(self), _DDPBuckets(self), _DDPCase(self, None)]
 
     def reference(self) -> str | None:
         return "ddp"
@@ -398,6 +398,30 @@ class _Backward(_ModelCase):
         super().__init__("backward", "forward + backward without DDP (the compute alone)")
         self.path = path
         self.model = path.module()
+
+
+def _return_bucket(state: Any, bucket):  # (unannotated: DDP checks a hook's annotations)
+    """A comm hook that communicates nothing: its Future is the bucket as it came."""
+    import torch
+
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+class _DDPBuckets(_ModelCase):
+    """DDP whose hook returns each bucket at once: the backward plus what DDP itself does around
+    any hook (copying every gradient into its bucket, calling the hook, finishing the backward).
+    The reducer path's step does none of it (its gradients live in its buckets already, refilled
+    outside the clock), so a method's DDP step less this row is what compares with its reducer
+    step (``time_less_ddp_buckets_s``)."""
+
+    def __init__(self, path: DDPPath):
+        super().__init__("ddp-buckets", "DDP with a hook that returns the bucket (DDP's own copy "
+                         "of the gradients into its buckets, no communication)")
+        self.path = path
+        self.model = path.ddp()
+        self.model.register_comm_hook(None, _return_bucket)
 
 
 class _DDPCase(_ModelCase):

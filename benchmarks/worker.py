@@ -25,7 +25,12 @@ the hook's, not a model's (``--backward fresh`` clones the gradients every step 
 backward allocates them). A step is ``zero_grad(set_to_none=True)`` + forward + backward, timed
 whole: DDP runs the hooks during the backward and waits for them before it returns. Rows:
 ``backward`` (the same module without DDP: the compute and autograd's bookkeeping alone, no
-communication), ``ddp`` (DDP without a hook: its built-in allreduce, the reference), every
+communication), ``ddp-buckets`` (DDP with a hook that hands each bucket straight back: the
+backward plus DDP's own work around any hook, chiefly copying every gradient into its bucket,
+one pass over the model's gradients that the reducer path's step does not contain, its
+gradients living in its buckets already; ``time_less_ddp_buckets_s``, a method's step less this
+row, is what compares with the method's reducer step), ``ddp`` (DDP without a hook: its
+built-in allreduce, the reference), every
 gradcomp spec through ``gradcomp.torch.register(model, gradcomp.make(spec))`` (MPI under mpiexec;
 ``gloo-`` methods over ``TorchCommunicator``), and PyTorch's hooks through
 ``model.register_comm_hook``. Models are built once and warmed up (DDP rebuilds its buckets after
@@ -462,6 +467,8 @@ def _with_ratios(results: list[dict[str, Any]], n: int, size: int, cores: int) -
             r["machine_floor_vs_allreduce"] = r["machine_cpu_s"] / (os.cpu_count() or 1) / fp32  # /proc/stat counts every core
         if r["kind"] != "baseline":
             r["compression_ratio"] = fp32_bytes / r["bytes_per_rank"] if r["bytes_per_rank"] else None
+        if "ddp-buckets" in by and r["kind"] != "baseline":
+            r["time_less_ddp_buckets_s"] = r["time_s"] - by["ddp-buckets"]["time_s"]
         twin = by.get(r.get("same_as") or "")
         if twin is not None:
             r["time_vs_same_method"] = r["time_s"] / twin["time_s"]

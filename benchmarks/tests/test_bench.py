@@ -136,7 +136,7 @@ def test_worker_measures_each_path(tmp_path, path):
                    "--warmup", "3")
     assert data["path"] == path and data["ranks"] == 2
     by = {r["method"]: r for r in data["results"]}
-    baselines = ["memcpy"] if path == "reducer" else ["backward", "ddp"]
+    baselines = ["memcpy"] if path == "reducer" else ["backward", "ddp-buckets", "ddp"]
     assert list(by) == baselines + split_methods(WORKER_METHODS)
     n = data["numel"]
     for name, r in by.items():
@@ -178,6 +178,11 @@ def test_worker_measures_each_path(tmp_path, path):
         assert by["torch-allreduce"]["rel_diff_vs_ddp"] < 1e-6
         assert by["fp16"]["rel_diff_vs_ddp"] == pytest.approx(by["fp16"]["rel_error"], rel=0.05)
         assert by["ddp"]["time_vs_ddp"] == 1.0
+        # DDP around a hook that communicates nothing: a baseline, whose time every method's
+        # step is also given less
+        assert by["ddp-buckets"]["kind"] == "baseline"
+        assert by["fp16"]["time_less_ddp_buckets_s"] == pytest.approx(
+            by["fp16"]["time_s"] - by["ddp-buckets"]["time_s"])
 
 
 def test_bench_cli_writes_json_csv_and_figures(tmp_path):
