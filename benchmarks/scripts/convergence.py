@@ -10,6 +10,8 @@ Workloads (each an example script, one ``mpiexec -n RANKS`` job per method and s
 * ``lm-sgd``: the same model under momentum SGD (lr ``LM_SGD_LR``), the home of the DGC path and of
   PowerSGD's and DGC's own papers; the reference is DDP's allreduce under the same SGD;
 * ``mlp``: ``examples/numpy_mlp.py``, the digits MLP under momentum SGD, NumPy only, test loss;
+  (on ``lm``, ``diloco[:sync_every=H,compressor=...,...]`` runs local steps instead:
+  ``benchmarks/scripts/diloco_lm.py``, the same model, data and AdamW, each key one of its flags);
 * ``cnn``: ``examples/torch_ddp.py``, the digits CNN under momentum SGD, DDP, test loss.
 
 A method is a registry spec (``topk``, ``powersgd:rank=2``: the user's optimizer unchanged, the
@@ -89,6 +91,14 @@ def workload_args(workload: str, method: str) -> list[str]:
 def command(workload: str, method: str, seed: int, out_json: Path, extra: list[str]) -> list[str]:
     """The example's command line for one run."""
     head = method.partition(":")[0]
+    if head == "diloco":  # local steps: benchmarks/scripts/diloco_lm.py, on the LM only
+        if workload != "lm":
+            raise SystemExit("diloco runs on the lm workload only")
+        from gradcomp.registry import parse_spec
+
+        options = [a for k, v in parse_spec(method)[1].items() for a in (f"--{k.replace('_', '-')}", str(v))]
+        return [str(ROOT / "benchmarks" / "scripts" / "diloco_lm.py"), "--seed", str(seed), "--json",
+                str(out_json), *options, *extra]
     cmd = [str(ROOT / "examples" / EXAMPLES[workload]), "--seed", str(seed), "--json", str(out_json)]
     if head in OPTIMIZERS:
         cmd += ["--optimizer", method] + (["--compressor", "none"] if EXAMPLES[workload] == "torch_lm.py" else [])

@@ -344,3 +344,17 @@ def test_convergence_points_over_the_last_evaluations():
     cells = dict(zip(header, row))
     assert cells["vs exact points (mean / worst)"] == "-2.00 / -2.00"  # the final evaluation alone
     assert cells[f"points, last {conv.LATE_EVALS} evals (mean / worst)"] == "+0.00 / +0.00"
+
+
+def test_convergence_runs_local_steps_with_their_own_script():
+    """``diloco[:key=value]`` on the LM is benchmarks/scripts/diloco_lm.py, each key one of its
+    flags, the arguments after ``--`` last; elsewhere it is refused."""
+    from pathlib import Path
+
+    conv = load_convergence()
+    cmd = conv.command("lm", "diloco:sync_every=10,compressor='int4'", 2, Path("out.json"), ["--steps", "50"])
+    assert cmd[0].endswith(os.path.join("benchmarks", "scripts", "diloco_lm.py"))
+    assert cmd[1:] == ["--seed", "2", "--json", "out.json", "--sync-every", "10", "--compressor", "int4",
+                       "--steps", "50"]
+    with pytest.raises(SystemExit, match="lm workload only"):
+        conv.command("mlp", "diloco", 0, Path("out.json"), [])
