@@ -196,7 +196,12 @@ def main(argv=None) -> dict:
         run=traffic({"steps": 0, "bytes_sent": 0.0, "reference_bytes": 0.0}, compressor.stats()),
         last_epoch=traffic(last_epoch_start, compressor.stats()),
         weight_digests=[bytes(d).hex() for d in digests], weights_identical=identical,
-        guard=compressor.stats().get("guard"))
+        guard=compressor.stats().get("guard"),
+        warmup_ended_at=compressor.stats().get("warmup_ended_at"),  # warmup="auto": when, and why
+        warmup_reason=compressor.stats().get("warmup_reason"))
+    if summary["warmup_reason"]:
+        say(f"warm-up: {summary['warmup_reason']}" + (f" (ended at step {summary['warmup_ended_at']})"
+                                                      if summary["warmup_ended_at"] is not None else ""))
     last = summary["last_epoch"]
     say(f"test accuracy {summary['test_accuracy']:.4f}; last epoch: "
         f"{last['bytes_sent_per_step']:.0f} bytes sent per rank per step, "
