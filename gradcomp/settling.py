@@ -75,7 +75,7 @@ class Settling:
         self._steps += 1
         if self._steps % self.window == 0:
             mean = self._sum / self.window
-            if self._before is not None:
+            if self._before is not None and self._sizes is not None:
                 self.drift = drift(mean, self._before, self._sizes)
                 if self._steps >= self.earliest and self.drift < self.tolerance:
                     return self._end(f"the gradients' scale settled: it moved {self.drift:.1%} over the "
@@ -136,6 +136,26 @@ class Settling:
         self.reason = reason
         self._sum, self._before, self._sizes = (arrays.get("sum"), arrays.get("before"), arrays.get("sizes"))
         self.drift = None if drift_ is None else float(np.asarray(drift_))
+
+
+PREFIX = "settling/"  # its keys in an owner's checkpoint
+
+
+def with_settling(out: dict[str, Any], settling: Settling | None) -> dict[str, Any]:
+    """An owner's ``state_dict`` with ``settling``'s state added under ``PREFIX``."""
+    if settling is not None:
+        out.update({PREFIX + k: v for k, v in settling.state_dict().items()})
+    return out
+
+
+def take_settling(state: dict[str, Any], settling: Settling | None) -> Settling | None:
+    """Pop ``PREFIX`` keys from an owner's ``state`` into a new ``Settling`` configured as
+    ``settling`` (checked, ``ValueError`` when damaged); None where the owner has none."""
+    if settling is None:
+        return None
+    loaded = Settling(settling.window, settling.tolerance, settling.earliest, settling.latest)
+    loaded.load_state_dict({k[len(PREFIX):]: state.pop(k) for k in list(state) if k.startswith(PREFIX)})
+    return loaded
 
 
 def drift(now: np.ndarray, before: np.ndarray, sizes: np.ndarray) -> float:

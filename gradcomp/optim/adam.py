@@ -54,7 +54,7 @@ from ..compressors.quantize import OneBit
 from ..params import check_bool, check_float, check_int
 from ..registry import make, steady
 from ..schedule import Schedule
-from ..settling import Settling
+from ..settling import Settling, take_settling, with_settling
 from .base import Hyper, Optimizer
 
 
@@ -107,9 +107,10 @@ class OneBitAdam(Optimizer):
         self.eps = check_float("eps", eps, above=0)
         if isinstance(warmup, str) and warmup != "auto":
             raise ValueError(f"OneBitAdam warmup: a number of steps or 'auto', got {warmup!r}")
-        self.warmup = warmup if warmup == "auto" else check_int("warmup", warmup, 1)
+        self.warmup: int | str = warmup if warmup == "auto" else check_int("warmup", warmup, 1)
         self.settling = Settling() if warmup == "auto" else None
-        self._freeze = self.settling.latest if self.settling else self.warmup  # the first frozen step
+        # the first frozen step (with settling: the latest it can be, until it is decided)
+        self._freeze: int = self.settling.latest if self.settling is not None else int(self.warmup)
         self.preconditioned = check_bool("preconditioned", preconditioned)
         self.floor = check_float("floor", floor, minimum=0, maximum=1)
         self.local_momentum = check_bool("local_momentum", local_momentum)
@@ -232,18 +233,11 @@ class OneBitAdam(Optimizer):
         return s
 
     def state_dict(self) -> dict[str, Any]:
-        out = super().state_dict()
-        if self.settling is not None:
-            out.update({f"settling/{k}": v for k, v in self.settling.state_dict().items()})
-        return out
+        return with_settling(super().state_dict(), self.settling)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         state = dict(state)
-        settling = None
-        if self.settling is not None:
-            settling = Settling()
-            settling.load_state_dict({k[len("settling/"):]: state.pop(k) for k in list(state)
-                                      if k.startswith("settling/")})
+        settling = take_settling(state, self.settling)
         saved = str(np.asarray(state.get("config", "")))
         if self._warmup_config and saved and "warmup_compressor=" not in saved:
             raise ValueError(f"OneBitAdam state: saved by {saved}, whose warm-up averaged exactly (the "

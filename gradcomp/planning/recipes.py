@@ -33,7 +33,7 @@ from ..compressors.codec import Codec
 from ..compressors.feedback import ErrorFeedback
 from ..params import check_choice, check_float, check_int
 from ..schedule import Schedule
-from ..settling import Settling
+from ..settling import Settling, take_settling, with_settling
 
 #: the error-feedback forms of a two-stage or sparse codec: the workers' residual and the slice
 #: owners', the workers' only, or none
@@ -102,11 +102,7 @@ class Recipe(Schedule):
         of the name (``int8`` gained its exact warm-up: an ``int8`` checkpoint saved before loads
         into ``int8:warmup=0``), and the error says so."""
         state = dict(state)
-        settling = None
-        if self.settling is not None:
-            settling = Settling(**self._settling_args())
-            settling.load_state_dict({k[len("settling/"):]: state.pop(k) for k in list(state)
-                                      if k.startswith("settling/")})
+        settling = take_settling(state, self.settling)
         numbers = [k.partition("/")[0][len("stage"):] for k in state if k.startswith("stage") and "/" in k]
         saved = max((int(n) + 1 for n in numbers if n.isdigit()), default=0)  # the last stateful stage
         try:
@@ -124,11 +120,6 @@ class Recipe(Schedule):
             self.settling = settling
             self._move_stages()
 
-    def _settling_args(self) -> dict[str, Any]:
-        assert self.settling is not None
-        s = self.settling
-        return {"window": s.window, "tolerance": s.tolerance, "earliest": s.earliest, "latest": s.latest}
-
     def stats(self) -> dict[str, Any]:
         s = super().stats()
         s["recipe"] = self.describe()
@@ -138,10 +129,7 @@ class Recipe(Schedule):
         return s
 
     def state_dict(self) -> dict[str, Any]:
-        out = super().state_dict()
-        if self.settling is not None:
-            out.update({f"settling/{k}": v for k, v in self.settling.state_dict().items()})
-        return out
+        return with_settling(super().state_dict(), self.settling)
 
 
 def with_feedback(codec: Codec, feedback: str) -> Compressor:
