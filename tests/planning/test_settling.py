@@ -28,6 +28,19 @@ def test_ends_at_the_first_settled_window():
     assert not s.observe(_levels(200), [100, 10])  # decided once
 
 
+def test_patience_counts_calm_windows_in_a_row():
+    """Levels that jump by 2x between windows, but for one pair of windows that happen to match:
+    patience 1 (the default) ends there; patience 2 waits for a second calm window in a row."""
+    def noisy(step: int) -> list[float]:
+        window = step // 10  # 1, 2, 1, 2, 1, 2, 2, 1, 2, ...: windows 5 and 6 match
+        return [2.0 if (window % 2 == 1) != (window >= 6) else 1.0]
+
+    hasty = Settling(window=10, tolerance=0.1, earliest=20, latest=500)
+    assert [t for t in range(200) if hasty.observe(noisy(t), [1])] == [69]
+    patient = Settling(window=10, tolerance=0.1, earliest=20, latest=500, patience=2)
+    assert [t for t in range(200) if patient.observe(noisy(t), [1])] == []
+
+
 def test_latest_ends_it_anyway_and_says_so():
     s = Settling(window=10, tolerance=0.01, earliest=10, latest=50)
     ended = [step for step in range(100) if s.observe([10.0 ** (-step / 20)], [1])]
