@@ -205,6 +205,16 @@ def zero_non_finite(flat: Array) -> None:
         flat[~xp.isfinite(flat)] = 0
 
 
+def sum_of_squares(array: Array) -> float:
+    """The sum of ``array``'s squared values, accumulated in float64 (a gradient's squared norm:
+    the same bits on every rank for the same input)."""
+    xp = array_module(array)
+    flat = array.reshape(-1)
+    if dtype_name(flat.dtype) == "float64":
+        return float(xp.vdot(flat, flat).real)
+    return float(xp.square(flat, dtype=np.float64).sum())
+
+
 def to_host(array: Array) -> np.ndarray:
     """A NumPy view/copy of ``array`` (synchronous for CuPy)."""
     if is_device_array(array):

@@ -87,6 +87,7 @@ class Schedule(Compressor):
         if any(b <= a for a, b in zip(starts, starts[1:])):
             raise ValueError(f"Schedule stage steps must strictly increase, got {starts}")
         self.starts = starts
+        self._planned = list(starts)  # as constructed: what start_later_stages moves from
         self.compressors = [c for _, c in stages]
         self._step = 0
         self._last_stage: dict[str, int] = {}  # tensor key -> stage that reduced it last
@@ -118,6 +119,16 @@ class Schedule(Compressor):
     @property
     def warmup_steps(self) -> int:
         return self.starts[-1] + self.compressors[-1].warmup_steps
+
+    def start_later_stages(self, step: int) -> None:
+        """Move every stage after the first so that the second starts at ``step``, keeping the
+        constructed gaps between them: the end of a warm-up decided while training
+        (``gradcomp.settling``). Counted from the stages as constructed, so a resume can move
+        them again to the same place."""
+        step = int(step)
+        if step < 1 or len(self._planned) < 2:
+            raise ValueError(f"Schedule: cannot start stage 1 at step {step} ({len(self._planned)} stage(s))")
+        self.starts = [0] + [step + s - self._planned[1] for s in self._planned[1:]]
 
     def stage_at(self, step: int) -> int:
         """Index of the stage that reduces training step ``step``."""

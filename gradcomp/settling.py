@@ -8,8 +8,8 @@ the method itself depends on and ends the warm-up when it stops moving, in the s
 Accordion (Agarwal et al., MLSys 2021: the gradient norm's rate of change marks the critical
 regimes) and 0/1 Adam (Lu et al., 2022: the variance freezes when it is stable).
 
-The caller gives one *level* per tensor each step: the mean of Adam's bias-corrected variance
-(``OneBitAdam``), the squared norm of each tensor's averaged gradient (the registry recipes). Levels
+The caller gives one *level* per tensor each step, the mean square of each tensor's averaged
+gradient (``OneBitAdam`` in its warm-up, the registry recipes in theirs). Levels
 are averaged over windows of ``window`` steps; at the end of each window its *drift* from the
 window before is ``sum_i n_i |log(a_i / b_i)| / sum_i n_i``, the typical factor by which a
 coordinate's scale moved (``n_i``: the tensor's size). The warm-up ends at the first window end at
@@ -57,14 +57,15 @@ class Settling:
         self._before: np.ndarray | None = None
         self._sizes: np.ndarray | None = None
 
-    def describe(self) -> str:
-        return (f"auto(window={self.window}, tolerance={self.tolerance:g}, patience={self.patience}, "
-                f"earliest={self.earliest}, latest={self.latest})")
-
     @property
     def warm(self) -> bool:
         """Whether the warm-up is still on (for the step about to be taken)."""
         return self.ended_at is None
+
+    @property
+    def end(self) -> int:
+        """The first step after the warm-up: decided, or ``latest`` while it is not."""
+        return self.latest if self.ended_at is None else self.ended_at
 
     def observe(self, levels: Sequence[float], sizes: Sequence[int]) -> bool:
         """One step's levels (one per tensor) and the tensors' sizes; True when this step was the

@@ -45,7 +45,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..arrays import Array, array_module
+from ..arrays import Array, array_module, sum_of_squares
 from ..comm import Communicator
 from ..compressors.allreduce import Allreduce
 from ..compressors.base import Compressor
@@ -110,7 +110,7 @@ class OneBitAdam(Optimizer):
         self.warmup: int | str = warmup if warmup == "auto" else check_int("warmup", warmup, 1)
         self.settling = Settling() if warmup == "auto" else None
         # the first frozen step (with settling: the latest it can be, until it is decided)
-        self._freeze: int = self.settling.latest if self.settling is not None else int(self.warmup)
+        self._freeze: int = self.settling.end if self.settling is not None else int(self.warmup)
         self.preconditioned = check_bool("preconditioned", preconditioned)
         self.floor = check_float("floor", floor, minimum=0, maximum=1)
         self.local_momentum = check_bool("local_momentum", local_momentum)
@@ -221,10 +221,10 @@ class OneBitAdam(Optimizer):
         has settled, the next step is the first frozen one (the same step on every rank: the
         gradients were averaged)."""
         assert self.settling is not None
-        levels = [float(array_module(g).square(g, dtype=np.float64).mean()) for g in self._sent]
+        levels = [sum_of_squares(g) / max(g.size, 1) for g in self._sent]
         if self.settling.observe(levels, [g.size for g in self._sent]):
             self._freeze = self.steps + 1
-            self._schedule.starts[1] = self._freeze
+            self._schedule.start_later_stages(self._freeze)
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()
@@ -246,8 +246,8 @@ class OneBitAdam(Optimizer):
         super().load_state_dict(state)
         if settling is not None:
             self.settling = settling
-            self._freeze = settling.latest if settling.ended_at is None else settling.ended_at
-            self._schedule.starts[1] = self._freeze
+            self._freeze = settling.end
+            self._schedule.start_later_stages(self._freeze)
         self._frozen = None  # the denominators follow the loaded variance
         self._alive = None
 

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..arrays import FLOAT_DTYPES, Array, array_module, dtype_name
+from ..arrays import FLOAT_DTYPES, Array, array_module, dtype_name, sum_of_squares
 from ..bucket import Bucket, buffer_problem, digest
 from ..comm import Communicator, Workspace, default_communicator
 from ..compressors.base import Compressor, run_stage
@@ -246,9 +246,4 @@ def _host(a: Array) -> np.ndarray:
 
 def global_norm(arrays: Sequence[Array]) -> float:
     """The 2-norm of all ``arrays`` together, summed in float64."""
-    total = 0.0
-    for a in arrays:
-        xp = array_module(a)
-        total += float(xp.vdot(a.reshape(-1), a.reshape(-1)).real) if dtype_name(a.dtype) == "float64" \
-            else float(xp.square(a, dtype=np.float64).sum())
-    return math.sqrt(total)
+    return math.sqrt(sum(sum_of_squares(a) for a in arrays))

@@ -21,9 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-import numpy as np
-
-from ..arrays import Array, array_module
+from ..arrays import Array, sum_of_squares
 from ..bucket import Bucket
 from ..comm import Communicator
 from ..compressors.allreduce import Allreduce
@@ -57,7 +55,6 @@ class Recipe(Schedule):
         self.name = name
         self.params = dict(params)
         self.settling = settling
-        self._planned = list(self.starts)  # the stages' steps for a warm-up of settling.latest
         self._levels: dict[str, float] = {}
         self._sizes: dict[str, int] = {}
 
@@ -69,26 +66,20 @@ class Recipe(Schedule):
     def finish(self, bucket: Bucket, comm: Communicator, prepared: Any) -> Array:
         out = super().finish(bucket, comm, prepared)
         if self.settling is not None and self.settling.warm and prepared.stage == 0:
-            xp = array_module(out)
             for key, off, shape in bucket.placements():
                 part = out[off:off + math.prod(shape)]
-                self._levels[key] = float(xp.square(part, dtype=np.float64).mean()) if part.size else 0.0
+                self._levels[key] = sum_of_squares(part) / max(part.size, 1)
                 self._sizes[key] = part.size
             if bucket.is_last:
                 keys = sorted(self._levels)
                 if self.settling.observe([self._levels[k] for k in keys], [self._sizes[k] for k in keys]):
-                    self._move_stages()
+                    self.start_later_stages(self.settling.end)
                     warm = self.compressors[0]
                     if isinstance(warm, ErrorFeedback):
                         warm.drop_owner_residuals()  # the warm-up does not come back
                 self._levels.clear()
         return out
 
-    def _move_stages(self) -> None:
-        assert self.settling is not None
-        ended = self.settling.latest if self.settling.ended_at is None else self.settling.ended_at
-        shift = ended - self.settling.latest
-        self.starts = [0] + [s + shift for s in self._planned[1:]]
 
     def config(self) -> dict[str, Any]:
         return {"recipe": self.name, **self.params, "stages": super().config()["stages"]}
@@ -118,7 +109,7 @@ class Recipe(Schedule):
             raise
         if settling is not None:
             self.settling = settling
-            self._move_stages()
+            self.start_later_stages(settling.end)
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()

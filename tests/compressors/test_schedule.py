@@ -153,3 +153,16 @@ def test_state_dict_is_plain_and_round_trips():
         t.load_state_dict(dict(loaded, **{"stage9/x": 1}))
     with pytest.raises(ValueError, match="Schedule state: missing 'step'"):
         t.load_state_dict({})
+
+
+def test_later_stages_move_together_from_where_they_were_built():
+    """``start_later_stages``: the end of a warm-up decided while training moves every later
+    stage, gaps kept, counted from the construction (a resume moves them to the same place)."""
+    s = gc.Schedule([(0, gc.Allreduce()), (300, gc.FP16(gc.Allreduce())), (340, gc.Allreduce())])
+    s.start_later_stages(80)
+    assert s.starts == [0, 80, 120]
+    s.start_later_stages(80)
+    assert s.starts == [0, 80, 120]
+    assert s.stage_at(79) == 0 and s.stage_at(80) == 1 and s.stage_at(120) == 2
+    with pytest.raises(ValueError, match="step 0"):
+        s.start_later_stages(0)
