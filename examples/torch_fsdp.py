@@ -4,6 +4,7 @@ gradient reduce-scatters compressed by gradcomp.
     torchrun --standalone --nproc_per_node 2 examples/torch_fsdp.py --compressor int8
     mpiexec -n 4 .venv/bin/python examples/torch_fsdp.py --compressor int8 --json fsdp.json
     mpiexec -n 4 .venv/bin/python examples/torch_fsdp.py --compressor none     # FSDP's own reduce-scatter
+    mpiexec -n 4 .venv/bin/python examples/torch_fsdp.py --compressor int8 --all-gather int8  # and int8 weights
 
 Each transformer block is an FSDP module, and so is the root (embeddings, final norm, head): FSDP
 reduce-scatters each module's gradients once per step, and ``gradcomp.torch.register(model,
@@ -55,6 +56,9 @@ def parse_args(argv=None):
                    help="shard over every rank (world), or inside each host and compress across hosts "
                         "(local: hosts from GRADCOMP_RANKS_PER_HOST or torchrun's LOCAL_WORLD_SIZE; with "
                         "--compressor none, FSDP's own HSDP on the (hosts, local) mesh)")
+    p.add_argument("--all-gather", metavar="CODES",
+                   help="also send FSDP's parameter all-gathers in chunk codes: int8 or int4 (ZeRO++'s qwZ; "
+                        "register(..., all_gather=CODES)); needs a --compressor other than none")
     p.add_argument("--allow-partial", action="store_true",
                    help="run a method that sends part of each gradient (onebit, topk), refused by default")
     p.add_argument("--save", metavar="PREFIX", help="checkpoint here at the end (PREFIX.rankN.pt)")
@@ -89,8 +93,11 @@ def train(args) -> dict:
     val_starts = torch.randint(0, len(val_text) - args.context - 1, (args.val_windows,),
                                generator=torch.Generator().manual_seed(12345))
     model = build(args, device, size)
+    if args.compressor == "none" and args.all_gather:
+        raise SystemExit("--all-gather needs a --compressor (allreduce: FSDP's exact mean through gradcomp)")
     state = None if args.compressor == "none" else gt.register(model, gradcomp.make(args.compressor),
-                                                                   allow_partial=args.allow_partial)
+                                                                   allow_partial=args.allow_partial,
+                                                                   all_gather=args.all_gather)
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
@@ -126,10 +133,12 @@ def train(args) -> dict:
                     "gradcomp": state.state_dict() if state is not None else None},
                    f"{args.save}.rank{rank}.pt")
     stats = state.compressor.stats() if state is not None else {}
+    gathered = state.all_gather_stats() if state is not None else None
     timed = sorted(step_seconds[min(5, len(step_seconds) - 1):])  # past the first steps' allocations
     return dict(compressor=args.compressor, ranks=size, steps=args.steps, final_val_loss=curve[-1][1],
                 val_curve=curve, seconds=seconds, step_ms_median=1e3 * timed[len(timed) // 2], bytes_sent_per_step=stats.get("bytes_sent_per_step"),
-                compression_ratio=stats.get("compression_ratio"))
+                compression_ratio=stats.get("compression_ratio"), all_gather=args.all_gather,
+                all_gather_ratio=gathered and gathered["compression_ratio"])
 
 
 def main(argv=None):
@@ -138,6 +147,8 @@ def main(argv=None):
     if dist.get_rank() == 0:
         ratio = result["compression_ratio"]
         extra = f", {ratio:.2f}x fewer bytes than FSDP's reduce-scatter" if ratio else ""
+        if result["all_gather_ratio"]:
+            extra += f", {result['all_gather_ratio']:.2f}x fewer than its parameter all-gathers"
         print(f"{result['compressor']} under FSDP2 on {result['ranks']} ranks: val loss "
               f"{result['final_val_loss']:.4f} after {result['steps']} steps, {result['seconds']:.1f} s "
               f"(median step {result['step_ms_median']:.0f} ms){extra}")

@@ -43,14 +43,18 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+import numpy as np
+
 from ..arrays import FLOAT_DTYPES, cast, is_device_array, synchronize
-from ..bucket import Bucket
-from ..comm import Communicator
+from ..bucket import Bucket, digest
+from ..comm import CollectiveError, Communicator
+from ..compressors.agreement import gather_texts
 from ..compressors import Compressor
 from ..compressors.base import parts, sends_part
 from ..registry import REGISTRY, make
 from .checkpoint import from_torch_state, to_torch_state
 from .communicator import default_comm
+from .fsdp_gather import GatherStats, QuantizedAllGather, gather_codec
 from .tensors import as_array, wait_for_torch
 
 
@@ -67,6 +71,7 @@ class FSDPState:
         self.modules = modules          # FSDP modules with trainable parameters: reduces per step
         self.calls = 0                  # reduce-scatters so far in this step
         self.shapes: dict[str, tuple[int, ...]] = {}  # every shard key -> (length,)
+        self.gathered: GatherStats | None = None  # the parameter all-gathers' bytes (all_gather=)
 
     def __repr__(self) -> str:
         return f"FSDPState({self.compressor!r}, {self.comm!r})"
@@ -75,6 +80,17 @@ class FSDPState:
         state = dict(self.__dict__)
         state["comm"] = None  # threads and MPI handles never travel
         return state
+
+    def comm_of(self) -> Communicator:
+        """The communicator (gradcomp's default one, made at first use, if none was given)."""
+        if self.comm is None:
+            self.comm = default_comm()
+        return self.comm
+
+    def all_gather_stats(self) -> dict[str, Any] | None:
+        """The parameter all-gathers' bytes (``bytes_sent``, ``compression_ratio`` against FSDP's
+        own all-gather of the same rows), or None without ``all_gather``."""
+        return None if self.gathered is None else self.gathered.stats()
 
     def state_dict(self) -> dict[str, Any]:
         """The compressor's state as tensors and plain values."""
@@ -143,9 +159,7 @@ class _Module:
         return Bucket(as_array(tensor), index, shapes, is_last, scratch=True, keys=keys, scatter=scatter)
 
     def comm(self) -> Communicator:
-        if self.state.comm is None:
-            self.state.comm = default_comm()
-        return self.state.comm
+        return self.state.comm_of()
 
 
 def _write(out_tensor: torch.Tensor, row: Any, factor: float = 1) -> None:
@@ -233,7 +247,8 @@ def scatter_names() -> list[str]:
 
 
 def register(model: Any, compressor: Compressor | str | None, comm: Communicator | None = None,
-             state: FSDPState | None = None, allow_partial: bool = False) -> FSDPState:
+             state: FSDPState | None = None, allow_partial: bool = False,
+             all_gather: str | None = None) -> FSDPState:
     """Make every FSDP module of ``model`` (the root ``fully_shard`` returned) reduce-scatter its
     gradients with ``compressor``; ``gradcomp.torch.register`` calls it for FSDP2 models.
 
@@ -242,7 +257,10 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
     to reuse (its compressor is used). ``allow_partial``: run a method that sends only part of
     each gradient (onebit, topk, PowerSGD across hosts), which is refused by default: under
     FSDP2 and AdamW such methods ended well above FSDP's own loss in gradcomp's measurements,
-    while int8 and int4 matched it. Returns the state (see ``FSDPState``).
+    while int8 and int4 matched it. ``all_gather``: also send FSDP's parameter all-gathers in
+    chunk codes, ``"int8"`` or ``"int4"`` (``gradcomp.torch.fsdp_gather``; 1-D FSDP over all
+    ranks). Every rank agrees on the method and ``all_gather`` here, before any data moves.
+    Returns the state (see ``FSDPState``).
     """
     if state is not None:
         compressor = state.compressor
@@ -287,6 +305,13 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
                          "FSDP's own loss in gradcomp's measurements (docs/guides/fsdp.md). Use 'int4' "
                          "(about 8x fewer bytes) or 'int8' (about 4x), which did; or pass "
                          "allow_partial=True to run it anyway")
+    codec = None
+    if all_gather is not None:
+        codec = gather_codec(all_gather)
+        if across:
+            raise ValueError("gradcomp.torch.register: all_gather compresses 1-D FSDP's parameter all-gather "
+                             "over all ranks; sharded inside each host, the all-gather stays on the host's "
+                             "own fast path (leave all_gather out)")
     if state is None:
         if comm is None:
             comm = _across_hosts_comm(shard_ranks) if across else default_comm()
@@ -296,7 +321,12 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
         if comm is not None or state.comm is None:
             state.comm = comm if comm is not None else (
                 _across_hosts_comm(shard_ranks) if across else default_comm())
+    assert state.comm is not None
+    _agree_on_setup(state.comm, f"{compressor.describe()}; all_gather={all_gather}")
+    state.gathered = GatherStats(all_gather) if codec is not None else None
     for module_name, module, shards in modules:
+        if codec is not None:
+            module.set_custom_all_gather(QuantizedAllGather(codec, state.comm_of, state.gathered, module_name))
         if across:
             local = shard_ranks.index(dist.get_rank())
             hook = _AcrossHosts(state, module_name, shards, local, len(shard_ranks))
@@ -308,6 +338,17 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
             scatter.layout(len(shard_ranks))  # so that a checkpoint loads before the first step
     model.register_forward_pre_hook(_step_check(state))
     return state
+
+
+def _agree_on_setup(comm: Communicator, text: str) -> None:
+    """Every rank registered the same method and all-gather (one allgather of a digest), or every
+    rank raises the same ``CollectiveError`` naming each rank's."""
+    mine = np.array([digest(text)], dtype=np.int64)
+    if (comm.allgather(mine) == mine).all():
+        return
+    texts = gather_texts(comm, text)
+    raise CollectiveError("gradcomp.torch.register: the ranks registered different methods ("
+                          + "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts)) + ")")
 
 
 def _group(module: FSDPModule) -> Any:

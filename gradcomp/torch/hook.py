@@ -270,7 +270,8 @@ def comm_hook(compressor: Compressor | str,
 
 def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | None,
              comm: Communicator | None = None, state: Any = None,
-             hierarchical: bool | None = None, allow_partial: bool = False) -> Any:
+             hierarchical: bool | None = None, allow_partial: bool = False,
+             all_gather: str | None = None) -> Any:
     """Make ``ddp_model`` (a ``DistributedDataParallel``) average its gradients with ``compressor``;
     or, given the root of an FSDP2 model (``fully_shard``), make every FSDP module reduce-scatter
     its gradients with it (``gradcomp.torch.fsdp.register``, which returns an ``FSDPState``).
@@ -285,7 +286,8 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
     ``GradientReducer``'s: None, the default, wherever the topology has several hosts of several
     ranks and the method is one it speeds up; ``state.compressor`` is then the ``Hierarchical``
     wrapper). ``allow_partial`` (FSDP2 only): run a method that sends only part of each gradient,
-    which ``gradcomp.torch.fsdp.register`` refuses by default.
+    which ``gradcomp.torch.fsdp.register`` refuses by default. ``all_gather`` (FSDP2 only): send
+    FSDP's parameter all-gathers in ``"int8"`` (or ``"int4"``) chunk codes as well.
 
     Returns the hook state: ``state.compressor.stats()`` holds the traffic figures, and
     ``state.state_dict()`` / ``load_state_dict()`` checkpoint the compressor. A method that sends
@@ -301,7 +303,11 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
         if hierarchical:
             raise ValueError("gradcomp.torch.register: hierarchical=True is for DDP models; an FSDP2 model "
                              "reduce-scatters over its 1-D mesh")
-        return fsdp.register(ddp_model, compressor, comm, state, allow_partial=allow_partial)
+        return fsdp.register(ddp_model, compressor, comm, state, allow_partial=allow_partial,
+                             all_gather=all_gather)
+    if all_gather is not None:
+        raise ValueError("gradcomp.torch.register: all_gather is for FSDP2 models (fully_shard); DDP "
+                         "all-gathers no parameters")
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"gradcomp.torch.register expects a DistributedDataParallel model or the root of an "
                         f"FSDP2 model (fully_shard), got {type(ddp_model).__name__}; wrap it first: "

@@ -105,6 +105,63 @@ def rank_int8_bytes_and_quality():
     leave_before_torch_teardown(state.comm)
 
 
+def rank_quantized_all_gather(spec, dtype_name):
+    """all_gather=int8/int4: the full parameters each forward computes with are the same bits on
+    every rank and within the codes' rounding of FSDP's own; the bytes are one message per row and
+    call; training moves on; a rank that asked for something else is named on every rank."""
+    import numpy as np
+    import gradcomp.torch as gt
+    from gradcomp.comm import CollectiveError
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    launch = gt.init_process_group()
+    rank, size = launch.rank, launch.size
+    dtype = getattr(torch, dtype_name)
+    mp = None if dtype == torch.float32 else MixedPrecisionPolicy(param_dtype=dtype)
+    own, ours = _shard(_model(), mp), _shard(_model(), mp)
+    state = gt.register(ours, "allreduce", all_gather=spec)
+    seen = {}
+    for name, m in (("own", own), ("ours", ours)):
+        m[1][1].register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__(name, mod.weight.detach().clone()))
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    opt_own = torch.optim.AdamW(own.parameters(), lr=1e-2)
+    bits = gt.fsdp_gather.BITS[spec.split(":")[0]]
+    for step in range(STEPS):
+        exact = ours[1][1].weight.full_tensor().detach().float()  # FSDP's own gather of the shards
+        for m, o in ((own, opt_own), (ours, opt)):
+            o.zero_grad()
+            _backward(m, step, rank)
+            o.step()
+        coded = seen["ours"].float()
+        if step == 0:
+            assert torch.equal(seen["own"].float(), exact.to(dtype).float())  # FSDP computes with these
+        everyone = [torch.empty_like(coded) for _ in range(size)]
+        torch.distributed.all_gather(everyone, coded)
+        assert all(torch.equal(everyone[0], e) for e in everyone), "ranks computed with different weights"
+        step_size = float(exact.max() - exact.min()) / ((1 << bits) - 1)
+        assert float((exact - coded).abs().max()) <= 0.5 * step_size + 1e-2 * float(exact.abs().max()), step
+        if bits == 8 and dtype == torch.float32:
+            assert not torch.equal(exact, coded)  # the codes did round
+    stats = state.all_gather_stats()
+    codec = gt.fsdp_gather.gather_codec(spec)
+    rows = [sum(_row(p, size) for p in params) for params in _param_rows(ours)]
+    # each step: every module gathered before its forward, and again before its backward
+    # (reshard_after_forward), except the root, which keeps its parameters through the backward
+    per_step = sum(rows) * 2 - rows[0]  # rows[0]: the root's
+    assert stats["calls"] == STEPS * (2 * len(rows) - 1), stats
+    expected = STEPS * (size - 1) * sum(codec.message_size(r) * (1 if i == 0 else 2)
+                                        for i, r in enumerate(rows))
+    assert stats["bytes_sent"] == expected, (stats, expected)
+    assert stats["bytes_uncompressed"] == STEPS * (size - 1) * per_step * torch.tensor([], dtype=dtype).element_size()
+    with pytest.raises(ValueError, match="all-gather takes 'int8' or 'int4'"):
+        gt.register(_shard(_model()), "int8", all_gather="fp16")
+    with pytest.raises(ValueError, match="DDP"):
+        gt.register(object(), "int8", all_gather="int8")
+    with pytest.raises(CollectiveError, match="rank 0: .*all_gather=int8.*rank 1: .*all_gather=None"):
+        gt.register(_shard(_model()), "allreduce", all_gather="int8" if rank == 0 else None)
+    leave_before_torch_teardown(state.comm)
+
+
 def _param_rows(model):
     """Each FSDP module's parameters (their original shapes), in FSDP's order."""
     from torch.distributed.fsdp import FSDPModule
@@ -241,6 +298,11 @@ def test_refusals_name_what_works():
 @pytest.mark.parametrize("name", ["allreduce", "int8:warmup=0"])
 def test_half_reduce_dtypes(name):
     run_ranks(2, "tests.torch_adapter.test_torch_fsdp:rank_bf16_reduce_dtype", name, timeout=180)
+
+
+@pytest.mark.parametrize("spec, dtype", [("int8", "float32"), ("int4:chunk=64", "float32"), ("int8", "bfloat16")])
+def test_quantized_parameter_all_gather(spec, dtype):
+    run_ranks(2, "tests.torch_adapter.test_torch_fsdp:rank_quantized_all_gather", spec, dtype, timeout=180)
 
 
 def test_resume_is_bit_exact_under_torchrun(tmp_path):
