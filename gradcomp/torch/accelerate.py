@@ -30,17 +30,18 @@ from .ranks import EveryRankState
 
 def register(accelerator: Any, model: Any, compressor: Compressor | str,
              comm: Communicator | None = None, hierarchical: bool | None = None,
-             allow_partial: bool = False) -> HookState:
+             allow_partial: bool = False, all_gather: str | None = None) -> HookState:
     """Compress ``model``'s gradient averaging with ``compressor`` (a gradcomp ``Compressor`` or a
     registry name) and checkpoint the compressor with ``accelerator``'s ``save_state``.
 
     ``model``: what ``accelerator.prepare`` returned (a ``DistributedDataParallel`` in a job of
     several processes). Call it on every rank, before the first backward and before
-    ``accelerator.load_state``. ``comm``, ``hierarchical``, ``allow_partial``:
-    ``gradcomp.torch.register``'s.
+    ``accelerator.load_state``. ``comm``, ``hierarchical``, ``allow_partial``, ``all_gather``
+    (FSDP2: the parameter all-gathers in int8 codes): ``gradcomp.torch.register``'s.
     Returns the ``HookState`` (``.compressor.stats()``: the traffic figures)."""
     try:
-        state = hook.register(model, compressor, comm, hierarchical=hierarchical, allow_partial=allow_partial)
+        state = hook.register(model, compressor, comm, hierarchical=hierarchical, allow_partial=allow_partial,
+                              all_gather=all_gather)
     except TypeError as exc:
         raise TypeError(
             f"gradcomp.torch.accelerate.register compresses a model that Accelerate wrapped in "

@@ -43,14 +43,16 @@ except ImportError:
 class Compression(pl.Callback):
     """Compress the gradients a Lightning DDP strategy averages, with ``compressor`` (a gradcomp
     ``Compressor`` or a registry name: ``"int8"``, ``"powersgd:rank=4"``, ...). ``comm``,
-    ``hierarchical`` and ``allow_partial`` are ``gradcomp.torch.register``'s. ``stats()`` is the compressor's traffic
+    ``hierarchical``, ``allow_partial`` and ``all_gather`` (FSDP2: the parameter all-gathers in int8
+    codes) are ``gradcomp.torch.register``'s. ``stats()`` is the compressor's traffic
     figures; ``hook_state`` the registered ``HookState`` (None before ``fit`` starts)."""
 
     STATE_KEY = "gradcomp.Compression"
 
     def __init__(self, compressor: Compressor | str, comm: Communicator | None = None,
-                 hierarchical: bool | None = None, allow_partial: bool = False):
+                 hierarchical: bool | None = None, allow_partial: bool = False, all_gather: str | None = None):
         self.compressor = compressor
+        self.all_gather = all_gather
         self.comm = comm
         self.hierarchical = hierarchical
         self.allow_partial = allow_partial
@@ -82,10 +84,11 @@ class Compression(pl.Callback):
         try:
             if self.hook_state is None:
                 self.hook_state = register(model, self.compressor, self.comm,  # type: ignore[arg-type]
-                                           hierarchical=self.hierarchical, allow_partial=self.allow_partial)
+                                           hierarchical=self.hierarchical, allow_partial=self.allow_partial,
+                                           all_gather=self.all_gather)
             else:
                 self.hook_state = register(model, None, self.comm, state=self.hook_state,  # type: ignore[arg-type]
-                                           allow_partial=self.allow_partial)
+                                           allow_partial=self.allow_partial, all_gather=self.all_gather)
         except TypeError as exc:
             raise TypeError(
                 f"gradcomp.torch.lightning.Compression compresses a DDP strategy's gradients "

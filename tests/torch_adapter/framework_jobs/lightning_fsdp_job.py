@@ -1,7 +1,8 @@
 """PyTorch Lightning's FSDP2 strategy (ModelParallelStrategy: fully_shard in configure_model) at 2
 ranks on the CPU (torchrun), with gradcomp's Compression callback: the same callback compresses
 FSDP2's gradient reduce-scatters. Two fits of the digits MLP, uncompressed and with int8; rank 0
-reports the validation losses and the compression ratio against FSDP's own reduce-scatter."""
+reports the validation losses and the compression ratio against FSDP's own reduce-scatter; a third
+fit also sends the parameter all-gathers in int8 codes (all_gather="int8")."""
 from __future__ import annotations
 
 import os
@@ -62,10 +63,14 @@ def main(folder):
     callback = Compression("int8:warmup=2")
     compressed = fit(2, [callback])
     stats = callback.stats()
-    plain_loss, int8_loss = full_loss(plain), full_loss(compressed)
+    weights = Compression("int8:warmup=2", all_gather="int8")  # and the parameter all-gathers
+    both = fit(2, [weights])
+    plain_loss, int8_loss, both_loss = full_loss(plain), full_loss(compressed), full_loss(both)
     if torch.distributed.get_rank() == 0:
         report(framework="lightning-fsdp2", val_loss_fp32=plain_loss, val_loss_int8=int8_loss,
-               compression_ratio=stats["compression_ratio"], steps=stats["steps"])
+               compression_ratio=stats["compression_ratio"], steps=stats["steps"],
+               val_loss_int8_all_gather=both_loss,
+               all_gather_ratio=weights.hook_state.all_gather_stats()["compression_ratio"])
     torch.distributed.barrier()
     sys.stdout.flush()
     os._exit(0)
