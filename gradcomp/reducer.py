@@ -10,6 +10,7 @@ kernel and cost first-touch page faults every step (BENCHMARKS.md, "Memory").
 from __future__ import annotations
 
 import weakref
+from concurrent.futures import Future
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -98,12 +99,22 @@ class GradientReducer:
                 raise ValueError("GradientReducer.step: the arrays must have the shapes and dtypes "
                                  "the reducer was built with")
             self.arrays = given
+        return self.finish(self.start())
+
+    def start(self) -> list[Future]:
+        """Queue every bucket's reduction of the arrays given at construction (or at the last
+        ``step``) on the communicator's pipeline and return at once; ``finish`` waits for them.
+        Between the two the arrays may change: their values were taken here."""
         futures = []
         for bucket, members in self.buckets:
             for i in members:
                 if not _same_memory(self.arrays[i], self._views[i]):
                     self._views[i][...] = self.arrays[i]
             futures.append(self.compressor.reduce(bucket, self.comm))
+        return futures
+
+    def finish(self, futures: list[Future]) -> list[Array]:
+        """Wait for ``start``'s reductions and write the means into the arrays; return them."""
         for (bucket, members), future in zip(self.buckets, futures):
             mean = future.result()
             for view, i in zip(bucket.views(mean), members):

@@ -41,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--outer-momentum", type=float, default=gradcomp.optim.diloco.OUTER_MOMENTUM)
     p.add_argument("--nesterov", type=int, default=1)
     p.add_argument("--fragments", type=int, default=1)
+    p.add_argument("--overlap", type=int, default=0, help="inner steps an outer exchange runs behind")
     p.add_argument("--compressor", default="int8")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=100)
@@ -90,7 +91,7 @@ def main(argv=None) -> None:
         spec = args.compressor
         outer = gt.DiLoCo(model, opt, sync_every=args.sync_every, compressor=spec, lr=args.outer_lr,
                           momentum=args.outer_momentum, nesterov=bool(args.nesterov),
-                          fragments=args.fragments, comm=comm)
+                          fragments=args.fragments, overlap=args.overlap, comm=comm)
     else:
         grads = [torch.zeros_like(p) for p in model.parameters()]
         reducer = gradcomp.GradientReducer([as_array(g) for g in grads], gradcomp.Allreduce(), comm)
@@ -115,13 +116,13 @@ def main(argv=None) -> None:
         else:
             opt.step()
         sched.step()
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            if args.mode == "diloco" and (step + 1) % args.sync_every:
-                continue  # the replicas differ between outer steps
-            if args.mode == "diloco" and args.fragments > 1:
-                if step + 1 != args.steps:
-                    continue  # some fragment is always between its syncs
-                outer.sync_now()  # streaming: every fragment synced once more at the end
+        landed = step + 1 - (args.overlap if args.mode == "diloco" else 0)  # the outer step landing now
+        if landed > 0 and landed % args.eval_every == 0 or step + 1 == args.steps:
+            if args.mode == "diloco":
+                if step + 1 == args.steps and (args.fragments > 1 or args.overlap):
+                    outer.sync_now()  # streaming: every fragment synced once more at the end
+                elif args.fragments > 1 or landed % args.sync_every:
+                    continue  # the replicas differ between outer steps (some fragment always does)
             before = time.perf_counter()
             training = before - start - evaluating
             loss = validation_loss(model, val_text, val_starts, args.context, comm)

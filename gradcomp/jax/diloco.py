@@ -38,12 +38,13 @@ class DiLoCo:
 
     ``params``: the starting parameters, the same bits on every rank (checked). The other
     arguments are ``gradcomp.optim.DiLoCo``'s: ``sync_every``, ``compressor`` (a compressor or
-    registry name), the outer optimizer's ``lr``/``momentum``/``nesterov``, ``fragments``.
+    registry name), the outer optimizer's ``lr``/``momentum``/``nesterov``, ``fragments``, ``overlap``.
     """
 
     def __init__(self, params: Any, sync_every: int = core.SYNC_EVERY, compressor: Compressor | str = "int8",
                  lr: float = core.OUTER_LR, momentum: float = core.OUTER_MOMENTUM, nesterov: bool = True,
-                 fragments: int = 1, comm: Communicator | None = None, bucket_cap_mb: float = 25.0):
+                 fragments: int = 1, comm: Communicator | None = None, bucket_cap_mb: float = 25.0,
+                 overlap: int = 0):
         leaves, self.treedef = jax.tree_util.tree_flatten(params)
         if traced(leaves):
             raise TypeError("gradcomp.jax.DiLoCo: build it outside jit (it copies the parameters to the host)")
@@ -55,7 +56,7 @@ class DiLoCo:
         self.shapes = [tuple(np.shape(x)) for x in leaves]
         _agree_values(self.comm, self.host, "DiLoCo")
         self.outer = core.DiLoCo(self.host, sync_every=sync_every, compressor=compressor, lr=lr,
-                                 momentum=momentum, nesterov=nesterov, fragments=fragments, comm=self.comm,
+                                 momentum=momentum, nesterov=nesterov, fragments=fragments, overlap=overlap, comm=self.comm,
                                  bucket_cap_mb=bucket_cap_mb)
 
     @property
@@ -65,7 +66,7 @@ class DiLoCo:
     def step(self, params: Any) -> Any:
         """Count one inner step; at an outer step return the synced parameters (new JAX arrays,
         the same bits on every rank), else ``params`` itself. Collective at outer steps."""
-        if not self.outer.due():
+        if not self.outer.acts():
             self.outer.step()
             return params
         return self._sync(params, self.outer.step)

@@ -14,6 +14,7 @@ before any data moves, never silently diverging replicas.
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -36,6 +37,13 @@ class _Agreed(Compressor):
         super().__init__()
         self.inner = inner
         self._owner = owner
+        # the owner's state when each bucket was submitted: the agreement runs on the pipeline,
+        # by when an overlapped exchange's owner (DiLoCo(overlap=...)) has stepped on
+        self._submitted: dict[int, dict[str, Any]] = {}
+
+    def reduce(self, bucket: Bucket | Array, comm: Communicator | None = None) -> Future[Array]:
+        self._submitted[id(bucket)] = self._owner.agreement_state()
+        return super().reduce(bucket, comm)
 
     @property
     def nan_effect(self) -> str | None:  # type: ignore[override]
@@ -66,7 +74,8 @@ class _Agreed(Compressor):
         return run_stage(self.inner, bucket, comm, prepared)
 
     def agreement_state(self, bucket: Bucket, prepared: Any) -> dict[str, Any]:
-        return {**self._owner.agreement_state(), **self.inner.agreement_state(bucket, prepared)}
+        owner = self._submitted.pop(id(bucket), None) or self._owner.agreement_state()
+        return {**owner, **self.inner.agreement_state(bucket, prepared)}
 
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         return self.inner.take_residual(keys)

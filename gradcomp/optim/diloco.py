@@ -28,7 +28,13 @@ after 900); ``docs/guides/local-steps.md`` has the table.
 **Streaming** (Douillard et al. 2025): ``fragments=F`` splits the parameters into F consecutive
 groups of about equal size, each with its own exchange, synced on staggered steps (fragment f at
 steps ``k H + (f + 1) H / F``): each fragment still meets every H steps, but a sync moves 1/F of
-the bytes, which spreads the traffic out.
+the bytes, which spreads the traffic out. ``overlap=T`` (0 by default) lets a fragment's exchange run
+on the communicator's pipeline while the next T inner steps compute: the pseudo-gradient is taken
+at the sync step, and the outer step lands T steps later. It then overwrites the fragment's
+parameters with the new synced ones, so the replicas are the same bits again, and the T steps of
+local progress on that fragment are dropped (the Streaming DiLoCo paper's mixing weight 0). A
+checkpoint taken with an exchange in flight waits for it and saves the averaged pseudo-gradient,
+to land at the same step after a resume.
 
 Agreement: the configuration (H, the outer optimizer, the compressor, the fragments) and the
 step counters (inner and outer) are part of every bucket's agreement (``_Agreed``), so ranks whose
@@ -73,8 +79,8 @@ class DiLoCo(Optimizer):
     ``"int8"`` sends codes from the first outer step; ``"allreduce"`` averages exactly).
     ``lr``/``momentum``/``nesterov``: the outer optimizer (default Nesterov, lr 0.7, momentum 0.5,
     measured best on the LM; ``lr=1, momentum=0``: plain averaging).
-    ``fragments``: streaming, see the module docstring. ``step(lr=...)`` may override the outer
-    learning rate for one call.
+    ``fragments``, ``overlap``: streaming, see the module docstring. ``step(lr=...)`` may override
+    the outer learning rate for one call.
     """
 
     runaway_advice = "sync more often (a smaller sync_every) or lower the outer learning rate"
@@ -82,12 +88,17 @@ class DiLoCo(Optimizer):
     def __init__(self, params: Sequence[Array], sync_every: int = SYNC_EVERY,
                  compressor: Compressor | str = "int8", lr: Hyper = OUTER_LR,
                  momentum: float = OUTER_MOMENTUM, nesterov: bool = True, fragments: int = 1,
-                 comm: Communicator | None = None, bucket_cap_mb: float = 25.0):
+                 comm: Communicator | None = None, bucket_cap_mb: float = 25.0, overlap: int = 0):
         super().__init__(params, lr, 0.0, comm, bucket_cap_mb)
         self.sync_every = check_int("sync_every", sync_every, 1)
         self.momentum = check_float("momentum", momentum, minimum=0, maximum=0.999999)
         self.nesterov = check_bool("nesterov", nesterov)
         self.fragments = check_int("fragments", fragments, 1, len(self.params))
+        self.overlap = check_int("overlap", overlap, 0, self.sync_every - 1)
+        #: fragments whose exchange is in flight: fragment -> (the step it lands after, the
+        #: reductions' futures or None once waited for, the outer rates taken at the sync)
+        self.flight: dict[int, tuple[int, list | None, list[float]]] = {}
+        self.landed: list[int] = []  # the fragments whose outer step landed at the last step()
         inner = make(steady(compressor, keep_given=True)) if isinstance(compressor, str) else compressor
         if not isinstance(inner, Compressor):
             raise TypeError(f"compressor must be a gradcomp Compressor or a registry name, got {compressor!r}")
@@ -114,7 +125,8 @@ class DiLoCo(Optimizer):
     # -- configuration and agreement -------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
         return {"sync_every": self.sync_every, "compressor": self.outer_compressor.describe(),
-                "momentum": self.momentum, "nesterov": self.nesterov, "fragments": self.fragments}
+                "momentum": self.momentum, "nesterov": self.nesterov, "fragments": self.fragments,
+                **({"overlap": self.overlap} if self.overlap else {})}
 
     def phase(self) -> str:
         """The outer steps so far: agreed on by every rank with the inner step at each sync."""
@@ -127,38 +139,62 @@ class DiLoCo(Optimizer):
                 if t > 0 and t % self.sync_every == (f + 1) * self.sync_every // self.fragments % self.sync_every]
 
     # -- the step ----------------------------------------------------------------------------------------
+    def acts(self) -> bool:
+        """Whether the next ``step()`` starts or lands an exchange (reads or writes ``params``)."""
+        return bool(self.due()) or any(at == self.steps + 1 for at, _, _ in self.flight.values())
+
     def step(self, grads: Sequence[Array] | None = None, lr: Hyper | None = None,
              weight_decay: Hyper | None = None) -> None:
         """Count one inner step (taken by the caller's optimizer on ``params``); on every
-        ``sync_every``-th (per fragment, when streaming) run the outer step. ``grads`` must be
-        None (the inner optimizer consumed them); ``lr``: the outer rate for this call."""
+        ``sync_every``-th (per fragment, when streaming) run the outer step, or start its exchange
+        and land it ``overlap`` steps later. ``grads`` must be None (the inner optimizer consumed
+        them); ``lr``: the outer rate for this call. ``landed`` then lists the fragments whose outer
+        step landed (their parameters are the same bits on every rank)."""
         if grads is not None or weight_decay is not None:
             raise TypeError("DiLoCo.step takes no gradients or weight decay: the inner optimizer "
                             "steps the gradients, DiLoCo.step() counts that step and syncs when due")
         rates, _ = self._hyper(lr, None)
         due = self.due()
         self.steps += 1
+        landed = [f for f, (at, _, _) in sorted(self.flight.items()) if at == self.steps]
+        for f in landed:
+            self._land(f)
         if due:
             self.outer_steps += 1
-            for f in due:
-                self._sync(f, rates)
+        for f in due:
+            self._start(f, rates)
+            if not self.overlap:
+                self._land(f)
+                landed.append(f)
+        self.landed = landed
 
     def sync_now(self, lr: Hyper | None = None) -> None:
         """An outer step of every fragment now, off schedule (before evaluating, or at the end of
-        training); collective: every rank must call it at the same point."""
+        training), after landing any exchange in flight; collective: every rank must call it at
+        the same point."""
+        for f in sorted(self.flight):
+            self._land(f)
         rates, _ = self._hyper(lr, None)
         self.outer_steps += 1
         for f in range(self.fragments):
-            self._sync(f, rates)
+            self._start(f, rates, lands_at=self.steps)
+            self._land(f)
 
-    def _sync(self, f: int, rates: list[float]) -> None:
-        members = self.groups[f]
-        deltas = self._deltas[f]
-        for d, i in zip(deltas, members):
+    def _start(self, f: int, rates: list[float], lands_at: int | None = None) -> None:
+        """Fragment ``f``'s pseudo-gradients, their mean started on the pipeline."""
+        for d, i in zip(self._deltas[f], self.groups[f]):
             array_module(d).subtract(self.synced[i], self.params[i], out=d)
-        self.reducers[f].step()  # the mean pseudo-gradient, the same bits on every rank
+        at = self.steps + self.overlap if lands_at is None else lands_at
+        self.flight[f] = (at, self.reducers[f].start(), rates)
+
+    def _land(self, f: int) -> None:
+        """Fragment ``f``'s outer step from its mean pseudo-gradient (the same bits on every rank),
+        written into the synced parameters and the replica."""
+        _, futures, rates = self.flight.pop(f)
+        if futures is not None:
+            self.reducers[f].finish(futures)
         mu = self.momentum
-        for d, i in zip(deltas, members):
+        for d, i in zip(self._deltas[f], self.groups[f]):
             kind = d.dtype.type
             update = d
             if mu:
@@ -190,9 +226,19 @@ class DiLoCo(Optimizer):
                 "exchange_compression_ratio": (sum(s["reference_bytes"] for s in parts) / sent) if sent else 1.0}
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner step, the outer step, the synced parameters, the outer momentum, and each
-        fragment's compressor state (residuals) under ``exchange/`` (``exchange/<f>/`` streaming)."""
+        """The inner step, the outer step, the synced parameters, the outer momentum, each
+        fragment's compressor state (residuals) under ``exchange/`` (``exchange/<f>/`` streaming),
+        and each exchange in flight under ``flight/<f>/`` (waited for: its averaged
+        pseudo-gradient, its outer rates and the step it lands after)."""
         out: dict[str, Any] = {"config": self.describe(), "step": self.steps, "outer_step": self.outer_steps}
+        for f, (at, futures, rates) in sorted(self.flight.items()):
+            if futures is not None:
+                self.reducers[f].finish(futures)
+                self.flight[f] = (at, None, rates)
+            out[f"flight/{f}/lands_at"] = at
+            out[f"flight/{f}/rates"] = np.array(rates, dtype=np.float64)
+            for d, i in zip(self._deltas[f], self.groups[f]):
+                out[f"flight/{f}/mean/{i}"] = np.array(to_host(d), copy=True)
         for name, arrays in self._arrays.items():
             for i, a in enumerate(arrays):
                 out[f"{name}/{i}"] = np.array(to_host(a), copy=True)
@@ -210,6 +256,7 @@ class DiLoCo(Optimizer):
         step = take_int(state, "step", owner)
         outer = take_int(state, "outer_step", owner)
         loaded = self._take_arrays(state, owner)
+        flight = self._take_flight(state, owner, step)
         exchanges = []
         for f in range(self.fragments):
             prefix = "exchange/" if self.fragments == 1 else f"exchange/{f}/"
@@ -221,6 +268,33 @@ class DiLoCo(Optimizer):
             for a, value in zip(arrays, loaded[name]):
                 a[...] = array_module(a).asarray(value)
         self.steps, self.outer_steps = step, outer
+        self.flight = {}
+        for f, (at, rates, means) in flight.items():
+            for d, mean in zip(self._deltas[f], means):
+                d[...] = array_module(d).asarray(mean)
+            self.flight[f] = (at, None, rates)
+
+    def _take_flight(self, state: dict[str, Any], owner: str, step: int) -> dict[int, tuple[int, list[float], list]]:
+        """The exchanges in flight in ``state`` (popped), checked against this configuration."""
+        flight = {}
+        for f in sorted({int(k.split("/")[1]) for k in state if k.startswith("flight/") and k.split("/")[1].isdigit()}):
+            if f >= self.fragments or not self.overlap:
+                raise ValueError(f"{owner}: the state has an exchange in flight for fragment {f}, but this "
+                                 f"optimizer has {self.fragments} fragment(s) and overlap {self.overlap}")
+            at = take_int(state, f"flight/{f}/lands_at", owner)
+            if not step < at <= step + self.overlap:
+                raise ValueError(f"{owner}: flight/{f}/lands_at is {at}, outside steps {step + 1}..{step + self.overlap}")
+            rates = np.asarray(state.pop(f"flight/{f}/rates", None), dtype=np.float64).reshape(-1)
+            if rates.shape != (len(self.params),):
+                raise ValueError(f"{owner}: flight/{f}/rates must hold {len(self.params)} rates")
+            means = []
+            for d, i in zip(self._deltas[f], self.groups[f]):
+                mean = state.pop(f"flight/{f}/mean/{i}", None)
+                if mean is None or tuple(np.shape(mean)) != tuple(d.shape):
+                    raise ValueError(f"{owner}: flight/{f}/mean/{i} is missing or not of shape {tuple(d.shape)}")
+                means.append(mean)
+            flight[f] = (at, [float(r) for r in rates], means)
+        return flight
 
 
 def split(params: Sequence[Array], fragments: int) -> list[list[int]]:

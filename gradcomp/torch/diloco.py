@@ -39,14 +39,16 @@ class DiLoCo:
     ``lr``, ``momentum``, ``nesterov``: the outer optimizer (default Nesterov with lr 0.7 and
     momentum 0.5; ``lr=1, momentum=0`` averages the replicas; docs/guides/local-steps.md has the
     measurements behind the defaults).
-    ``fragments``: streaming DiLoCo, fragments of the parameters synced on staggered steps.
+    ``fragments``: streaming DiLoCo, fragments of the parameters synced on staggered steps;
+    ``overlap``: their exchange runs while the next ``overlap`` inner steps compute, and lands then
+    (``gradcomp.optim.DiLoCo``).
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
                  sync_every: int = core.diloco.SYNC_EVERY, compressor: Any = "int8",
                  lr: float = core.diloco.OUTER_LR, momentum: float = core.diloco.OUTER_MOMENTUM,
                  nesterov: bool = True, fragments: int = 1, comm: Communicator | None = None,
-                 bucket_cap_mb: float = 25.0):
+                 bucket_cap_mb: float = 25.0, overlap: int = 0):
         from torch.nn.parallel import DistributedDataParallel
 
         from .communicator import default_comm
@@ -72,7 +74,8 @@ class DiLoCo:
                 view[...] = self.comm.broadcast(view)
         self.outer = core.DiLoCo([as_array(p) for p in self._tensors], sync_every=sync_every,
                                  compressor=compressor, lr=lr, momentum=momentum, nesterov=nesterov,
-                                 fragments=fragments, comm=self.comm, bucket_cap_mb=bucket_cap_mb)
+                                 fragments=fragments, comm=self.comm, bucket_cap_mb=bucket_cap_mb,
+                                 overlap=overlap)
 
     @property
     def sync_every(self) -> int:
@@ -81,15 +84,14 @@ class DiLoCo:
     @torch.no_grad()
     def step(self, closure: Any = None) -> bool:
         """The inner optimizer's step (``closure`` passed on), then the outer step when due.
-        Returns whether an outer step ran (the parameters are then the same on every rank)."""
+        Returns whether an outer step landed (its parameters are then the same on every rank)."""
         if closure is not None:
             with torch.enable_grad():
                 self.inner.step(closure)
         else:
             self.inner.step()
-        before = self.outer.outer_steps
         self.outer.step()
-        synced = self.outer.outer_steps != before
+        synced = bool(self.outer.landed)
         if synced:
             self._broadcast_buffers()
         return synced

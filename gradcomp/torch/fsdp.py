@@ -323,10 +323,10 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
                 _across_hosts_comm(shard_ranks) if across else default_comm())
     assert state.comm is not None
     _agree_on_setup(state.comm, f"{compressor.describe()}; all_gather={all_gather}")
-    state.gathered = GatherStats(all_gather) if codec is not None else None
+    gathered = state.gathered = GatherStats(all_gather) if all_gather is not None else None
     for module_name, module, shards in modules:
-        if codec is not None:
-            module.set_custom_all_gather(QuantizedAllGather(codec, state.comm_of, state.gathered, module_name))
+        if codec is not None and gathered is not None:
+            module.set_custom_all_gather(QuantizedAllGather(codec, state.comm_of, gathered, module_name))
         if across:
             local = shard_ranks.index(dist.get_rank())
             hook = _AcrossHosts(state, module_name, shards, local, len(shard_ranks))

@@ -208,6 +208,67 @@ def test_resume_is_bit_exact():
     run_ranks(2, "tests.optim.test_diloco:rank_resume_is_bit_exact")
 
 
+def rank_overlapped_exchange():
+    """overlap=2: the exchange starts at the sync step and lands 2 steps later, overwriting the
+    replica with the new synced parameters (plain averaging: the ranks' mean at the sync step),
+    the same bits on every rank; a state taken with the exchange in flight resumes bit for bit."""
+    import gradcomp as gc
+
+    comm = gc.MPICommunicator()
+    params = _start()
+    outer = gc.optim.DiLoCo(params, sync_every=4, compressor="allreduce", lr=1.0, momentum=0.0, overlap=2,
+                            comm=comm)
+    taken = None
+    for step in range(1, 8):
+        _inner(params, comm.rank, step)
+        if step == 4:
+            taken = [comm.allgather(p).mean(axis=0) for p in params]
+        outer.step()
+        assert outer.landed == ([0] if step == 6 else []), (step, outer.landed)
+        assert _same_everywhere(comm, params) == (step == 6), step
+        if step == 6:
+            for p, mean in zip(params, taken):
+                np.testing.assert_allclose(p, mean, rtol=1e-5, atol=1e-6)
+
+    def build(params, overlap=2):
+        return gc.optim.DiLoCo(params, sync_every=4, compressor="int8", lr=0.5, momentum=0.5, fragments=2,
+                               overlap=overlap, comm=comm)
+
+    params = _start()
+    outer = build(params)
+    saved = None
+    for step in range(1, 15):
+        _inner(params, comm.rank, step)
+        outer.step()
+        if step == 5:  # fragment 0 synced at 2 (landed at 4), fragment 1 at 4: in flight until 6
+            saved = ([p.copy() for p in params], {k: np.array(v, copy=True) for k, v in outer.state_dict().items()})
+    final = _digest(params)
+    assert int(saved[1]["flight/1/lands_at"]) == 6 and "flight/0/lands_at" not in saved[1], sorted(saved[1])
+    params2 = _start()
+    again = build(params2)
+    for p, q in zip(params2, saved[0]):
+        p[...] = q
+    again.load_state_dict(saved[1])
+    for step in range(6, 15):
+        _inner(params2, comm.rank, step)
+        again.step()
+    assert _digest(params2) == final, "the resumed run differs from the uninterrupted one"
+    with pytest.raises(ValueError, match="overlap"):
+        build(_start(), overlap=0).load_state_dict(saved[1])
+    bad = dict(saved[1], **{"flight/1/lands_at": np.int64(9)})
+    with pytest.raises(ValueError, match="flight/1/lands_at"):
+        again.load_state_dict(bad)
+    with pytest.raises(ValueError, match="overlap"):
+        gc.optim.DiLoCo(_start(), sync_every=4, overlap=4, comm=comm)
+    again.sync_now()
+    assert _same_everywhere(comm, params2) and not again.flight
+    print(f"rank {comm.rank}: ok", flush=True)
+
+
+def test_overlapped_exchange():
+    run_ranks(2, "tests.optim.test_diloco:rank_overlapped_exchange")
+
+
 def rank_ranks_must_agree():
     """Ranks that disagree on the configuration, on where they are (a resumed state on one rank
     only) or on the starting parameters get a CollectiveError on every rank, before data moves."""
