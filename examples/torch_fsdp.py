@@ -16,6 +16,7 @@ ends where one 400-step run ends (with ``--schedule-steps 400`` on both halves).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -121,7 +122,8 @@ def train(args) -> dict:
         last = step + 1 == args.first_step + args.steps
         if (step + 1) % args.eval_every == 0 or last:
             t = time.perf_counter()
-            val = validation_loss(model, val_text, val_starts, args.context, rank, size)
+            with exact(state):  # the trained weights, not their all-gather codes (--all-gather)
+                val = validation_loss(model, val_text, val_starts, args.context, rank, size)
             eval_seconds += time.perf_counter() - t
             curve.append([step + 1, val])
             if rank == 0:
@@ -139,6 +141,11 @@ def train(args) -> dict:
                 val_curve=curve, seconds=seconds, step_ms_median=1e3 * timed[len(timed) // 2], bytes_sent_per_step=stats.get("bytes_sent_per_step"),
                 compression_ratio=stats.get("compression_ratio"), all_gather=args.all_gather,
                 all_gather_ratio=gathered and gathered["compression_ratio"])
+
+
+def exact(state):
+    """FSDP's own all-gather for evaluation where gradcomp's codes carry it in training."""
+    return state.exact_all_gather() if state is not None else contextlib.nullcontext()
 
 
 def main(argv=None):

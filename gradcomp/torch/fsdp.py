@@ -34,9 +34,10 @@ form (PowerSGD, random-k, ``auto``, the hierarchical wrapper) are refused at ``r
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,7 @@ class FSDPState:
         self.calls = 0                  # reduce-scatters so far in this step
         self.shapes: dict[str, tuple[int, ...]] = {}  # every shard key -> (length,)
         self.gathered: GatherStats | None = None  # the parameter all-gathers' bytes (all_gather=)
+        self.gathers: list[tuple[Any, QuantizedAllGather]] = []  # (FSDP module, its all-gather)
 
     def __repr__(self) -> str:
         return f"FSDPState({self.compressor!r}, {self.comm!r})"
@@ -79,6 +81,7 @@ class FSDPState:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["comm"] = None  # threads and MPI handles never travel
+        state["gathers"] = []  # nor FSDP modules
         return state
 
     def comm_of(self) -> Communicator:
@@ -86,6 +89,21 @@ class FSDPState:
         if self.comm is None:
             self.comm = default_comm()
         return self.comm
+
+    @contextlib.contextmanager
+    def exact_all_gather(self) -> Iterator[None]:
+        """Inside it, FSDP's own float all-gather: forward passes see the exact parameters (to
+        evaluate the trained weights rather than their codes, with ``all_gather``); collective,
+        as every forward is. The codes' all-gather is back on exit."""
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+        for module, _ in self.gathers:
+            module.set_custom_all_gather(DefaultAllGather())
+        try:
+            yield
+        finally:
+            for module, gather in self.gathers:
+                module.set_custom_all_gather(gather)
 
     def all_gather_stats(self) -> dict[str, Any] | None:
         """The parameter all-gathers' bytes (``bytes_sent``, ``compression_ratio`` against FSDP's
@@ -324,9 +342,11 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
     assert state.comm is not None
     _agree_on_setup(state.comm, f"{compressor.describe()}; all_gather={all_gather}")
     gathered = state.gathered = GatherStats(all_gather) if all_gather is not None else None
+    state.gathers = []
     for module_name, module, shards in modules:
         if codec is not None and gathered is not None:
-            module.set_custom_all_gather(QuantizedAllGather(codec, state.comm_of, gathered, module_name))
+            state.gathers.append((module, QuantizedAllGather(codec, state.comm_of, gathered, module_name)))
+            module.set_custom_all_gather(state.gathers[-1][1])
         if across:
             local = shard_ranks.index(dist.get_rank())
             hook = _AcrossHosts(state, module_name, shards, local, len(shard_ranks))

@@ -143,6 +143,10 @@ def rank_quantized_all_gather(spec, dtype_name):
         if bits == 8 and dtype == torch.float32:
             assert not torch.equal(exact, coded)  # the codes did round
     stats = state.all_gather_stats()
+    with state.exact_all_gather(), torch.no_grad():  # FSDP's own all-gather: the exact weights
+        _backward_free = ours(_batch(0, rank)[0])
+        assert torch.equal(seen["ours"], ours[1][1].weight.full_tensor().to(dtype))
+    assert state.all_gather_stats() == stats  # none of gradcomp's all-gathers ran inside
     codec = gt.fsdp_gather.gather_codec(spec)
     rows = [sum(_row(p, size) for p in params) for params in _param_rows(ours)]
     # each step: every module gathered before its forward, and again before its backward
