@@ -309,6 +309,18 @@ def test_quantized_parameter_all_gather(spec, dtype):
     run_ranks(2, "tests.torch_adapter.test_torch_fsdp:rank_quantized_all_gather", spec, dtype, timeout=180)
 
 
+def test_quantized_parameter_all_gather_under_torchrun(tmp_path):
+    """The same checks through torchrun (TorchCommunicator's allgather)."""
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nsys.path.insert(0, %r)\nfrom tests.torch_adapter.test_torch_fsdp import "
+                      "rank_quantized_all_gather\nrank_quantized_all_gather('int8', 'float32')\n" % str(ROOT))
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
 def test_resume_is_bit_exact_under_torchrun(tmp_path):
     """The same resume through torchrun (TorchCommunicator)."""
     script = tmp_path / "job.py"
