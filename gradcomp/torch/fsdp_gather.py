@@ -6,7 +6,7 @@ rank's shards into the full parameters: as many bytes as the gradients' reduce-s
 over. ``gradcomp.torch.register(model, ..., all_gather="int8")`` replaces that collective
 (``FSDPModule.set_custom_all_gather``). Each rank encodes its row (its shards, laid out by FSDP)
 with the two-stage codec's chunk codes (``QuantizedAllreduce.encode``: an offset and a scale per
-chunk of 512 values, then one code per value), an allgather moves the messages, and every rank
+chunk of 64 values, then one code per value), an allgather moves the messages, and every rank
 decodes every row, its own included. So the full parameters that the forward and backward
 compute with are the same bits on every rank.
 
@@ -32,11 +32,15 @@ from .tensors import as_array, wait_for_torch
 
 #: the names ``all_gather=`` takes, and their code widths
 BITS = {"int8": 8, "int4": 4}
+#: values per chunk (one offset and scale each) unless the spec says: finer than the gradients'
+#: 512, as rounded weights are what every step computes with (on the LM at 1000 steps, 64 ended
+#: +0.64% on the seed where 512 ended +1.16%, for 3.56x fewer bytes instead of 3.94x)
+CHUNK = 64
 
 
 def gather_codec(spec: str) -> QuantizedAllreduce:
     """The codec for ``all_gather=spec``: ``"int8"`` or ``"int4"``, optionally ``:chunk=N`` (values
-    per chunk with one offset and scale: a power of two from 64 to 4096, 512 by default)."""
+    per chunk with one offset and scale: a power of two from 64 to 4096, ``CHUNK`` by default)."""
     if not isinstance(spec, str):
         raise TypeError(f"gradcomp.torch.register: all_gather must be a string such as 'int8', got "
                         f"{type(spec).__name__}")
@@ -49,7 +53,7 @@ def gather_codec(spec: str) -> QuantizedAllreduce:
     if unknown:
         raise ValueError(f"gradcomp.torch.register: all_gather={spec!r}: unknown key(s) {unknown}; "
                          "the only key is chunk")
-    return QuantizedAllreduce(BITS[name], **kwargs)
+    return QuantizedAllreduce(BITS[name], **{"chunk": CHUNK, **kwargs})
 
 
 class GatherStats:
