@@ -36,7 +36,7 @@ local progress on that fragment are dropped (the Streaming DiLoCo paper's mixing
 checkpoint taken with an exchange in flight waits for it and saves the averaged pseudo-gradient,
 to land at the same step after a resume.
 
-Agreement: the configuration (H, the outer optimizer, the compressor, the fragments) and the
+Agreement: the configuration (H, the outer optimizer, the compressor, the fragments, the overlap) and the
 step counters (inner and outer) are part of every bucket's agreement (``_Agreed``), so ranks whose
 runs or resumed states differ raise ``CollectiveError`` on every rank at the next sync, before any
 data moves. Ranks must start from the same parameters: checked (a digest) at construction.

@@ -7,16 +7,15 @@ changes any of them, and the codec-only definitions of earlier releases are one 
 from __future__ import annotations
 
 import inspect
-from functools import partial
 from typing import Any
 
 from ..compressors import (BF16, FP16, Allgather, Allreduce, OneBit, QuantizedAllreduce,
                            QuantizePerChannel, QuantizePerTensor, RandomK, ReducedTopK, TopK)
 from ..compressors.quantize.twostage import CHUNK
-from ..powersgd import PowerSGD
 from ..params import check_choice
+from ..powersgd import PowerSGD
 from ..registry import register
-from .recipes import codec_recipe, sparse_recipe
+from .recipes import codec_recipe, sparse_recipe, warmed
 
 
 def _half(wrapper: Any, inner: Any) -> Any:
@@ -118,6 +117,20 @@ def randomk(ratio: float = 0.01, warmup: int = 100, ramp: int = 0, feedback: str
     return sparse_recipe("randomk", RandomK, ratio, warmup, ramp, feedback, seed=seed)
 
 
+def powersgd(rank: int = 4, start_iter: int | str = 100, **kwargs: Any) -> Any:
+    """PowerSGD after ``start_iter`` exact steps (PyTorch's ``start_powerSGD_iter``), or, with
+    ``start_iter="auto"``, after a warm-up on 8-bit two-stage codes that ends when the gradients'
+    scale settles (``recipes.warmed``); PowerSGD then takes its own 2 exact steps, which its error
+    feedback and warm start need, and compresses. The other keys are ``PowerSGD``'s."""
+    if start_iter == "auto":
+        return warmed("powersgd", {"rank": rank, "start_iter": "auto", **kwargs}, "auto",
+                      [(0, PowerSGD(rank=rank, start_iter=2, **kwargs))])
+    return PowerSGD(rank=rank, start_iter=start_iter, **kwargs)  # type: ignore[arg-type]
+
+
+powersgd.__signature__ = _passing_on(powersgd, PowerSGD)  # type: ignore[attr-defined]
+
+
 def register_builtins() -> None:
     register("allreduce", Allreduce)
     register("allgather", Allgather)
@@ -125,7 +138,6 @@ def register_builtins() -> None:
     register("bf16", _half(BF16, Allreduce))
     register("quantize-tensor", _allgathered("quantize-tensor", QuantizePerTensor, WARMUP_8BIT))
     register("quantize-channel", _allgathered("quantize-channel", QuantizePerChannel, 0))
-    powersgd = partial(PowerSGD, rank=4, start_iter=100)
     register("powersgd", powersgd)
     register("fp16-powersgd", _half(FP16, powersgd))
     # (PowerSGD's one-round variant, powersgd:rounds=1, and gradcomp.BatchedPowerSGD, which mixes

@@ -134,3 +134,45 @@ def rank_recipes_and_onebit_adam_settle_together():
 
 def test_recipes_and_onebit_adam_settle_together():
     run_ranks(2, "tests.planning.test_settling:rank_recipes_and_onebit_adam_settle_together")
+
+
+def rank_powersgd_settles_then_compresses():
+    """powersgd:start_iter='auto': 8-bit codes until the scale settles (the same step on every
+    rank), then PowerSGD's rank-4 factors (after its own 2 exact steps); a resume from inside the
+    warm-up gives the same bits."""
+    import gradcomp as gc
+
+    comm = gc.MPICommunicator()
+    shape = (60, 50)
+    n = shape[0] * shape[1]
+
+    def run(steps: int, resume_at: int | None = None):
+        method = gc.make("powersgd:start_iter='auto'")
+        outs = []
+        for step in range(steps):
+            if step == resume_at:
+                saved = method.state_dict()
+                method = gc.make("powersgd:start_iter='auto'")
+                method.load_state_dict(saved)
+            bucket = gc.Bucket(_gradient(comm.rank, step, n), 0, [shape])
+            outs.append(method.reduce(bucket, comm).result().copy())
+        return method, outs
+
+    method, outs = run(110)
+    stats = method.stats()
+    ended = stats["warmup_ended_at"]
+    assert ended is not None and 40 <= ended < 100 and "settled" in stats["warmup_reason"], stats
+    ends = comm.allgather(np.array([ended], np.int64))[:, 0]
+    assert (ends == ended).all(), f"ranks ended the warm-up at {ends}"
+    assert np.linalg.matrix_rank(outs[ended - 1].reshape(shape)) > 4  # 8-bit codes of a full-rank mean
+    assert np.linalg.matrix_rank(outs[-1].reshape(shape)) <= 4  # PowerSGD's rank-4 product
+    digests = comm.allgather(np.array([zlib.crc32(outs[-1].tobytes())], np.int64))[:, 0]
+    assert (digests == digests[0]).all(), "the result differs across ranks"
+    again, outs2 = run(110, resume_at=ended - 5)
+    assert again.stats()["warmup_ended_at"] == ended
+    assert all(np.array_equal(a, b) for a, b in zip(outs, outs2)), "a resumed warm-up changed the result"
+    print(f"rank {comm.rank}: settled at {ended}", flush=True)
+
+
+def test_powersgd_settles_then_compresses():
+    run_ranks(2, "tests.planning.test_settling:rank_powersgd_settles_then_compresses")
