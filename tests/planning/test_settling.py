@@ -75,6 +75,25 @@ def _gradient(rank: int, step: int, n: int) -> np.ndarray:
     return (10.0 ** (-min(step, 40) / 40) * (1 + 0.1 * rng.standard_normal(n))).astype(np.float32)
 
 
+def _reduce_steps(comm, spec: str, shape: tuple[int, ...], steps: int, resume_at: int | None = None):
+    """``spec``'s outputs over ``steps`` steps of one bucket of ``shape``; at ``resume_at`` its
+    state goes through state_dict() into a fresh instance."""
+    import math
+
+    import gradcomp as gc
+
+    method = gc.make(spec)
+    outs = []
+    for step in range(steps):
+        if step == resume_at:
+            saved = method.state_dict()
+            method = gc.make(spec)
+            method.load_state_dict(saved)
+        bucket = gc.Bucket(_gradient(comm.rank, step, math.prod(shape)), 0, [shape])
+        outs.append(method.reduce(bucket, comm).result().copy())
+    return method, outs
+
+
 def rank_recipes_and_onebit_adam_settle_together():
     """A recipe and OneBitAdam with warmup='auto' end their warm-up on the same step on every rank
     (agreed before every bucket), say so in stats(), compress afterwards, and a run resumed from a
@@ -85,15 +104,7 @@ def rank_recipes_and_onebit_adam_settle_together():
     n = 3000
 
     def run(steps: int, resume_at: int | None = None):
-        recipe = gc.make("onebit:warmup='auto'")
-        outs = []
-        for step in range(steps):
-            if step == resume_at:
-                saved = recipe.state_dict()
-                recipe = gc.make("onebit:warmup='auto'")
-                recipe.load_state_dict(saved)
-            outs.append(recipe.reduce(gc.Bucket(_gradient(comm.rank, step, n), 0, [(n,)]), comm).result().copy())
-        return recipe, outs
+        return _reduce_steps(comm, "onebit:warmup='auto'", (n,), steps, resume_at)
 
     recipe, outs = run(120)
     stats = recipe.stats()
@@ -144,19 +155,9 @@ def rank_powersgd_settles_then_compresses():
 
     comm = gc.MPICommunicator()
     shape = (60, 50)
-    n = shape[0] * shape[1]
 
     def run(steps: int, resume_at: int | None = None):
-        method = gc.make("powersgd:start_iter='auto'")
-        outs = []
-        for step in range(steps):
-            if step == resume_at:
-                saved = method.state_dict()
-                method = gc.make("powersgd:start_iter='auto'")
-                method.load_state_dict(saved)
-            bucket = gc.Bucket(_gradient(comm.rank, step, n), 0, [shape])
-            outs.append(method.reduce(bucket, comm).result().copy())
-        return method, outs
+        return _reduce_steps(comm, "powersgd:start_iter='auto'", shape, steps, resume_at)
 
     method, outs = run(110)
     stats = method.stats()
