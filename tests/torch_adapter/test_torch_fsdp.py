@@ -191,21 +191,22 @@ def _train(model, state, steps, first, rank, opt):
         opt.step()
 
 
-def rank_resume_is_bit_exact(name, path):
+def rank_resume_is_bit_exact(name, path, all_gather=None):
     """Train 6 steps; or 3, checkpoint (FSDP's model and optimizer state dicts and gradcomp's),
-    rebuild everything, load, train 3 more: the weights are equal bit for bit."""
+    rebuild everything, load, train 3 more: the weights are equal bit for bit (with the
+    parameter all-gathers in codes too: they hold no state)."""
     import gradcomp.torch as gt
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     launch = gt.init_process_group()
     rank = launch.rank
     whole = _shard(_model())
-    state = gt.register(whole, name, allow_partial=True)
+    state = gt.register(whole, name, allow_partial=True, all_gather=all_gather)
     opt = torch.optim.AdamW(whole.parameters(), lr=1e-2)
     _train(whole, state, 6, 0, rank, opt)
 
     first = _shard(_model())
-    state1 = gt.register(first, name, allow_partial=True)
+    state1 = gt.register(first, name, allow_partial=True, all_gather=all_gather)
     opt1 = torch.optim.AdamW(first.parameters(), lr=1e-2)
     _train(first, state1, 3, 0, rank, opt1)
     msd, osd = get_state_dict(first, opt1)
@@ -215,7 +216,7 @@ def rank_resume_is_bit_exact(name, path):
     second = _shard(_model(seed=7))
     opt2 = torch.optim.AdamW(second.parameters(), lr=1e-2)
     set_state_dict(second, opt2, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
-    state2 = gt.register(second, name, allow_partial=True)
+    state2 = gt.register(second, name, allow_partial=True, all_gather=all_gather)
     state2.load_state_dict(saved["gradcomp"])
     _train(second, state2, 3, 3, rank, opt2)
     for a, b in zip(whole.parameters(), second.parameters()):
@@ -290,9 +291,11 @@ def test_int8_bytes_are_the_formula_and_gradients_close():
     run_ranks(2, "tests.torch_adapter.test_torch_fsdp:rank_int8_bytes_and_quality", timeout=180)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4:warmup=2", "topk:warmup=1"])
-def test_resume_is_bit_exact_under_mpiexec(name, tmp_path):
-    run_ranks(2, "tests.torch_adapter.test_torch_fsdp:rank_resume_is_bit_exact", name, str(tmp_path / "ckpt"), timeout=240)
+@pytest.mark.parametrize("name, all_gather", [("int8", None), ("int4:warmup=2", None), ("topk:warmup=1", None),
+                                              ("int8:warmup=2", "int8")])
+def test_resume_is_bit_exact_under_mpiexec(name, all_gather, tmp_path):
+    run_ranks(2, "tests.torch_adapter.test_torch_fsdp:rank_resume_is_bit_exact", name, str(tmp_path / "ckpt"),
+              all_gather, timeout=240)
 
 
 def test_refusals_name_what_works():
