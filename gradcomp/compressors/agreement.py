@@ -61,6 +61,15 @@ def agree(comm: Communicator, bucket, compressor, prepared=None,
     raise CollectiveError(f"gradcomp: {FIELDS[col]} differs across ranks ({per_rank})")
 
 
+def texts_if_different(comm: Communicator, text: str) -> list[str] | None:
+    """None when every rank brings the same ``text`` (one allgather of a digest), else every
+    rank's text (``gather_texts``): for a check whose error names each rank's value."""
+    mine = np.array([digest(text)], dtype=np.int64)
+    if (comm.allgather(mine) == mine).all():
+        return None
+    return gather_texts(comm, text)
+
+
 def gather_texts(comm: Communicator, text: str) -> list[str]:
     """Every rank's ``text`` (two allgathers of bytes: lengths, then the padded texts)."""
     data = np.frombuffer(text.encode(), dtype=np.uint8)

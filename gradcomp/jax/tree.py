@@ -34,9 +34,8 @@ import jax
 import numpy as np
 
 from ..arrays import dtype_name
-from ..bucket import digest
 from ..comm import CollectiveError, Communicator, default_communicator
-from ..compressors.agreement import gather_texts
+from ..compressors.agreement import texts_if_different
 from ..compressors.base import Compressor
 from ..reducer import GradientReducer
 from ..registry import make
@@ -201,11 +200,10 @@ class TreeReducer:
 def agree_structure(comm: Communicator, layout: list[str]) -> None:
     """``CollectiveError`` on every rank unless every rank brings the same ``layout``
     (``describe_leaves``), naming the first difference and each rank's value."""
-    text = "\n".join(layout)
-    table = comm.allgather(np.array([digest(text), len(layout)], np.int64))
-    if (table == table[0]).all():
+    texts = texts_if_different(comm, "\n".join(layout))
+    if texts is None:
         return
-    everyone = [t.split("\n") for t in gather_texts(comm, text)]
+    everyone = [t.split("\n") for t in texts]
     if len({e[0] for e in everyone}) > 1:
         what, seen = "the pytree structure", [e[0] for e in everyone]
     else:

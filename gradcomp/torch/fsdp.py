@@ -44,18 +44,16 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-import numpy as np
-
 from ..arrays import FLOAT_DTYPES, cast, is_device_array, synchronize
-from ..bucket import Bucket, digest
+from ..bucket import Bucket
 from ..comm import CollectiveError, Communicator
-from ..compressors.agreement import gather_texts
 from ..compressors import Compressor
+from ..compressors.agreement import texts_if_different
 from ..compressors.base import parts, sends_part
 from ..registry import REGISTRY, make
 from .checkpoint import from_torch_state, to_torch_state
 from .communicator import default_comm
-from .fsdp_gather import GatherStats, QuantizedAllGather, gather_codec
+from .fsdp_gather import GatherStats, QuantizedAllGather
 from .tensors import as_array, wait_for_torch
 
 
@@ -323,9 +321,9 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
                          "FSDP's own loss in gradcomp's measurements (docs/guides/fsdp.md). Use 'int4' "
                          "(about 8x fewer bytes) or 'int8' (about 4x), which did; or pass "
                          "allow_partial=True to run it anyway")
-    codec = None
+    gathered = None
     if all_gather is not None:
-        codec = gather_codec(all_gather)
+        gathered = GatherStats(all_gather)
         if across:
             raise ValueError("gradcomp.torch.register: all_gather compresses 1-D FSDP's parameter all-gather "
                              "over all ranks; sharded inside each host, the all-gather stays on the host's "
@@ -341,12 +339,12 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
                 _across_hosts_comm(shard_ranks) if across else default_comm())
     assert state.comm is not None
     _agree_on_setup(state.comm, f"{compressor.describe()}; all_gather={all_gather}")
-    gathered = state.gathered = GatherStats(all_gather) if all_gather is not None else None
-    state.gathers = []
+    state.gathered = gathered
+    state.gathers = [] if gathered is None else [
+        (module, QuantizedAllGather(gathered, state.comm_of, name)) for name, module, _ in modules]
+    for module, gather in state.gathers:
+        module.set_custom_all_gather(gather)
     for module_name, module, shards in modules:
-        if codec is not None and gathered is not None:
-            state.gathers.append((module, QuantizedAllGather(codec, state.comm_of, gathered, module_name)))
-            module.set_custom_all_gather(state.gathers[-1][1])
         if across:
             local = shard_ranks.index(dist.get_rank())
             hook = _AcrossHosts(state, module_name, shards, local, len(shard_ranks))
@@ -361,14 +359,12 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
 
 
 def _agree_on_setup(comm: Communicator, text: str) -> None:
-    """Every rank registered the same method and all-gather (one allgather of a digest), or every
-    rank raises the same ``CollectiveError`` naming each rank's."""
-    mine = np.array([digest(text)], dtype=np.int64)
-    if (comm.allgather(mine) == mine).all():
-        return
-    texts = gather_texts(comm, text)
-    raise CollectiveError("gradcomp.torch.register: the ranks registered different methods ("
-                          + "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts)) + ")")
+    """Every rank registered the same method and all-gather, or every rank raises the same
+    ``CollectiveError`` naming each rank's."""
+    texts = texts_if_different(comm, text)
+    if texts is not None:
+        raise CollectiveError("gradcomp.torch.register: the ranks registered different methods ("
+                              + "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts)) + ")")
 
 
 def _group(module: FSDPModule) -> Any:

@@ -57,11 +57,13 @@ def gather_codec(spec: str) -> QuantizedAllreduce:
 
 
 class GatherStats:
-    """Bytes of the parameter all-gathers: what each rank sent, and what FSDP's own all-gather of
-    the same rows would have sent (``compression_ratio``)."""
+    """The parameter all-gathers' codec (``gather_codec(spec)``), shared by every module, and their
+    bytes: what each rank sent, and what FSDP's own all-gather of the same rows would have sent
+    (``compression_ratio``)."""
 
     def __init__(self, spec: str):
         self.spec = spec
+        self.codec = gather_codec(spec)
         self.calls = 0
         self.bytes_sent = 0.0
         self.bytes_uncompressed = 0.0
@@ -75,9 +77,8 @@ class GatherStats:
 class QuantizedAllGather(AllGather):
     """One FSDP module's parameter all-gather in chunk codes (see the module docstring)."""
 
-    def __init__(self, codec: QuantizedAllreduce, comm: Callable[[], Communicator], stats: GatherStats,
-                 module_name: str):
-        self.codec = codec
+    def __init__(self, stats: GatherStats, comm: Callable[[], Communicator], module_name: str):
+        self.codec = stats.codec
         self.comm = comm
         self.gathered = stats
         self.module_name = module_name or "<root>"

@@ -160,6 +160,32 @@ def test_streaming_fragments():
     run_ranks(2, "tests.optim.test_diloco:rank_streaming_fragments")
 
 
+def _resumed(comm, build, last: int, save_at: int, loaded=None):
+    """``build(_start())`` trained through step ``last``; a fresh ``build`` given the parameters
+    and ``state_dict()`` taken after step ``save_at`` (``loaded`` sees it just loaded), trained to
+    ``last`` as well. Returns the uninterrupted run's digest, that state, the resumed optimizer
+    and its parameters."""
+    params = _start()
+    outer = build(params)
+    for step in range(1, last + 1):
+        _inner(params, comm.rank, step)
+        outer.step()
+        if step == save_at:
+            copies = [p.copy() for p in params]
+            saved = {k: np.array(v, copy=True) for k, v in outer.state_dict().items()}
+    params2 = _start()
+    again = build(params2)
+    for p, q in zip(params2, copies):
+        p[...] = q
+    again.load_state_dict(saved)
+    if loaded is not None:
+        loaded(again)
+    for step in range(save_at + 1, last + 1):
+        _inner(params2, comm.rank, step)
+        again.step()
+    return _digest(params), saved, again, params2
+
+
 def rank_resume_is_bit_exact():
     """A state taken between outer steps (momentum, residuals, synced parameters, counters)
     resumes bit for bit; mismatched states are refused with the key named."""
@@ -170,34 +196,20 @@ def rank_resume_is_bit_exact():
     def build(params):
         return gc.optim.DiLoCo(params, sync_every=3, compressor="int8", lr=0.5, momentum=0.5, comm=comm)
 
-    params = _start()
-    outer = build(params)
-    saved = None
-    for step in range(1, 14):
-        _inner(params, comm.rank, step)
-        outer.step()
-        if step == 7:
-            saved = ([p.copy() for p in params], {k: np.array(v, copy=True) for k, v in outer.state_dict().items()})
-    final = _digest(params)
-    params2 = _start()
-    again = build(params2)
-    for p, q in zip(params2, saved[0]):
-        p[...] = q
-    again.load_state_dict(saved[1])
-    assert (again.steps, again.outer_steps) == (7, 2)
-    for step in range(8, 14):
-        _inner(params2, comm.rank, step)
-        again.step()
+    def loaded(again):
+        assert (again.steps, again.outer_steps) == (7, 2)
+
+    final, saved, again, params2 = _resumed(comm, build, last=13, save_at=7, loaded=loaded)
     assert _digest(params2) == final, "the resumed run differs from the uninterrupted one"
     # refusals, before anything changes
-    bad = dict(saved[1])
+    bad = dict(saved)
     bad["synced/0"] = np.zeros((5, 6), np.float32)
     with pytest.raises(ValueError, match="synced/0"):
         again.load_state_dict(bad)
     other = gc.optim.DiLoCo(_start(), sync_every=4, compressor="int8", lr=0.5, momentum=0.5, comm=comm)
     with pytest.raises(ValueError, match="'config'.*sync_every=3"):
-        other.load_state_dict(saved[1])
-    missing = {k: v for k, v in saved[1].items() if k != "momentum/1"}
+        other.load_state_dict(saved)
+    missing = {k: v for k, v in saved.items() if k != "momentum/1"}
     with pytest.raises(ValueError, match="momentum/1"):
         again.load_state_dict(missing)
     assert _digest(params2) == final and again.steps == 13
@@ -234,28 +246,13 @@ def rank_overlapped_exchange():
         return gc.optim.DiLoCo(params, sync_every=4, compressor="int8", lr=0.5, momentum=0.5, fragments=2,
                                overlap=overlap, comm=comm)
 
-    params = _start()
-    outer = build(params)
-    saved = None
-    for step in range(1, 15):
-        _inner(params, comm.rank, step)
-        outer.step()
-        if step == 5:  # fragment 0 synced at 2 (landed at 4), fragment 1 at 4: in flight until 6
-            saved = ([p.copy() for p in params], {k: np.array(v, copy=True) for k, v in outer.state_dict().items()})
-    final = _digest(params)
-    assert int(saved[1]["flight/1/lands_at"]) == 6 and "flight/0/lands_at" not in saved[1], sorted(saved[1])
-    params2 = _start()
-    again = build(params2)
-    for p, q in zip(params2, saved[0]):
-        p[...] = q
-    again.load_state_dict(saved[1])
-    for step in range(6, 15):
-        _inner(params2, comm.rank, step)
-        again.step()
+    # saved after step 5: fragment 0 synced at 2 (landed at 4), fragment 1 at 4, in flight until 6
+    final, saved, again, params2 = _resumed(comm, build, last=14, save_at=5)
+    assert int(saved["flight/1/lands_at"]) == 6 and "flight/0/lands_at" not in saved, sorted(saved)
     assert _digest(params2) == final, "the resumed run differs from the uninterrupted one"
     with pytest.raises(ValueError, match="overlap"):
-        build(_start(), overlap=0).load_state_dict(saved[1])
-    bad = dict(saved[1], **{"flight/1/lands_at": np.int64(9)})
+        build(_start(), overlap=0).load_state_dict(saved)
+    bad = dict(saved, **{"flight/1/lands_at": np.int64(9)})
     with pytest.raises(ValueError, match="flight/1/lands_at"):
         again.load_state_dict(bad)
     with pytest.raises(ValueError, match="overlap"):

@@ -144,7 +144,7 @@ def rank_quantized_all_gather(spec, dtype_name):
             assert not torch.equal(exact, coded)  # the codes did round
     stats = state.all_gather_stats()
     with state.exact_all_gather(), torch.no_grad():  # FSDP's own all-gather: the exact weights
-        _backward_free = ours(_batch(0, rank)[0])
+        ours(_batch(0, rank)[0])
         assert torch.equal(seen["ours"], ours[1][1].weight.full_tensor().to(dtype))
     assert state.all_gather_stats() == stats  # none of gradcomp's all-gathers ran inside
     codec = gt.fsdp_gather.gather_codec(spec)
