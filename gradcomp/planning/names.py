@@ -15,7 +15,7 @@ from ..compressors.quantize.twostage import CHUNK
 from ..params import check_choice
 from ..powersgd import PowerSGD
 from ..registry import register
-from .recipes import codec_recipe, sparse_recipe, warmed
+from .recipes import WARMUP_BITS, codec_recipe, sparse_recipe, warmed
 
 
 def _half(wrapper: Any, inner: Any) -> Any:
@@ -83,17 +83,18 @@ def _allgathered(name: str, codec_factory: Any, default_warmup: int) -> Any:
     return factory
 
 
-def onebit(warmup: int | str = "auto", feedback: str = "none") -> Any:
+def onebit(warmup: int | str = "auto", feedback: str = "none", warmup_bits: int = WARMUP_BITS) -> Any:
     """Signs and a scale per 512 values, two stages, after a warm-up: 8-bit codes until the
-    gradients' scale settles (``"auto"``, ``Settling``), or ``warmup`` exact steps. Without error
+    gradients' scale settles (``"auto"``, ``recipes.warmed``; ``warmup_bits=4``: 4-bit after its
+    first 30 steps), or ``warmup`` exact steps. Without error
     feedback: under momentum SGD and AdamW both residuals, or the workers' alone, trained worse.
     With Adam, prefer
     ``gradcomp.optim.OneBitAdam``, where the feedback works on the frozen-variance momentum."""
-    return codec_recipe("onebit", OneBit, warmup, feedback)
+    return codec_recipe("onebit", OneBit, warmup, feedback, warmup_bits=warmup_bits)
 
 
 def topk(ratio: float = 0.01, warmup: int | str = "auto", ramp: int = 0, feedback: str | None = None,
-         stages: int = 1) -> Any:
+         stages: int = 1, warmup_bits: int = WARMUP_BITS) -> Any:
     """The largest ``ratio`` of each bucket after a warm-up (as ``onebit``'s): allgathered (``stages=1``,
     the workers' residual), or reduced in two stages (``stages=2``: ``ReducedTopK``, bytes flat in
     the number of ranks, both residuals)."""
@@ -101,7 +102,7 @@ def topk(ratio: float = 0.01, warmup: int | str = "auto", ramp: int = 0, feedbac
     if feedback is None:
         feedback = "worker" if stages == 1 else "both"
     return sparse_recipe("topk", TopK if stages == 1 else ReducedTopK, ratio, warmup, ramp, feedback,
-                         extra={"stages": 2} if stages == 2 else None)
+                         extra={"stages": 2} if stages == 2 else None, warmup_bits=warmup_bits)
 
 
 def randomk(ratio: float = 0.01, warmup: int = 100, ramp: int = 0, feedback: str = "none", seed: int = 0) -> Any:
@@ -117,9 +118,9 @@ def randomk(ratio: float = 0.01, warmup: int = 100, ramp: int = 0, feedback: str
     return sparse_recipe("randomk", RandomK, ratio, warmup, ramp, feedback, seed=seed)
 
 
-def powersgd(rank: int = 4, start_iter: int | str = "auto", **kwargs: Any) -> Any:
-    """PowerSGD after a warm-up on 8-bit two-stage codes that ends when the gradients' scale
-    settles (``start_iter="auto"``, ``recipes.warmed``; PowerSGD then takes its own 2 exact steps,
+def powersgd(rank: int = 4, start_iter: int | str = "auto", warmup_bits: int = WARMUP_BITS, **kwargs: Any) -> Any:
+    """PowerSGD after a warm-up on 8-bit two-stage codes (``warmup_bits``) that ends when the
+    gradients' scale settles (``start_iter="auto"``, ``recipes.warmed``; PowerSGD then takes its own 2 exact steps,
     which its error feedback and warm start need), or after ``start_iter`` exact steps (PyTorch's
     ``start_powerSGD_iter``; 100 was the earlier default). The other keys are ``PowerSGD``'s.
     Auto is the default as measured: the LM at 300 steps +3.46% from exact at 5.9x over the run
@@ -127,7 +128,10 @@ def powersgd(rank: int = 4, start_iter: int | str = "auto", **kwargs: Any) -> An
     -0.00 at 3.1x; docs/convergence.md)."""
     if start_iter == "auto":
         return warmed("powersgd", {"rank": rank, "start_iter": "auto", **kwargs}, "auto",
-                      [(0, PowerSGD(rank=rank, start_iter=2, **kwargs))])
+                      [(0, PowerSGD(rank=rank, start_iter=2, **kwargs))], warmup_bits)
+    if warmup_bits != WARMUP_BITS:
+        raise ValueError(f"powersgd: warmup_bits={warmup_bits} is the bits of start_iter='auto''s codes; "
+                         f"start_iter={start_iter!r} is exact")
     return PowerSGD(rank=rank, start_iter=start_iter, **kwargs)  # type: ignore[arg-type]
 
 

@@ -75,8 +75,9 @@ class Recipe(Schedule):
                 if self.settling.observe([self._levels[k] for k in keys], [self._sizes[k] for k in keys]):
                     self.start_later_stages(self.settling.end)
                     warm = self.compressors[0]
-                    if isinstance(warm, ErrorFeedback):
-                        warm.drop_owner_residuals()  # the warm-up does not come back
+                    for codes in warm.compressors if isinstance(warm, Schedule) else [warm]:
+                        if isinstance(codes, ErrorFeedback):
+                            codes.drop_owner_residuals()  # the warm-up does not come back
                 self._levels.clear()
         return out
 
@@ -93,6 +94,7 @@ class Recipe(Schedule):
         of the name (``int8`` gained its exact warm-up: an ``int8`` checkpoint saved before loads
         into ``int8:warmup=0``), and the error says so."""
         state = dict(state)
+        self._check_warmup_codes(state)
         settling = take_settling(state, self.settling)
         numbers = [k.partition("/")[0][len("stage"):] for k in state if k.startswith("stage") and "/" in k]
         saved = max((int(n) + 1 for n in numbers if n.isdigit()), default=0)  # the last stateful stage
@@ -110,6 +112,19 @@ class Recipe(Schedule):
         if settling is not None:
             self.settling = settling
             self.start_later_stages(settling.end)
+
+    def _check_warmup_codes(self, state: Mapping[str, Any]) -> None:
+        """An auto warm-up's state from the other codes (8-bit throughout, or stepping down to
+        4-bit: a nested ``Schedule``, which saves its ``step``) is refused, naming the build that
+        loads it."""
+        if self.settling is None or not any(k.startswith("stage0/") for k in state):
+            return
+        stepping, saved_stepping = isinstance(self.compressors[0], Schedule), "stage0/step" in state
+        if stepping != saved_stepping:
+            codes = {True: "8-bit then 4-bit codes", False: "8-bit codes throughout"}
+            raise ValueError(f"{self.describe()} warms up on {codes[stepping]}, but this state was saved by a "
+                             f"warm-up on {codes[saved_stepping]}. Build "
+                             f"'{self.name}:warmup_bits={4 if saved_stepping else 8}' to resume it")
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()
@@ -131,21 +146,47 @@ def with_feedback(codec: Codec, feedback: str) -> Compressor:
     return ErrorFeedback(codec, owner_feedback=feedback == "both")
 
 
-def warmed(name: str, params: dict[str, Any], warmup: int | str, stages: Sequence[tuple[int, Compressor]]) -> Recipe:
+#: the bits of the auto warm-up's codes after its first ``Settling.earliest`` steps, in which they
+#: are always 8 (the gradients shrink fastest there). 4 (``warmup_bits=4``) sends fewer bytes
+#: over a short run (10-14x against 6-7x for the 25x methods at 300 steps), but the warm-up's
+#: end moved with the noisier codes, and on the LM under AdamW it trained worse on the mean of
+#: 3 seeds (docs/convergence.md); digits trained alike. 8 it stays.
+WARMUP_BITS = 8
+
+
+def warmed(name: str, params: dict[str, Any], warmup: int | str, stages: Sequence[tuple[int, Compressor]],
+           warmup_bits: int = WARMUP_BITS) -> Recipe:
     """A recipe: a warm-up, then ``stages`` (their steps counted from the end of the warm-up).
-    ``warmup``: a number of exact allreduce steps, or ``"auto"``: 8-bit two-stage codes with
-    error feedback (a quarter of fp32's bytes, which a short run cannot spend on exact steps)
-    until the gradients' scale settles (``Settling``)."""
+    ``warmup``: a number of exact allreduce steps, or ``"auto"``: two-stage codes with error
+    feedback at both stages until the gradients' scale settles (``Settling``), 8-bit for the
+    first ``Settling.earliest`` steps and ``warmup_bits``-bit after (a quarter and an eighth of
+    fp32's bytes, which a short run cannot spend on exact steps). ``warmup_bits`` other than
+    the default is shown in the recipe's parameters."""
     if isinstance(warmup, str) and warmup != "auto":
         raise ValueError(f"{name} warmup: a number of exact steps or 'auto', got {warmup!r}")
+    warmup_bits = check_choice(f"{name} warmup_bits", warmup_bits, (4, 8))
+    if warmup_bits != WARMUP_BITS:
+        if warmup != "auto":
+            raise ValueError(f"{name}: warmup_bits={warmup_bits} is the bits of warmup='auto''s codes; "
+                             f"warmup={warmup!r} is exact")
+        params = {**params, "warmup_bits": warmup_bits}
     if warmup == "auto":
         settling = Settling()
-        warm = ErrorFeedback(QuantizedAllreduce(bits=8), owner_feedback=True)
         shifted = [(settling.latest + s, c) for s, c in stages]
-        return Recipe(name, params, [(0, warm)] + shifted, settling)
+        return Recipe(name, params, [(0, warmup_codes(settling, warmup_bits))] + shifted, settling)
     warmup = check_int(f"{name} warmup", warmup, 0)
     shifted = [(warmup + s, c) for s, c in stages]
     return Recipe(name, params, ([(0, Allreduce())] if warmup else []) + shifted)
+
+
+def warmup_codes(settling: Settling, bits: int) -> Compressor:
+    """The auto warm-up's exchange: 8-bit two-stage codes, stepping down to ``bits`` (4: on a grid
+    that holds zero, as ``int4``) after ``settling.earliest`` steps; residuals are handed over."""
+    eight = ErrorFeedback(QuantizedAllreduce(bits=8), owner_feedback=True)
+    if bits == 8:
+        return eight
+    four = ErrorFeedback(QuantizedAllreduce(bits=4, exact_zero=True), owner_feedback=True)
+    return Schedule([(0, eight), (settling.earliest, four)])
 
 
 def sparsity_ramp(ratio: float, steps: int) -> list[tuple[int, float]]:
@@ -163,17 +204,17 @@ def sparsity_ramp(ratio: float, steps: int) -> list[tuple[int, float]]:
 
 
 def codec_recipe(name: str, codec_factory: Any, warmup: int | str, feedback: str, shown: bool = True,
-                 extra: dict[str, Any] | None = None, **codec_args: Any) -> Recipe:
+                 extra: dict[str, Any] | None = None, warmup_bits: int = WARMUP_BITS, **codec_args: Any) -> Recipe:
     """Warm-up, then one codec with ``feedback``; ``shown``: the codec's arguments are parameters
     of the recipe (False where the name fixes them: ``int8`` is 8 bits); ``extra``: parameters
     shown as well (those a user set away from their default)."""
     codec = codec_factory(**codec_args)
     params = {"warmup": warmup, "feedback": feedback, **(codec_args if shown else {}), **(extra or {})}
-    return warmed(name, params, warmup, [(0, with_feedback(codec, feedback))])
+    return warmed(name, params, warmup, [(0, with_feedback(codec, feedback))], warmup_bits)
 
 
 def sparse_recipe(name: str, codec_factory: Any, ratio: float, warmup: int | str, ramp: int, feedback: str,
-                  extra: dict[str, Any] | None = None, **codec_args: Any) -> Recipe:
+                  extra: dict[str, Any] | None = None, warmup_bits: int = WARMUP_BITS, **codec_args: Any) -> Recipe:
     """Warm-up, then the sparsity ramp down to ``ratio`` over ``ramp`` steps, ``feedback`` throughout;
     ``extra``: parameters of the recipe that chose ``codec_factory`` (shown, not passed to it)."""
     ratio = check_float(f"{name} ratio", ratio, above=0, maximum=1)
@@ -181,4 +222,4 @@ def sparse_recipe(name: str, codec_factory: Any, ratio: float, warmup: int | str
     stages = [(s, with_feedback(codec_factory(ratio=f, **codec_args), feedback))
               for s, f in sparsity_ramp(ratio, ramp)]
     return warmed(name, {"ratio": ratio, "warmup": warmup, "ramp": ramp, "feedback": feedback,
-                         **codec_args, **(extra or {})}, warmup, stages)
+                         **codec_args, **(extra or {})}, warmup, stages, warmup_bits)

@@ -218,6 +218,30 @@ def test_a_checkpoint_of_an_earlier_definition_says_how_to_resume():
         comm.close()
 
 
+def test_an_auto_warmup_from_the_other_codes_says_how_to_resume():
+    """A state saved by an auto warm-up on other codes (``warmup_bits``: 8-bit throughout, or 8
+    then 4) is refused, naming the build that loads it, and that build loads it."""
+    comm = gc.MPICommunicator()
+    try:
+        g = np.random.default_rng(0).standard_normal(5000).astype(np.float32)
+        for saved_by, loaded_by in (("onebit:warmup_bits=4", "onebit"), ("powersgd", "powersgd:warmup_bits=4")):
+            old = gc.make(saved_by)
+            for _ in range(3):
+                old.reduce(gc.Bucket(g.copy(), 0, [(50, 100)]), comm).result()
+            state = old.state_dict()
+            bits = saved_by.partition("warmup_bits=")[2] or "8"
+            name = saved_by.partition(":")[0]
+            with pytest.raises(ValueError, match=f"saved by a warm-up on .*Build '{name}:warmup_bits={bits}'"):
+                gc.make(loaded_by).load_state_dict(state)
+            again = gc.make(f"{name}:warmup_bits={bits}")
+            again.load_state_dict(state)
+            assert again.step == 3
+        with pytest.raises(ValueError, match="warmup_bits=4 is the bits of warmup='auto'"):
+            gc.make("onebit:warmup=100,warmup_bits=4")
+    finally:
+        comm.close()
+
+
 def test_the_guard_does_not_judge_a_tensor_without_gradient():
     """A tensor whose gradient is exactly zero (FSDP's padding, an embedding shard whose rows no
     batch uses) keeps a residual from its chunk-mates: no ratio to judge, so no runaway."""

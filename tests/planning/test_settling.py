@@ -97,14 +97,15 @@ def _reduce_steps(comm, spec: str, shape: tuple[int, ...], steps: int, resume_at
 def rank_recipes_and_onebit_adam_settle_together():
     """A recipe and OneBitAdam with warmup='auto' end their warm-up on the same step on every rank
     (agreed before every bucket), say so in stats(), compress afterwards, and a run resumed from a
-    checkpoint taken in the warm-up ends it on the same step, with the same bits."""
+    checkpoint taken in the warm-up (in its 4-bit part, ``warmup_bits=4``) ends it on the same step,
+    with the same bits."""
     import gradcomp as gc
 
     comm = gc.MPICommunicator()
     n = 3000
 
     def run(steps: int, resume_at: int | None = None):
-        return _reduce_steps(comm, "onebit:warmup='auto'", (n,), steps, resume_at)
+        return _reduce_steps(comm, "onebit:warmup='auto',warmup_bits=4", (n,), steps, resume_at)
 
     recipe, outs = run(120)
     stats = recipe.stats()
@@ -116,6 +117,8 @@ def rank_recipes_and_onebit_adam_settle_together():
     assert (ends == ended).all(), f"ranks ended the warm-up at {ends}"
     digests = comm.allgather(np.array([zlib.crc32(outs[-1].tobytes())], np.int64))[:, 0]
     assert (digests == digests[0]).all(), "the result differs across ranks"
+    # warmup_bits=4: 8-bit codes for the warm-up's first 30 steps (more than 16 values in a chunk), then 4-bit
+    assert len(np.unique(outs[25][:512])) > 16 >= len(np.unique(outs[35][:512]))
     # onebit's sign code after the warm-up: every value of a slice is +-scale
     assert len(np.unique(np.abs(outs[-1][:512]))) <= 2 < len(np.unique(np.abs(outs[ended - 1][:512])))
     again, outs2 = run(120, resume_at=ended - 7)
