@@ -38,6 +38,7 @@ from jax.experimental import io_callback
 
 from ..comm import Communicator
 from ..compressors.base import Compressor
+from ..optim.dgc import WARMUP as DGC_WARMUP
 from .tree import OutputPool, TreeReducer, host_view
 
 
@@ -316,7 +317,7 @@ def onebit_adam(learning_rate: float | Schedule = 1e-3, b1: float = 0.9, b2: flo
 
 
 def dgc(learning_rate: float | Schedule = 0.01, momentum: float = 0.9, weight_decay: float = 0.0,
-        ratio: float = 0.01, warmup: int = 100, clip_norm: float | None = None,
+        ratio: float = 0.01, warmup: int = DGC_WARMUP, clip_norm: float | None = None,
         comm: Communicator | None = None, bucket_cap_mb: float = 25.0, **options: Any) -> Transformation:
     """``gradcomp.optim.DGC`` (Deep Gradient Compression) as an optax transformation: momentum SGD
     that sends the top ``ratio`` of each rank's accumulated velocity. Local gradients in, updates

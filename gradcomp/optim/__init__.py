@@ -28,6 +28,7 @@ steps, and an outer optimizer steps the synced parameters (``gradcomp.torch.DiLo
 from .adam import WARMUP_COMPRESSOR, OneBitAdam
 from .base import Optimizer
 from .dgc import DGC
+from .dgc import WARMUP as DGC_WARMUP
 from .diloco import DiLoCo
 
 __all__ = ["Optimizer", "OneBitAdam", "DGC", "DiLoCo"]
