@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--decay-steps", type=int, help="the steps the cosine decays over (default: --steps); "
+                   "longer leaves the rate higher at the end")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--d-model", type=int, default=96)
     p.add_argument("--heads", type=int, default=4)
@@ -84,8 +86,9 @@ def main(argv=None) -> None:
     other = [p for p in model.parameters() if p.dim() != 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    horizon = max((args.decay_steps or args.steps) - args.warmup, 1)
     schedule = lambda s: (s + 1) / args.warmup if s < args.warmup else \
-        0.1 + 0.45 * (1 + math.cos(math.pi * (s - args.warmup) / max(args.steps - args.warmup, 1)))
+        0.1 + 0.45 * (1 + math.cos(math.pi * min(s - args.warmup, horizon) / horizon))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     if args.mode == "diloco":
         spec = args.compressor

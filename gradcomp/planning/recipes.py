@@ -164,11 +164,7 @@ def warmed(name: str, params: dict[str, Any], warmup: int | str, stages: Sequenc
     the default is shown in the recipe's parameters."""
     if isinstance(warmup, str) and warmup != "auto":
         raise ValueError(f"{name} warmup: a number of exact steps or 'auto', got {warmup!r}")
-    warmup_bits = check_choice(f"{name} warmup_bits", warmup_bits, (4, 8))
-    if warmup_bits != WARMUP_BITS:
-        if warmup != "auto":
-            raise ValueError(f"{name}: warmup_bits={warmup_bits} is the bits of warmup='auto''s codes; "
-                             f"warmup={warmup!r} is exact")
+    if check_warmup_bits(name, warmup, warmup_bits) != WARMUP_BITS:
         params = {**params, "warmup_bits": warmup_bits}
     if warmup == "auto":
         settling = Settling()
@@ -177,6 +173,16 @@ def warmed(name: str, params: dict[str, Any], warmup: int | str, stages: Sequenc
     warmup = check_int(f"{name} warmup", warmup, 0)
     shifted = [(warmup + s, c) for s, c in stages]
     return Recipe(name, params, ([(0, Allreduce())] if warmup else []) + shifted)
+
+
+def check_warmup_bits(name: str, warmup: int | str, bits: int) -> int:
+    """``bits`` checked: 4 or 8, and other than the default only with ``warmup="auto"`` (a fixed
+    warm-up is exact, it has no codes)."""
+    bits = check_choice(f"{name} warmup_bits", bits, (4, 8))
+    if bits != WARMUP_BITS and warmup != "auto":
+        raise ValueError(f"{name}: warmup_bits={bits} is the bits of the auto warm-up's codes; "
+                         f"a warm-up of {warmup!r} steps is exact")
+    return bits
 
 
 def warmup_codes(settling: Settling, bits: int) -> Compressor:

@@ -236,8 +236,10 @@ def test_an_auto_warmup_from_the_other_codes_says_how_to_resume():
             again = gc.make(f"{name}:warmup_bits={bits}")
             again.load_state_dict(state)
             assert again.step == 3
-        with pytest.raises(ValueError, match="warmup_bits=4 is the bits of warmup='auto'"):
-            gc.make("onebit:warmup=100,warmup_bits=4")
+        for spec in ("onebit:warmup=100,warmup_bits=4", "powersgd:start_iter=100,warmup_bits=4"):
+            with pytest.raises(ValueError, match="warmup_bits=4 is the bits of the auto warm-up's codes; "
+                                                 "a warm-up of 100 steps is exact"):
+                gc.make(spec)
     finally:
         comm.close()
 
