@@ -166,6 +166,11 @@ class Schedule(Compressor):
         return {"step": prepared.step, "stage": prepared.stage,
                 **{f"stage{prepared.stage}.{k}": v for k, v in inner.items()}}
 
+    def regime(self, prepared: _Stage | None) -> tuple:
+        if prepared is None:
+            return ()
+        return (prepared.stage,) + self.compressors[prepared.stage].regime(prepared.inner)
+
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         """What the stages that last reduced ``keys`` kept for them (a Schedule in a Schedule)."""
         out: dict[str, Array] = {}

@@ -208,7 +208,7 @@ class Compressor:
         before_bytes, before_calls = method_traffic(comm)
         out = run_stage(self, bucket, comm, prepared)
         if watch and guard is not None:
-            guard.measure(bucket, self.residuals(bucket.keys), norms)
+            guard.measure(bucket, self.residuals(bucket.keys), norms, self.regime(prepared))
         s = self._stats
         s["calls"] += 1
         s["steps"] += int(bucket.is_last)
@@ -302,6 +302,12 @@ class Compressor:
         reduce, by key, when the caller knows them (``GradientReducer``, the DDP hook)."""
         if state:
             raise ValueError(f"{type(self).__name__} is stateless but got state keys {sorted(state)}")
+
+    def regime(self, prepared: Any) -> tuple:
+        """What reduced a bucket whose local stage is ``prepared``, as far as its residuals'
+        scale goes: the divergence guard judges their growth within one regime
+        (``compressors.guard``). A ``Schedule`` names its stage; wrappers ask their inner method."""
+        return ()
 
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         """Hand over the error-feedback residuals kept for ``keys`` (removing them): ``Schedule``

@@ -112,6 +112,9 @@ class Cast(Compressor):
     def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
         self.inner.load_state_dict(state, shapes)
 
+    def regime(self, prepared: _Half | None) -> tuple:
+        return self.inner.regime(prepared.inner if prepared is not None else None)
+
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         return self.inner.take_residual(keys)
 

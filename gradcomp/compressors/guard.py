@@ -13,6 +13,12 @@ is large only because the gradients have become small late in training is normal
 codes, one that keeps growing is not (measured on the digits MLP: a diverging 1-bit run crosses
 both bounds tens of steps before its loss turns, healthy top-k and 1-bit runs stay under them).
 
+Each stage of a ``Schedule`` is judged on its own (``Compressor.regime``): a warm-up on 8-bit
+codes, or the first levels of a sparsity ramp, leave residuals far smaller than the method's own,
+and measured against them every healthy top-k and DGC run looked like a runaway (on the digits
+MLP and the LM, right after the warm-up or the ramp). When the regime changes, the smallest
+residuals seen so far are forgotten.
+
 The first runaway is announced on every rank at the same bucket: each rank's flag travels in the
 agreement that precedes every bucket (``agreement.agree``, no extra collective), and each rank
 warns once (``RuntimeWarning``) with the method's name and the advice. Nothing is changed: the
@@ -49,6 +55,7 @@ class Guard:
         self.runaway: dict[str, float] = {}  # tensor key -> residual / gradient when it ran away
         self.worst: tuple[str, float] = ("", 0.0)
         self._smallest: dict[str, float] = {}
+        self._regime: Any = None  # the regime the smallest residuals were seen in
 
     def due(self, step: int) -> bool:
         return step % self.every == self.every - 1
@@ -57,9 +64,14 @@ class Guard:
         """Each tensor's gradient norm (before the reduction writes the mean over it)."""
         return [_norm(v) for v in bucket.views()]
 
-    def measure(self, bucket: Bucket, residuals: Mapping[str, Array], gradients: list[float]) -> None:
-        """Compare each tensor's residual with its gradient; set ``flag`` on a runaway."""
+    def measure(self, bucket: Bucket, residuals: Mapping[str, Array], gradients: list[float],
+                regime: Any = ()) -> None:
+        """Compare each tensor's residual with its gradient; set ``flag`` on a runaway. ``regime``:
+        what reduced the bucket (``Compressor.regime``); growth is judged within one regime."""
         self.checks += 1
+        if regime != self._regime:
+            self._regime = regime
+            self._smallest.clear()
         for key, g in zip(bucket.keys, gradients):
             r = residuals.get(key)
             if r is None:

@@ -77,6 +77,9 @@ class _Agreed(Compressor):
         owner = self._submitted.pop(id(bucket), None) or self._owner.agreement_state()
         return {**owner, **self.inner.agreement_state(bucket, prepared)}
 
+    def regime(self, prepared: Any) -> tuple:
+        return self.inner.regime(prepared)
+
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         return self.inner.take_residual(keys)
 

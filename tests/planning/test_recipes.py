@@ -106,7 +106,8 @@ def rank_guard_warns_once_everywhere(spec: str, runaway: bool):
 
 
 @pytest.mark.parametrize("spec,runaway", [("topk:warmup=0,ratio=0.001", True), ("int8:warmup=0", False),
-                                          ("topk:warmup=0", False)])
+                                          ("topk:warmup=0", False), ("topk:warmup='auto'", False),
+                                          ("topk:warmup=0,ramp=60", False)])
 def test_divergence_guard(spec, runaway):
     run_ranks(2, "tests.planning.test_recipes:rank_guard_warns_once_everywhere", spec, runaway)
 
@@ -167,6 +168,53 @@ def test_an_optimizer_drops_a_named_codes_warmup_unless_given():
         assert kept.momentum_compressor.warmup_steps == 7
     finally:
         comm.close()
+
+
+def test_the_guard_judges_each_stage_on_its_own():
+    """A residual 20x its gradient, steady, after a stage whose residuals were 1x (an 8-bit
+    warm-up, a ramp's first level) is no runaway: the smallest residuals are forgotten when the
+    regime changes. Growing 10x within the later stage still is one. Schedules name their stage
+    (nested ones too), and wrappers pass their inner method's regime on."""
+    from gradcomp.compressors.guard import Guard
+
+    bucket = gc.Bucket(np.zeros(100, np.float32), 0, [(100,)])
+
+    def checks(guard: Guard, norms_and_regimes) -> bool:
+        for norm, regime in norms_and_regimes:
+            guard.measure(bucket, {"0.0": np.full(100, norm / 10, np.float32)}, [1.0], regime)
+        return bool(guard.flag)
+
+    warm_then_steady = [(1.0, (0,))] * 3 + [(20.0, (1,))] * 5
+    assert not checks(Guard(), warm_then_steady)
+    assert checks(Guard(), [(n, ()) for n, _ in warm_then_steady]), "one regime: the same residuals run away"
+    assert checks(Guard(), warm_then_steady + [(250.0, (1,))]), "growth within the stage is still a runaway"
+
+    seen = []
+    measure = Guard.measure
+
+    def spy(self, bucket, residuals, gradients, regime=()):
+        seen.append(regime)
+        return measure(self, bucket, residuals, gradients, regime)
+
+    comm = gc.MPICommunicator()
+    try:
+        Guard.measure = spy
+        ramped = gc.make("topk:warmup=0,ramp=40")              # stages from 0, 13, 26, 40
+        halved = gc.make("fp16-powersgd:start_iter=3")          # FP16(PowerSGD): no stages
+        dgc = gc.optim.DGC([np.zeros(4000, np.float32)], warmup=40, comm=comm)
+        rng = np.random.default_rng(0)
+        for step in range(50):
+            g = rng.standard_normal(4000).astype(np.float32)
+            ramped.reduce(gc.Bucket(g.copy(), 0, [(40, 100)]), comm).result()
+            halved.reduce(gc.Bucket(g.copy(), 0, [(40, 100)]), comm).result()
+            dgc.step([g.copy()])
+    finally:
+        Guard.measure = measure
+        comm.close()
+    # checks at steps 9, 19, 29, 39, 49 of each, interleaved: the ramp's stages, none, DGC's ramp
+    assert seen[0::3] == [(0,), (1,), (2,), (2,), (3,)], seen
+    assert seen[1::3] == [()] * 5, seen
+    assert seen[2::3] == [(0,), (1,), (2,), (2,), (3,)], seen
 
 
 def test_the_guard_inside_an_optimizer_advises_the_optimizer():
