@@ -37,11 +37,10 @@ from ..planning.recipes import sparsity_ramp
 from ..schedule import Schedule
 from .base import Hyper, Optimizer, global_norm
 
-#: the sparsity ramp's default length. 30 steps held as well as the earlier 100 on every workload
-#: measured (digits MLP at 400 steps, the LM under momentum SGD at 300 and 1000, the digits CNN)
-#: and halved a short run's bytes: the ramp's first level, 25% allgathered, costs about fp32's
-#: bytes at 4 ranks, so 100 steps of it held a 400-step run at 7x fewer bytes than fp32
-#: (docs/convergence.md).
+#: the sparsity ramp's default length. 30 steps trained as well as the earlier 100 on every
+#: workload measured (digits MLP and CNN, the LM under momentum SGD; docs/convergence.md) and
+#: halved a short run's bytes: the ramp's first level, 25% allgathered, costs about fp32's bytes
+#: at 4 ranks.
 WARMUP = 30
 
 

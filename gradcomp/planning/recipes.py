@@ -147,10 +147,9 @@ def with_feedback(codec: Codec, feedback: str) -> Compressor:
 
 
 #: the bits of the auto warm-up's codes after its first ``Settling.earliest`` steps, in which they
-#: are always 8 (the gradients shrink fastest there). 4 (``warmup_bits=4``) sends fewer bytes
-#: over a short run (10-14x against 6-7x for the 25x methods at 300 steps), but the warm-up's
-#: end moved with the noisier codes, and on the LM under AdamW it trained worse on the mean of
-#: 3 seeds (docs/convergence.md); digits trained alike. 8 it stays.
+#: are always 8 (the gradients shrink fastest there). 4 (``warmup_bits=4``) halves the warm-up's
+#: bytes, but the noisier codes moved the warm-up's end, and the LM under AdamW trained worse on
+#: average (docs/convergence.md, short runs). 8 it stays.
 WARMUP_BITS = 8
 
 
