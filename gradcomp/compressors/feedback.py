@@ -74,8 +74,21 @@ class ErrorFeedback(Compressor):
 
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> Prepared:
         prepared = self.inner.prepare(bucket, comm, workspace, feedback=self)
+        if self._claims.pending and self.owner_feedback and prepared.layout is not None:
+            self._check_loaded_owner(bucket, comm, prepared.layout.slice_len)
         self._claims.saw(bucket.keys, bucket.is_last, [self.store], type(self).__name__)
         return prepared
+
+    def _check_loaded_owner(self, bucket: Bucket, comm: Communicator, slice_len: int) -> None:
+        """A loaded owner residual for this bucket must be as long as this rank's slice of it: in
+        the local stage, so a damaged one is a ``CollectiveError`` on every rank, not a residual
+        silently restarted from zero."""
+        key = self._owner_key(bucket, comm)
+        loaded = self.owner_residuals.view(key)
+        if loaded is not None and loaded.shape != (slice_len,):
+            raise ValueError(f"{type(self).__name__} state: 'owner/{key}' holds {loaded.size} values, but "
+                             f"this rank owns {slice_len} of this bucket (saved with another chunk, or "
+                             "damaged)")
 
     def finish(self, bucket: Bucket, comm: Communicator, prepared: Prepared) -> Array:
         return self.inner.finish(bucket, comm, prepared, feedback=self)

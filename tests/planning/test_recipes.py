@@ -147,6 +147,41 @@ def test_unclaimed_state_is_an_error(spec):
     run_ranks(2, "tests.planning.test_recipes:rank_unclaimed_state_is_an_error", spec)
 
 
+def rank_a_damaged_owner_residual_is_refused():
+    """A loaded slice owner's residual of the wrong length is a CollectiveError on every rank at
+    the first step, naming the key; undamaged, the same state resumes bit for bit."""
+    comm = gc.MPICommunicator()
+    rng = np.random.default_rng(comm.rank)
+    grads = [rng.standard_normal(5000).astype(np.float32) for _ in range(6)]
+
+    def bucket(step):
+        return gc.Bucket(grads[step].copy(), 0, [(50, 100)])
+
+    first = gc.make("int8:warmup=0")
+    for step in range(3):
+        first.reduce(bucket(step), comm).result()
+    saved = first.state_dict()
+    owners = [k for k in saved if k.startswith("stage0/owner/")]  # int8:warmup=0 is a one-stage recipe
+    assert len(owners) == 1, sorted(saved)
+    expected = [first.reduce(bucket(step), comm).result().copy() for step in (3, 4)]
+    resumed = gc.make("int8:warmup=0")
+    resumed.load_state_dict(saved)
+    assert all(np.array_equal(resumed.reduce(bucket(step), comm).result(), e) for step, e in zip((3, 4), expected))
+    damaged = gc.make("int8:warmup=0")
+    damaged.load_state_dict({**saved, owners[0]: saved[owners[0]][:-1]})
+    try:
+        damaged.reduce(bucket(3), comm).result()
+    except gc.CollectiveError as exc:
+        assert owners[0][len("stage0/"):] in str(exc) and "holds 2559 values, but this rank owns 2560" in str(exc), exc
+    else:
+        raise AssertionError("a damaged owner residual was silently restarted")
+    print(f"rank {comm.rank}: ok", flush=True)
+
+
+def test_a_damaged_owner_residual_is_refused():
+    run_ranks(2, "tests.planning.test_recipes:rank_a_damaged_owner_residual_is_refused")
+
+
 def test_an_optimizer_drops_a_named_codes_warmup_unless_given():
     """``OneBitAdam(compressor=NAME)`` runs its own exact warm-up first, so the name's warm-up and
     ramp become 0 (the code from the freeze), unless the name sets them."""
