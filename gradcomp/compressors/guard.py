@@ -17,7 +17,7 @@ Each stage of a ``Schedule`` is judged on its own (``Compressor.regime``): a war
 codes, or the first levels of a sparsity ramp, leave residuals far smaller than the method's own,
 and measured against them every healthy top-k and DGC run looked like a runaway (on the digits
 MLP and the LM, right after the warm-up or the ramp). When the regime changes, the smallest
-residuals seen so far are forgotten.
+residual seen so far for each tensor it reduces is forgotten.
 
 The first runaway is announced on every rank at the same bucket: each rank's flag travels in the
 agreement that precedes every bucket (``agreement.agree``, no extra collective), and each rank
@@ -55,7 +55,7 @@ class Guard:
         self.runaway: dict[str, float] = {}  # tensor key -> residual / gradient when it ran away
         self.worst: tuple[str, float] = ("", 0.0)
         self._smallest: dict[str, float] = {}
-        self._regime: Any = None  # the regime the smallest residuals were seen in
+        self._regimes: dict[str, Any] = {}  # tensor key -> the regime its smallest was seen in
 
     def due(self, step: int) -> bool:
         return step % self.every == self.every - 1
@@ -69,9 +69,10 @@ class Guard:
         """Compare each tensor's residual with its gradient; set ``flag`` on a runaway. ``regime``:
         what reduced the bucket (``Compressor.regime``); growth is judged within one regime."""
         self.checks += 1
-        if regime != self._regime:
-            self._regime = regime
-            self._smallest.clear()
+        for key in bucket.keys:
+            if self._regimes.get(key, regime) != regime:
+                self._smallest.pop(key, None)
+            self._regimes[key] = regime
         for key, g in zip(bucket.keys, gradients):
             r = residuals.get(key)
             if r is None:

@@ -264,6 +264,11 @@ class Auto(Compressor):
         inner = self._options[prepared.choice].agreement_state(prepared.bucket, prepared.inner)
         return {"method": label, **{f"{label}.{k}": v for k, v in inner.items()}}
 
+    def regime(self, prepared: _Routed | None) -> tuple:
+        if prepared is None or prepared.choice < 0:
+            return ()  # chosen on the wire thread: the guard sees the choice from the next step on
+        return (prepared.choice,) + self._options[prepared.choice].regime(prepared.inner)
+
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         out: dict[str, Array] = {}
         for key in keys:

@@ -223,6 +223,12 @@ def test_the_guard_judges_each_stage_on_its_own():
     assert not checks(Guard(), warm_then_steady)
     assert checks(Guard(), [(n, ()) for n, _ in warm_then_steady]), "one regime: the same residuals run away"
     assert checks(Guard(), warm_then_steady + [(250.0, (1,))]), "growth within the stage is still a runaway"
+    # regimes are per tensor: auto may reduce two buckets of one step by two methods
+    guard, other = Guard(), gc.Bucket(np.zeros(100, np.float32), 1, [(100,)])
+    for norm in (1.0, 1.0, 250.0):
+        checks(guard, [(norm, (0,))])
+        guard.measure(other, {other.keys[0]: np.ones(100, np.float32)}, [1.0], (1,))
+    assert guard.flag and list(guard.runaway) == ["0.0"], guard.stats()
 
     seen = []
     measure = Guard.measure
