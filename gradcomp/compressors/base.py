@@ -209,6 +209,8 @@ class Compressor:
         out = run_stage(self, bucket, comm, prepared)
         if watch and guard is not None:
             guard.measure(bucket, self.residuals(bucket.keys), norms, self.regime(prepared))
+        elif not getattr(self, "watched", True):
+            self.last_regime = self.regime(prepared)  # for the wrapper that watches (Hierarchical)
         s = self._stats
         s["calls"] += 1
         s["steps"] += int(bucket.is_last)

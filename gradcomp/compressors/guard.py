@@ -54,8 +54,7 @@ class Guard:
         self.warned = False
         self.runaway: dict[str, float] = {}  # tensor key -> residual / gradient when it ran away
         self.worst: tuple[str, float] = ("", 0.0)
-        self._smallest: dict[str, float] = {}
-        self._regimes: dict[str, Any] = {}  # tensor key -> the regime its smallest was seen in
+        self._smallest: dict[str, tuple[Any, float]] = {}  # tensor key -> (regime, smallest residual)
 
     def due(self, step: int) -> bool:
         return step % self.every == self.every - 1
@@ -69,10 +68,6 @@ class Guard:
         """Compare each tensor's residual with its gradient; set ``flag`` on a runaway. ``regime``:
         what reduced the bucket (``Compressor.regime``); growth is judged within one regime."""
         self.checks += 1
-        for key in bucket.keys:
-            if self._regimes.get(key, regime) != regime:
-                self._smallest.pop(key, None)
-            self._regimes[key] = regime
         for key, g in zip(bucket.keys, gradients):
             r = residuals.get(key)
             if r is None:
@@ -83,10 +78,11 @@ class Guard:
             ratio = norm / g
             if not math.isfinite(norm) and not math.isfinite(g):
                 continue  # a non-finite step: the compressor resets that residual itself
-            smallest = self._smallest.get(key)
+            seen = self._smallest.get(key)
+            smallest = seen[1] if seen is not None and seen[0] == regime else None  # another regime's: forgotten
             grew = smallest is not None and norm > self.growth * smallest
             if math.isfinite(norm) and (smallest is None or norm < smallest):
-                self._smallest[key] = norm
+                self._smallest[key] = (regime, norm)
             if ratio > self.worst[1]:
                 self.worst = (key, ratio)
             if ratio > self.ratio and grew and key not in self.runaway:

@@ -38,7 +38,7 @@ from jax.experimental import io_callback
 
 from ..comm import Communicator
 from ..compressors.base import Compressor
-from ..optim.dgc import WARMUP as DGC_WARMUP
+from ..optim import DGC_WARMUP
 from .tree import OutputPool, TreeReducer, host_view
 
 

@@ -92,6 +92,40 @@ def test_the_kit_hierarchical_run(spec):
     assert not failures, "\n".join(f"{o.ranks} ranks: {o.failed}" for o in failures)
 
 
+def rank_guard_sees_the_inner_stage():
+    """The divergence guard watches at ``Hierarchical`` (every rank sees every flag there); it
+    judges the inner recipe's residuals within the inner stage that reduced them, as it does
+    without the hierarchy (``Compressor.regime``)."""
+    import gradcomp as gc
+    from gradcomp.compressors.guard import Guard
+    from gradcomp.compressors.hierarchical import Hierarchical
+
+    seen = []
+    measure = Guard.measure
+
+    def spy(self, bucket, residuals, gradients, regime=()):
+        seen.append(regime)
+        return measure(self, bucket, residuals, gradients, regime)
+
+    comm = gc.MPICommunicator()
+    comp = Hierarchical(gc.make("topk:warmup=0,ramp=40"))  # stages from 0, 13, 26, 40
+    rng = np.random.default_rng(comm.rank)
+    n = sum(int(np.prod(s)) for s in SHAPES)
+    Guard.measure = spy
+    try:
+        for step in range(50):
+            comp.reduce(gc.Bucket(rng.standard_normal(n).astype(np.float32), 0, SHAPES), comm).result()
+    finally:
+        Guard.measure = measure
+    assert seen == [(0,), (1,), (2,), (2,), (3,)], seen  # checks at steps 9, 19, 29, 39, 49
+    print(f"rank {comm.rank}: ok", flush=True)
+
+
+def test_the_guard_sees_the_inner_stage():
+    run_ranks(4, "tests.comm.test_hierarchical:rank_guard_sees_the_inner_stage",
+              env={"GRADCOMP_RANKS_PER_HOST": "2"})
+
+
 def rank_reducer_default(several_hosts: bool):
     """On several hosts of several ranks the default is hierarchical for the methods it speeds up
     (int8) and flat for the CPU-bound ones (onebit), as measured; False is flat, True insists (an
