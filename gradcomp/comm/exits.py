@@ -25,6 +25,7 @@ pickling). A daemon thread polls for them a few times a second (``Request.Test``
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import sys
 import threading
@@ -38,6 +39,7 @@ _TAG = 7301
 _MAX_COMMS = 31  # (communicator id, collectives) pairs carried per goodbye message
 _POLL_S = 0.2
 _ABORT_GRACE_S = 0.5  # before MPI_Abort, for the launcher to forward this rank's last output
+ABORT_EXIT_S = 10.0  # after MPI_Abort, before a process it has not ended ends itself (end_job)
 
 #: why an uncaught exception ends the whole job. This rank cannot tell whether its peers failed
 #: too (each rank's hook runs alone, and every rank of a job may raise the same error), so it
@@ -54,9 +56,20 @@ _guard_lock = threading.Lock()
 def end_job(comm, code: int) -> None:
     """``MPI_Abort`` on ``comm``, and never return: MPICH's abort can return when another rank
     aborts at the same moment (seen: a rank printing after its abort), and a rank that goes on
-    after its job was ended can only mislead."""
+    after its job was ended can only mislead.
+
+    Nor may it hang. MPICH 5 ends the aborting process with ``exit()``, which runs C++ destructors
+    and exit handlers while the process's other threads still hold what they hold; once, a torch
+    job under mpiexec never ended after rank 1's ``MPI_Abort`` (gloo's threads were live). So a
+    watchdog that needs no Python lock (``faulthandler``'s) prints every thread's stack and
+    ``_exit``s the process ``ABORT_EXIT_S`` seconds on; the launcher sees it gone and the peers'
+    connections to it fail."""
     sys.stdout.flush()
     sys.stderr.flush()
+    try:
+        faulthandler.dump_traceback_later(ABORT_EXIT_S, exit=True, file=sys.__stderr__ or 2)
+    except (ValueError, OSError, AttributeError):  # no stderr to write to: abort all the same
+        pass
     try:
         comm.Abort(code)
     finally:

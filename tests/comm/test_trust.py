@@ -93,6 +93,17 @@ def test_ending_the_job_never_returns():
     assert done.returncode == 3 and "went on" not in done.stdout, done.stdout + done.stderr
 
 
+def test_an_abort_that_hangs_still_ends_the_process():
+    """MPICH 5's MPI_Abort ends the process with exit(), whose destructors can wait on a live
+    thread forever (a torch job under mpiexec once never ended): the process ends regardless."""
+    code = ("import threading\nfrom gradcomp.comm import exits\nexits.ABORT_EXIT_S = 1.0\n"
+            "class Hangs:\n    def Abort(self, code): threading.Event().wait()\n"
+            "exits.end_job(Hangs(), 3)\nprint('went on')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "went on" not in done.stdout, done.stdout + done.stderr
+    assert "Timeout" in done.stderr and "in Abort" in done.stderr, done.stderr  # every thread's stack
+
+
 def test_a_normal_end_is_not_disturbed(exit_script):
     result = run(3, [str(exit_script), "none", "powersgd:start_iter=2"], timeout=90,
                  env={"PYTHONPATH": str(ROOT)})
