@@ -102,7 +102,9 @@ class QuantizedAllGather(AllGather):
         codec, workspace = self.codec, comm.workspace
         mine = as_array(input_tensor)
         n = mine.shape[0]
-        wide = mine if mine.dtype == np.float32 else cast(mine, np.float32)
+        wide = mine
+        if mine.dtype != np.float32:  # half parameters (MixedPrecisionPolicy.param_dtype): encoded from float32
+            wide = cast(mine, np.float32, out=workspace.array(self, "row", n, np.float32, like=mine))
         message = workspace.array(self, "message", codec.message_size(n), np.uint8, like=mine)
         codec.encode(wide, message, workspace)
         rows = comm.allgather(message)
@@ -113,7 +115,7 @@ class QuantizedAllGather(AllGather):
             else:  # half parameters (MixedPrecisionPolicy.param_dtype): decoded in float32, then cast
                 row = workspace.array(self, "row", n, np.float32, like=mine)
                 codec.decode(rows[r], row, workspace)
-                out[r] = cast(row, out.dtype)
+                cast(row, out.dtype, out=out[r])
         if is_device_array(out):
             synchronize(out)
         stats = self.gathered
