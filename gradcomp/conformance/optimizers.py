@@ -1,16 +1,21 @@
 """The kit's checks for the optimizer-level methods (``gradcomp.optim``), run on every rank.
 
-    python -m gradcomp.conformance --optimizer dgc onebitadam:warmup=5
+    python -m gradcomp.conformance --optimizer dgc onebitadam:warmup=5 diloco:sync_every=4,fragments=2,overlap=1
 
 Target ``optimizer:NAME[:key=value,...]``, NAME one of ``OPTIMIZERS``. An optimizer takes each
-rank's own gradients and updates the parameters in place, so its contract is about parameters:
+rank's own gradients and updates the parameters in place, so its contract is about parameters.
+Local steps (``diloco``) take the gradients through the kit's own inner step (plain SGD on the
+replica) and meet only at their outer steps, so for them "every step" below reads "every outer
+step, for the fragments it synced", and "a step ahead" reads "an outer step ahead" (a rank
+resumed from the next checkpoint):
 
 * ``replicas``: from equal parameters and different gradients on every rank, the parameters stay
   bit-identical on every rank after every step, and they move towards the minimum of the mean of
   the ranks' quadratics (an optimizer that does nothing, or only follows its own rank, fails);
 * ``checkpoint``: ``state_dict()`` is plain (``numpy.savez`` without pickling), a fresh optimizer
-  loaded with it continues bit for bit, and empty, truncated or unknown state is refused with
-  ``ValueError`` without changing anything;
+  given this rank's parameters and loaded with it continues bit for bit (for local steps: taken
+  between outer steps, with an exchange in flight where ``overlap`` allows), and empty, truncated
+  or unknown state is refused with ``ValueError`` without changing anything;
 * ``mismatches``: another configuration, another learning rate or a step ahead on one rank is a
   ``CollectiveError`` on every rank before any data moves, and the communicator stays usable.
 """
@@ -24,9 +29,11 @@ import gradcomp as gc
 
 from .signals import digest, savez_round_trip
 
-OPTIMIZERS: dict[str, Callable[..., Any]] = {"dgc": gc.optim.DGC, "onebitadam": gc.optim.OneBitAdam}
+OPTIMIZERS: dict[str, Callable[..., Any]] = {"dgc": gc.optim.DGC, "onebitadam": gc.optim.OneBitAdam,
+                                              "diloco": gc.optim.DiLoCo}
 SHAPES = [(40, 30), (30,), (1,), (600,)]
 STEPS = 12  # past the optimizer's warm-up
+INNER_LR = 0.05  # local steps: the kit's own inner SGD step on each replica
 
 
 def optimizer_factory(spec: str) -> Callable[..., Any]:
@@ -65,16 +72,61 @@ class OptimizerKit:
                 for p, t in zip(params, self.targets(rank))]
 
     def steps(self, opt) -> int:
+        if _local(opt):  # several outer steps, an exchange in flight at the checkpoint's save
+            return 3 * opt.sync_every + opt.overlap
         return opt.warmup + STEPS if hasattr(opt, "warmup") else STEPS
 
-    def lr(self, opt) -> float:
+    def lr(self, opt) -> float | None:
         """A step size that converges on these quadratics, whose coordinates all matter alike:
-        a sparse method delays most of them by about ``1 / ratio`` steps (Stich et al. 2018)."""
+        a sparse method delays most of them by about ``1 / ratio`` steps (Stich et al. 2018).
+        Local steps: None, the outer step's own rate."""
+        if _local(opt):
+            return None
         if isinstance(opt, gc.optim.DGC):
             return 0.3 * opt.ratio
         if getattr(opt, "local_momentum", False):  # a sparse code's delays, in Adam's units
             return 0.015
         return 0.05
+
+    def step(self, opt, params, step: int, lr: float | None = None) -> None:
+        """One training step of ``opt`` on this rank's gradients; local steps take an inner SGD
+        step on the replica first, then count it (and sync when due)."""
+        grads = self.grads(params, self.rank, step)
+        lr = self.lr(opt) if lr is None else lr
+        if _local(opt):
+            for p, g in zip(params, grads):
+                p -= np.float32(INNER_LR) * g
+            opt.step(lr=lr)
+        else:
+            opt.step(grads, lr=lr)
+
+    def agreed(self, opt, params) -> list[np.ndarray]:
+        """The parameters every rank must hold the same bits of after a step: all of them, or for
+        local steps those of the fragments whose outer step just landed."""
+        if _local(opt):
+            return [params[i] for f in opt.landed for i in opt.groups[f]]
+        return params
+
+    def same_everywhere(self, arrays) -> bool:
+        return len(set(self.everyone(digest(np.concatenate([a.reshape(-1) for a in arrays]))))) == 1
+
+    def other_configuration(self, opt) -> dict[str, Any]:
+        """Keys that build another configuration of ``opt`` (local steps: one that syncs on the
+        same steps, so that the ranks meet and compare)."""
+        if _local(opt):
+            return {"momentum": 0.25 if opt.momentum != 0.25 else 0.5}
+        return {"warmup": opt.warmup + 1}
+
+    def put_ahead(self, opt) -> None:
+        if _local(opt):
+            opt.steps += opt.sync_every
+            opt.outer_steps += 1
+        else:
+            opt.steps += 1
+
+
+def _local(opt) -> bool:
+    return isinstance(opt, gc.optim.DiLoCo)
 
 
 def check_replicas(kit: OptimizerKit) -> None:
@@ -83,11 +135,18 @@ def check_replicas(kit: OptimizerKit) -> None:
     target = [np.mean([kit.targets(r)[i] for r in range(kit.size)], axis=0) for i in range(len(SHAPES))]
     distance = lambda: float(np.sqrt(sum(((p - t) ** 2).sum() for p, t in zip(params, target))))
     before = distance()
+    synced = 0
     for step in range(max(kit.steps(opt) * 4, 200)):
-        opt.step(kit.grads(params, kit.rank, step), lr=kit.lr(opt))
-        digests = kit.everyone(digest(np.concatenate([p.reshape(-1) for p in params])))
-        assert len(set(digests)) == 1, f"step {step}: ranks hold different parameters"
+        kit.step(opt, params, step)
+        agreed = kit.agreed(opt, params)
+        if agreed:  # (the same on every rank: when an outer step lands is agreed)
+            synced += 1
+            assert kit.same_everywhere(agreed), f"step {step}: ranks hold different parameters"
         assert all(np.isfinite(p).all() for p in params), f"step {step}: non-finite parameters"
+    assert synced, "no step left the ranks with the same parameters"
+    if _local(opt):
+        opt.sync_now()
+        assert kit.same_everywhere(params), "after sync_now(): ranks hold different parameters"
     after = distance()
     assert after < 0.5 * before, (f"the parameters did not approach the minimum of the mean objective "
                                   f"({before:.3g} -> {after:.3g})")
@@ -99,15 +158,17 @@ def check_checkpoint(kit: OptimizerKit) -> None:
     total = kit.steps(straight) + 4
     stop = total - 5
     for step in range(stop):
-        straight.step(kit.grads(straight_params, kit.rank, step), lr=kit.lr(straight))
-        first.step(kit.grads(first_params, kit.rank, step), lr=kit.lr(first))
+        kit.step(straight, straight_params, step)
+        kit.step(first, first_params, step)
     saved = savez_round_trip(first.state_dict())
-    resumed_params = [p.copy() for p in first_params]
-    resumed = kit.build(resumed_params, kit.comm)
+    resumed_params = kit.start()  # built from the common start (local steps check it), then
+    resumed = kit.build(resumed_params, kit.comm)  # given this rank's parameters as they were saved
+    for p, q in zip(resumed_params, first_params):
+        p[...] = q
     resumed.load_state_dict(saved)
     for step in range(stop, total):
-        straight.step(kit.grads(straight_params, kit.rank, step), lr=kit.lr(straight))
-        resumed.step(kit.grads(resumed_params, kit.rank, step), lr=kit.lr(resumed))
+        kit.step(straight, straight_params, step)
+        kit.step(resumed, resumed_params, step)
         for i, (a, b) in enumerate(zip(straight_params, resumed_params)):
             assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"resumed run differs at step {step}, parameter {i}"
     before = savez_round_trip(resumed.state_dict())
@@ -133,25 +194,28 @@ def check_mismatches(kit: OptimizerKit) -> None:
         return
     last = kit.rank == kit.size - 1
     opt = kit.build(kit.start(), kit.comm)
-    cases = [("another configuration", dict(warmup=opt.warmup + 1) if last else {}, None, "compressor differs"),
+    cases = [("another configuration", kit.other_configuration(opt) if last else {}, None, "compressor differs"),
              ("another learning rate", {}, 0.123 if last else None, "state differs"),
              ("a step ahead", {}, None, "state differs")]
     for what, overrides, lr, words in cases:
         params = kit.start()
         odd = kit.build(params, kit.comm, **overrides)
         if what == "a step ahead" and last:
-            odd.steps += 1
+            kit.put_ahead(odd)
         try:
-            odd.step(kit.grads(params, kit.rank, 0), lr=lr if lr is not None else kit.lr(odd))
+            # local steps meet at their first sync; the others at once
+            for step in range(odd.sync_every + odd.overlap if _local(odd) else 1):
+                kit.step(odd, params, step, lr=lr)
         except gc.CollectiveError as exc:
             assert words in str(exc), f"{what}: CollectiveError without {words!r}: {exc}"
         else:
             raise AssertionError(f"{what} on one rank: no CollectiveError")
     params = kit.start()
     fresh = kit.build(params, kit.comm)
-    fresh.step(kit.grads(params, kit.rank, 0), lr=kit.lr(fresh))
-    digests = kit.everyone(digest(np.concatenate([p.reshape(-1) for p in params])))
-    assert len(set(digests)) == 1, "after the mismatches: ranks hold different parameters"
+    kit.step(fresh, params, 0)
+    if _local(fresh):
+        fresh.sync_now()
+    assert kit.same_everywhere(params), "after the mismatches: ranks hold different parameters"
 
 
 CHECKS = {"replicas": check_replicas, "checkpoint": check_checkpoint, "mismatches": check_mismatches}
