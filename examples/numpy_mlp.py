@@ -186,6 +186,7 @@ def main(argv=None) -> dict:
 
     digests = comm.allgather(weights_digest(params))
     identical = bool((digests == digests[0]).all())
+    final = (compressor if optimizer is None else optimizer).stats()  # an optimizer's: its own warm-up too
     summary = dict(
         compressor=args.compressor if optimizer is None else "none", optimizer=args.optimizer,
         config=repr(compressor if optimizer is None else optimizer), ranks=comm.size, epochs=args.epochs,
@@ -196,9 +197,9 @@ def main(argv=None) -> dict:
         run=traffic({"steps": 0, "bytes_sent": 0.0, "reference_bytes": 0.0}, compressor.stats()),
         last_epoch=traffic(last_epoch_start, compressor.stats()),
         weight_digests=[bytes(d).hex() for d in digests], weights_identical=identical,
-        guard=compressor.stats().get("guard"),
-        warmup_ended_at=compressor.stats().get("warmup_ended_at"),  # warmup="auto": when, and why
-        warmup_reason=compressor.stats().get("warmup_reason"))
+        guard=final.get("guard"),
+        warmup_ended_at=final.get("warmup_ended_at"),  # warmup="auto": when, and why
+        warmup_reason=final.get("warmup_reason"))
     if summary["warmup_reason"]:
         say(f"warm-up: {summary['warmup_reason']}" + (f" (ended at step {summary['warmup_ended_at']})"
                                                       if summary["warmup_ended_at"] is not None else ""))

@@ -74,7 +74,7 @@ class OptimizerKit:
     def steps(self, opt) -> int:
         if _local(opt):  # several outer steps, an exchange in flight at the checkpoint's save
             return 3 * opt.sync_every + opt.overlap
-        return opt.warmup + STEPS if hasattr(opt, "warmup") else STEPS
+        return _warmup(opt) + STEPS
 
     def lr(self, opt) -> float | None:
         """A step size that converges on these quadratics, whose coordinates all matter alike:
@@ -115,7 +115,7 @@ class OptimizerKit:
         same steps, so that the ranks meet and compare)."""
         if _local(opt):
             return {"momentum": 0.25 if opt.momentum != 0.25 else 0.5}
-        return {"warmup": opt.warmup + 1}
+        return {"warmup": opt.warmup + 1 if isinstance(opt.warmup, int) else 7}
 
     def put_ahead(self, opt) -> None:
         if _local(opt):
@@ -127,6 +127,15 @@ class OptimizerKit:
 
 def _local(opt) -> bool:
     return isinstance(opt, gc.optim.DiLoCo)
+
+
+def _warmup(opt) -> int:
+    """The most steps ``opt``'s warm-up can last: ``warmup="auto"`` ends by its settling's latest."""
+    warmup = getattr(opt, "warmup", 0)
+    if warmup == "auto":
+        settling = getattr(opt, "settling", None)
+        return settling.latest if settling is not None else 0
+    return int(warmup)
 
 
 def check_replicas(kit: OptimizerKit) -> None:

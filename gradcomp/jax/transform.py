@@ -317,7 +317,7 @@ def onebit_adam(learning_rate: float | Schedule = 1e-3, b1: float = 0.9, b2: flo
 
 
 def dgc(learning_rate: float | Schedule = 0.01, momentum: float = 0.9, weight_decay: float = 0.0,
-        ratio: float = 0.01, warmup: int = DGC_WARMUP, clip_norm: float | None = None,
+        ratio: float = 0.01, warmup: int | str = DGC_WARMUP, clip_norm: float | None = None,
         comm: Communicator | None = None, bucket_cap_mb: float = 25.0, **options: Any) -> Transformation:
     """``gradcomp.optim.DGC`` (Deep Gradient Compression) as an optax transformation: momentum SGD
     that sends the top ``ratio`` of each rank's accumulated velocity. Local gradients in, updates

@@ -18,7 +18,10 @@ momentum in front of the compression instead, on every rank:
   ratio fits the same bytes at 4 ranks, 4x at 8);
 * **sparsity warm-up**: over the first ``warmup`` steps the kept fraction falls exponentially, 25%,
   6.25%, 1.6%, 0.4%, then ``ratio`` (``Schedule`` stages; residuals are handed over). ``WARMUP``
-  steps by default (the paper ramps over 4 epochs).
+  steps by default (the paper ramps over 4 epochs). ``warmup="auto"``: the first level, 25%, lasts
+  until the averaged update's scale settles (``gradcomp.settling``, as ``OneBitAdam``'s warm-up;
+  the same step on every rank, checkpointed, in ``stats()``), then the other levels follow with
+  the gaps of the ``WARMUP``-step ramp.
 
 Every rank then applies the same averaged sparse update, ``p -= lr * mean``. Weight decay is added
 to the gradient, as ``torch.optim.SGD`` does.
@@ -26,15 +29,16 @@ to the gradient, as ``torch.optim.SGD`` does.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-from ..arrays import Array, array_module
+from ..arrays import Array, array_module, sum_of_squares
 from ..comm import Communicator
 from ..compressors.feedback import ErrorFeedback
 from ..compressors.sparse import ReducedTopK, TopK
 from ..params import check_choice, check_float, check_int
 from ..planning.recipes import sparsity_ramp
 from ..schedule import Schedule
+from ..settling import Settling, take_settling, with_settling
 from .base import Hyper, Optimizer, global_norm
 
 #: the sparsity ramp's default length. 30 steps trained as well as the earlier 100 on every
@@ -53,7 +57,7 @@ class DGC(Optimizer):
 
     ``ratio``: the kept fraction after the warm-up (0.01: 1%, 25x fewer bytes than fp32 allreduce
     at 4 ranks; top-k is allgathered, so the saving shrinks as ranks are added). ``warmup``: steps
-    of the sparsity ramp. ``clip_norm``: local gradient clipping (None: off). ``stages``: 1, top-k
+    of the sparsity ramp, or ``"auto"`` (its first level until the scale settles). ``clip_norm``: local gradient clipping (None: off). ``stages``: 1, top-k
     allgathered; 2, reduced in two stages (``topk:stages=2``'s exchange: ``ratio=0.02`` is 25x at
     any number of ranks).
     """
@@ -62,18 +66,27 @@ class DGC(Optimizer):
                       "more values (a larger ratio)")
 
     def __init__(self, params: Sequence[Array], lr: Hyper = 0.01, momentum: float = 0.9,
-                 weight_decay: Hyper = 0.0, ratio: float = 0.01, warmup: int = WARMUP,
+                 weight_decay: Hyper = 0.0, ratio: float = 0.01, warmup: int | str = WARMUP,
                  clip_norm: float | None = None, stages: int = 1, comm: Communicator | None = None,
                  bucket_cap_mb: float = 25.0):
         super().__init__(params, lr, weight_decay, comm, bucket_cap_mb)
         self.momentum = check_float("momentum", momentum, minimum=0, maximum=0.999999)
         self.ratio = check_float("ratio", ratio, above=0, maximum=1)
-        self.warmup = check_int("warmup", warmup, 0)
+        if isinstance(warmup, str) and warmup != "auto":
+            raise ValueError(f"DGC warmup: a number of steps or 'auto', got {warmup!r}")
+        self.warmup: int | str = warmup if warmup == "auto" else check_int("warmup", warmup, 0)
         self.clip_norm = None if clip_norm is None else check_float("clip_norm", clip_norm, above=0)
         self.exchange_stages = check_choice("stages", stages, (1, 2))
-        self.stages = sparsity_ramp(self.ratio, self.warmup)
+        ramp = sparsity_ramp(self.ratio, WARMUP if warmup == "auto" else int(warmup))
+        #: with "auto" and a ramp, the first level lasts until the scale settles; the later levels
+        #: are laid out as if it lasted ``settling.latest`` steps and move earlier when it ends
+        self.settling = Settling() if warmup == "auto" and len(ramp) > 1 else None
+        if self.settling is not None:
+            ramp = [ramp[0]] + [(self.settling.latest + s - ramp[1][0], f) for s, f in ramp[1:]]
+        self.fractions = [f for _, f in ramp]
         codec = TopK if self.exchange_stages == 1 else ReducedTopK
-        reducer = self._exchange(Schedule([(s, ErrorFeedback(codec(f))) for s, f in self.stages]))
+        self.ramp = Schedule([(s, ErrorFeedback(codec(f))) for s, f in ramp])
+        reducer = self._exchange(self.ramp)
         self._sent = reducer.gradients
         xp = array_module(self.params[0])
         self.u = [xp.zeros(p.shape, p.dtype) for p in self.params]
@@ -86,8 +99,7 @@ class DGC(Optimizer):
                 "clip_norm": self.clip_norm, **({"stages": 2} if self.exchange_stages == 2 else {})}
 
     def phase(self) -> str:
-        k = max(i for i, (s, _) in enumerate(self.stages) if s <= self.steps)
-        return f"kept {self.stages[k][1]:g}"
+        return f"kept {self.fractions[self.ramp.stage_at(self.steps)]:g}"
 
     def step(self, grads: Sequence[Array], lr: Hyper | None = None, weight_decay: Hyper | None = None) -> None:
         """One update from this rank's local ``grads`` (one per parameter)."""
@@ -115,4 +127,31 @@ class DGC(Optimizer):
             if acc is not None:
                 u[acc.reshape(u.shape) == 0] = 0  # sent from here: its momentum goes with it
             p -= p.dtype.type(rate) * s
+        if self.settling is not None and self.settling.warm:
+            self._observe()
         self.steps += 1
+
+    def _observe(self) -> None:
+        """Feed the averaged update's scale (each tensor's mean square, the same bits on every
+        rank) to ``settling``; when it has settled, the next step starts the rest of the ramp."""
+        assert self.settling is not None
+        if self.settling.observe([sum_of_squares(s) / max(s.size, 1) for s in self._sent],
+                                 [s.size for s in self._sent]):
+            self.ramp.start_later_stages(self.steps + 1)
+
+    def stats(self) -> dict[str, Any]:
+        s = super().stats()
+        if self.settling is not None:
+            s.update(self.settling.stats())
+        return s
+
+    def state_dict(self) -> dict[str, Any]:
+        return with_settling(super().state_dict(), self.settling)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        state = dict(state)
+        settling = take_settling(state, self.settling)
+        super().load_state_dict(state)
+        if settling is not None:
+            self.settling = settling
+            self.ramp.start_later_stages(settling.end)

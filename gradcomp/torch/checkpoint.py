@@ -15,12 +15,15 @@ _WIDENED = ("uint32", "uint16")
 
 
 def to_torch_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """NumPy arrays -> CPU tensors (bfloat16 included); numbers and strings unchanged."""
+    """NumPy arrays -> CPU tensors (bfloat16 included), NumPy text (a warm-up's reason) -> ``str``;
+    numbers and strings unchanged."""
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, np.ndarray):
             name = dtype_name(value.dtype)
-            if name == "bfloat16":
+            if value.dtype.kind in "US":  # torch has no text tensor
+                out[key] = value.item() if value.ndim == 0 else value.tolist()
+            elif name == "bfloat16":
                 out[key] = torch.from_numpy(np.ascontiguousarray(value).view(np.int16).copy()).view(torch.bfloat16)
             elif name in _WIDENED:
                 out[key] = torch.from_numpy(value.astype(np.int64))

@@ -147,7 +147,8 @@ def test_onebit_adam_freezes_the_variance():
 # ---------------------------------------------------------------------------------------------
 # the kit: replicas, checkpoints, agreement at 1-3 ranks
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("spec", ["dgc:warmup=8", "dgc:warmup=8,stages=2,ratio=0.05", "onebitadam:warmup=6",
+@pytest.mark.parametrize("spec", ["dgc:warmup=8", "dgc:warmup=8,stages=2,ratio=0.05", "dgc:warmup='auto'",
+                                  "onebitadam", "onebitadam:warmup=6",
                                   "onebitadam:warmup=5,warmup_compressor='int8:warmup=0'",
                                   "onebitadam:warmup=4,local_momentum=True,compressor='topk:warmup=0'",
                                   "diloco:sync_every=3", "diloco:sync_every=4,fragments=2,overlap=1,compressor='int4'"])

@@ -95,7 +95,7 @@ def _reduce_steps(comm, spec: str, shape: tuple[int, ...], steps: int, resume_at
 
 
 def rank_recipes_and_onebit_adam_settle_together():
-    """A recipe and OneBitAdam with warmup='auto' end their warm-up on the same step on every rank
+    """A recipe, OneBitAdam and DGC with warmup='auto' end their warm-up on the same step on every rank
     (agreed before every bucket), say so in stats(), compress afterwards, and a run resumed from a
     checkpoint taken in the warm-up (in its 4-bit part, ``warmup_bits=4``) ends it on the same step,
     with the same bits."""
@@ -143,7 +143,31 @@ def rank_recipes_and_onebit_adam_settle_together():
         resumed.step([_gradient(comm.rank, step, n)])
     assert resumed.stats()["warmup_ended_at"] == s["warmup_ended_at"]
     assert np.array_equal(copy[0], params[0]), "a resumed OneBitAdam froze elsewhere"
-    print(f"rank {comm.rank}: settled at {ended} and {s['warmup_ended_at']}", flush=True)
+
+    # DGC: the ramp's first level (25%) until the averaged update settles, then the other levels
+    # with the fixed ramp's gaps (10 steps each at ratio 0.01), then 1%
+    params = [np.ones(n, np.float32)]
+    dgc = gc.optim.DGC(params, lr=1e-3, warmup="auto", comm=comm)
+    phases = []
+    for step in range(140):
+        if step == 45:
+            saved, copy = dgc.state_dict(), [p.copy() for p in params]
+        dgc.step([_gradient(comm.rank, step, n)])
+        phases.append(dgc.phase())
+    d = dgc.stats()
+    end = d["warmup_ended_at"]
+    assert end is not None and 40 <= end < 100 and "settled" in d["warmup_reason"], d
+    assert set(phases[:end - 1]) == {"kept 0.25"}, phases[:end]
+    assert phases[end - 1:end + 31:10] == ["kept 0.0625", "kept 0.015625", "kept 0.01", "kept 0.01"], phases[end - 2:]
+    ends = comm.allgather(np.array([end], np.int64))[:, 0]
+    assert (ends == end).all(), f"ranks ended DGC's first level at {ends}"
+    resumed = gc.optim.DGC(copy, lr=1e-3, warmup="auto", comm=comm)
+    resumed.load_state_dict(saved)
+    for step in range(45, 140):
+        resumed.step([_gradient(comm.rank, step, n)])
+    assert resumed.stats()["warmup_ended_at"] == end
+    assert np.array_equal(copy[0], params[0]), "a resumed DGC ramped elsewhere"
+    print(f"rank {comm.rank}: settled at {ended}, {s['warmup_ended_at']} and {end}", flush=True)
 
 
 def test_recipes_and_onebit_adam_settle_together():

@@ -183,6 +183,53 @@ def rank_onebit_adam_resumes_inside_a_lossy_warmup():
     print(f"rank {launch.rank}: ok", flush=True)
 
 
+def rank_auto_warmups_checkpoint_through_torch():
+    """The adaptive warm-ups as shipped (the ``onebit`` hook's, ``OneBitAdam``'s default, ``DGC``'s
+    ``warmup="auto"``) keep a reason in their state, as text: their checkpoints go through
+    torch.save / torch.load(weights_only=True) and resume bit for bit (they once failed to save)."""
+    import io
+
+    import torch.nn.functional as F
+
+    torch, gt, launch, model, x, y = _setup()
+    from torch.nn.parallel import DistributedDataParallel
+
+    from examples.torch_ddp import DigitsCNN
+
+    def fresh():
+        torch.manual_seed(0)
+        return DistributedDataParallel(DigitsCNN(), bucket_cap_mb=0.01)
+
+    builds = {  # each: (model) -> (something with state_dict / load_state_dict, the optimizer)
+        "onebit hook": lambda net: (gt.register(net, "onebit"), torch.optim.SGD(net.parameters(), lr=0.05)),
+        "OneBitAdam": lambda net: (lambda o: (o, o))(gt.OneBitAdam(net.parameters(), lr=3e-3, model=net)),
+        "DGC auto": lambda net: (lambda o: (o, o))(gt.DGC(net.parameters(), lr=0.05, warmup="auto", model=net)),
+    }
+    for what, build in builds.items():
+        net = fresh()
+        state, opt = build(net)
+
+        def run(net, opt, its):
+            for it in its:
+                xb, yb = _batch(x, y, it, launch.rank, launch.size)
+                opt.zero_grad()
+                F.cross_entropy(net(xb), yb).backward()
+                opt.step()
+
+        run(net, opt, range(4))
+        buffer = io.BytesIO()
+        torch.save({"model": net.module.state_dict(), "state": state.state_dict()}, buffer)
+        run(net, opt, range(4, 8))
+        loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+        again = fresh()
+        again.module.load_state_dict(loaded["model"])
+        state2, opt2 = build(again)
+        state2.load_state_dict(loaded["state"])
+        run(again, opt2, range(4, 8))
+        assert _digest(again) == _digest(net), f"{what}: the resumed run differs from the uninterrupted one"
+    print(f"rank {launch.rank}: ok", flush=True)
+
+
 def rank_hook_state_without_names_is_refused():
     """PyTorch's hook-pickling pattern, ported: PowerSGD state saved from ``register(model, ...)``
     (keyed by parameter name) and attached to a fresh model through ``comm_hook`` +
@@ -309,6 +356,7 @@ def rank_ddp_parameters_need_the_model():
                                    "rank_pickled_compressor_without_names_is_refused",
                                    "rank_onebit_adam_is_adamw_then_compresses", "rank_dgc_on_ddp",
                                    "rank_onebit_adam_resumes_inside_a_lossy_warmup",
-                                   "rank_hook_state_without_names_is_refused"])
+                                   "rank_hook_state_without_names_is_refused",
+                                   "rank_auto_warmups_checkpoint_through_torch"])
 def test_torch_optimizers(check):
     run_ranks(2, f"tests.torch_adapter.test_torch_optim:{check}", timeout=300)
