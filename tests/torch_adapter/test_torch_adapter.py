@@ -457,6 +457,47 @@ def rank_failing_compressor(which: str):
     raise AssertionError(f"rank {e.rank}: training finished although rank 1's compressor failed")
 
 
+def rank_every_name_checkpoints_through_torch():
+    """Every registered name as shipped, its state taken mid-run (in an adaptive warm-up for
+    those that have one, and after it): through to_torch_state, torch.save and
+    torch.load(weights_only=True) into a fresh compressor, which continues bit for bit."""
+    import io
+    import warnings
+
+    import torch
+
+    import gradcomp as gc
+    from gradcomp.torch.checkpoint import from_torch_state, to_torch_state
+
+    comm = gc.MPICommunicator()
+    shapes = [(40, 30), (700,)]
+    n = sum(int(np.prod(s)) for s in shapes)
+
+    def grad(step):
+        rng = np.random.default_rng([comm.rank, step])
+        return (10.0 ** (-min(step, 40) / 40) * rng.standard_normal(n)).astype(np.float32)
+
+    def reduce(method, step):
+        return method.reduce(gc.Bucket(grad(step), 0, shapes), comm).result().copy()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # randomk's advice
+        for name in sorted(gc.REGISTRY):
+            for stop in (5, 90):
+                straight, first = gc.make(name), gc.make(name)
+                for step in range(stop):
+                    reduce(straight, step)
+                    reduce(first, step)
+                buffer = io.BytesIO()
+                torch.save(to_torch_state(first.state_dict()), buffer)
+                resumed = gc.make(name)
+                resumed.load_state_dict(from_torch_state(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)))
+                for step in range(stop, stop + 3):
+                    a, b = reduce(straight, step), reduce(resumed, step)
+                    assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{name}: resumed at {stop} differs"
+    print(f"rank {comm.rank}: ok", flush=True)
+
+
 def rank_units():
     """One-rank checks of the API surface."""
     import torch
@@ -588,6 +629,10 @@ def test_failing_compressor_ends_job(which):
     # on a loaded 2-core CI machine)
     assert "RANK1-CAUGHT-FROM-BACKWARD" in out and "flaky compressor failed on purpose" in out, out
     assert "training finished although" not in out, out
+
+
+def test_every_name_checkpoints_through_torch():
+    run_ranks(2, "tests.torch_adapter.test_torch_adapter:rank_every_name_checkpoints_through_torch", timeout=240)
 
 
 def test_units_one_rank():
