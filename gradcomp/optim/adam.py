@@ -45,7 +45,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..arrays import Array, array_module, sum_of_squares
+from ..arrays import Array, array_module
 from ..comm import Communicator
 from ..compressors.allreduce import Allreduce
 from ..compressors.base import Compressor
@@ -54,7 +54,7 @@ from ..compressors.quantize import OneBit
 from ..params import check_bool, check_float, check_int
 from ..registry import make, steady
 from ..schedule import Schedule
-from ..settling import Settling, take_settling, with_settling
+from ..settling import Settling
 from .base import Hyper, Optimizer
 
 
@@ -168,7 +168,7 @@ class OneBitAdam(Optimizer):
                 v += v.dtype.type(1 - b2) * g * g
             second = 1 - b2 ** t
             if self.settling is not None:
-                self._observe()
+                self._observe(self._sent)
         elif self.local_momentum:
             second = 1 - b2 ** min(t - 1, self._freeze)
             for s, m, g, d in zip(self._sent, self.m, grads, self._denominators(second)):
@@ -216,38 +216,20 @@ class OneBitAdam(Optimizer):
             p -= kind(rate / first) * m / denom
         self.steps += 1
 
-    def _observe(self) -> None:
-        """Feed the averaged gradients' scale (each tensor's mean square) to ``settling``; when it
-        has settled, the next step is the first frozen one (the same step on every rank: the
-        gradients were averaged)."""
-        assert self.settling is not None
-        levels = [sum_of_squares(g) / max(g.size, 1) for g in self._sent]
-        if self.settling.observe(levels, [g.size for g in self._sent]):
-            self._freeze = self.steps + 1
-            self._schedule.start_later_stages(self._freeze)
-
-    def stats(self) -> dict[str, Any]:
-        s = super().stats()
-        if self.settling is not None:
-            s.update(self.settling.stats())
-        return s
-
-    def state_dict(self) -> dict[str, Any]:
-        return with_settling(super().state_dict(), self.settling)
+    def _settled(self, end: int) -> None:
+        """The averaged gradients settled: step ``end`` is the first frozen one (the same step on
+        every rank: they were averaged)."""
+        self._freeze = end
+        self._schedule.start_later_stages(end)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         state = dict(state)
-        settling = take_settling(state, self.settling)
         saved = str(np.asarray(state.get("config", "")))
         if self._warmup_config and saved and "warmup_compressor=" not in saved:
             raise ValueError(f"OneBitAdam state: saved by {saved}, whose warm-up averaged exactly (the "
                              "default before warmup_compressor, now int8); to resume it, construct "
                              "OneBitAdam(..., warmup_compressor='allreduce')")
         super().load_state_dict(state)
-        if settling is not None:
-            self.settling = settling
-            self._freeze = settling.end
-            self._schedule.start_later_stages(self._freeze)
         self._frozen = None  # the denominators follow the loaded variance
         self._alive = None
 

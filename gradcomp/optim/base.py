@@ -25,6 +25,7 @@ from ..comm import Communicator, Workspace, default_communicator
 from ..compressors.base import Compressor, run_stage
 from ..params import check_float
 from ..reducer import GradientReducer
+from ..settling import Settling, take_settling, with_settling
 from ..state import check_array, reject_leftovers, take_config, take_int
 
 Hyper = float | Sequence[float]
@@ -132,7 +133,10 @@ class Optimizer:
     """Base class: parameters, hyperparameters per parameter, the exchange, checkpoints.
 
     Subclasses set ``_arrays`` (name -> list of state arrays shaped like the parameters), build
-    their exchange with ``_exchange(compressor)`` and implement ``step`` and ``config``.
+    their exchange with ``_exchange(compressor)`` and implement ``step`` and ``config``. One whose
+    warm-up ends when the scale settles (``warmup="auto"``) sets ``settling``, feeds it with
+    ``_observe`` and moves what depends on the end in ``_settled``; its stats and checkpoints
+    carry the decision.
     """
 
     #: the divergence guard's advice when the exchange's residual runs away
@@ -149,6 +153,7 @@ class Optimizer:
         self.steps = 0
         self._step_lr = self.lr
         self._arrays: dict[str, list[Array]] = {}
+        self.settling: Settling | None = None
         self.reducer: GradientReducer  # set by ``_exchange``, which every subclass calls
         self.compressor: Compressor
 
@@ -167,6 +172,17 @@ class Optimizer:
     def describe(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"{type(self).__name__}({fields})"
+
+    def _settled(self, end: int) -> None:
+        """The warm-up ended: step ``end`` is the first after it (decided now, or loaded)."""
+
+    def _observe(self, averaged: Sequence[Array]) -> None:
+        """Feed ``settling`` each tensor's mean square of ``averaged`` (the exchange's output,
+        the same bits on every rank, so every rank ends on the same step)."""
+        assert self.settling is not None
+        if self.settling.observe([sum_of_squares(a) / max(a.size, 1) for a in averaged],
+                                 [a.size for a in averaged]):
+            self._settled(self.steps + 1)
 
     def __repr__(self) -> str:
         return self.describe()
@@ -207,8 +223,10 @@ class Optimizer:
         return grads
 
     def stats(self) -> dict[str, Any]:
-        """The exchange's traffic (``Compressor.stats``) plus the optimizer's step and phase."""
-        return {**self.compressor.stats(), "optimizer_step": self.steps, "phase": self.phase()}
+        """The exchange's traffic (``Compressor.stats``) plus the optimizer's step and phase, and
+        with ``settling``, when and why the warm-up ended."""
+        out = {**self.compressor.stats(), "optimizer_step": self.steps, "phase": self.phase()}
+        return out if self.settling is None else {**out, **self.settling.stats()}
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -219,7 +237,7 @@ class Optimizer:
             for i, a in enumerate(arrays):
                 out[f"{name}/{i}"] = np.array(_host(a), copy=True)
         out.update({f"exchange/{k}": v for k, v in self.compressor.state_dict().items()})
-        return out
+        return with_settling(out, self.settling)
 
     def _take_arrays(self, state: dict[str, Any], owner: str) -> dict[str, list[np.ndarray]]:
         """Pop every per-parameter array (``NAME/i``) from ``state``, checked against this
@@ -242,12 +260,16 @@ class Optimizer:
         step = take_int(state, "step", owner)
         loaded = self._take_arrays(state, owner)
         exchange = {k[len("exchange/"):]: state.pop(k) for k in [k for k in state if k.startswith("exchange/")]}
+        settling = take_settling(state, self.settling)
         reject_leftovers(state, owner)
         self.compressor.load_state_dict(exchange, self.reducer.shapes)
         for name, arrays in self._arrays.items():
             for a, value in zip(arrays, loaded[name]):
                 a[...] = array_module(a).asarray(value)
         self.steps = step
+        if settling is not None:
+            self.settling = settling
+            self._settled(settling.end)
 
 
 def _host(a: Array) -> np.ndarray:

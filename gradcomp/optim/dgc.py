@@ -29,16 +29,16 @@ to the gradient, as ``torch.optim.SGD`` does.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-from ..arrays import Array, array_module, sum_of_squares
+from ..arrays import Array, array_module
 from ..comm import Communicator
 from ..compressors.feedback import ErrorFeedback
 from ..compressors.sparse import ReducedTopK, TopK
 from ..params import check_choice, check_float, check_int
 from ..planning.recipes import sparsity_ramp
 from ..schedule import Schedule
-from ..settling import Settling, take_settling, with_settling
+from ..settling import Settling
 from .base import Hyper, Optimizer, global_norm
 
 #: the sparsity ramp's default length. 30 steps trained as well as the earlier 100 on every
@@ -128,30 +128,8 @@ class DGC(Optimizer):
                 u[acc.reshape(u.shape) == 0] = 0  # sent from here: its momentum goes with it
             p -= p.dtype.type(rate) * s
         if self.settling is not None and self.settling.warm:
-            self._observe()
+            self._observe(self._sent)
         self.steps += 1
 
-    def _observe(self) -> None:
-        """Feed the averaged update's scale (each tensor's mean square, the same bits on every
-        rank) to ``settling``; when it has settled, the next step starts the rest of the ramp."""
-        assert self.settling is not None
-        if self.settling.observe([sum_of_squares(s) / max(s.size, 1) for s in self._sent],
-                                 [s.size for s in self._sent]):
-            self.ramp.start_later_stages(self.steps + 1)
-
-    def stats(self) -> dict[str, Any]:
-        s = super().stats()
-        if self.settling is not None:
-            s.update(self.settling.stats())
-        return s
-
-    def state_dict(self) -> dict[str, Any]:
-        return with_settling(super().state_dict(), self.settling)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        state = dict(state)
-        settling = take_settling(state, self.settling)
-        super().load_state_dict(state)
-        if settling is not None:
-            self.settling = settling
-            self.ramp.start_later_stages(settling.end)
+    def _settled(self, end: int) -> None:
+        self.ramp.start_later_stages(end)  # the rest of the ramp, with its gaps

@@ -31,6 +31,17 @@ def _batch(x, y, it, rank, size, n=16):
     return x[start:start + n], y[start:start + n]
 
 
+def _train(net, opt, its, x, y, launch) -> None:
+    """Cross-entropy steps of ``net`` with ``opt`` on this rank's batches of iterations ``its``."""
+    import torch.nn.functional as F
+
+    for it in its:
+        xb, yb = _batch(x, y, it, launch.rank, launch.size)
+        opt.zero_grad()
+        F.cross_entropy(net(xb), yb).backward()
+        opt.step()
+
+
 def _digest(model) -> str:
     import hashlib
 
@@ -143,8 +154,6 @@ def rank_onebit_adam_resumes_inside_a_lossy_warmup():
     freeze, and the warm-up sends fewer bytes than fp32."""
     import io
 
-    import torch.nn.functional as F
-
     torch, gt, launch, model, x, y = _setup()
     from torch.nn.parallel import DistributedDataParallel
 
@@ -154,11 +163,7 @@ def rank_onebit_adam_resumes_inside_a_lossy_warmup():
         return gt.OneBitAdam(net.parameters(), lr=3e-3, warmup=8, warmup_compressor="int8:warmup=2", model=net)
 
     def run(net, opt, its):
-        for it in its:
-            xb, yb = _batch(x, y, it, launch.rank, launch.size)
-            opt.zero_grad()
-            F.cross_entropy(net(xb), yb).backward()
-            opt.step()
+        _train(net, opt, its, x, y, launch)
 
     opt = build(model)
     run(model, opt, range(2))  # int8's own exact steps
@@ -189,8 +194,6 @@ def rank_auto_warmups_checkpoint_through_torch():
     torch.save / torch.load(weights_only=True) and resume bit for bit (they once failed to save)."""
     import io
 
-    import torch.nn.functional as F
-
     torch, gt, launch, model, x, y = _setup()
     from torch.nn.parallel import DistributedDataParallel
 
@@ -208,24 +211,16 @@ def rank_auto_warmups_checkpoint_through_torch():
     for what, build in builds.items():
         net = fresh()
         state, opt = build(net)
-
-        def run(net, opt, its):
-            for it in its:
-                xb, yb = _batch(x, y, it, launch.rank, launch.size)
-                opt.zero_grad()
-                F.cross_entropy(net(xb), yb).backward()
-                opt.step()
-
-        run(net, opt, range(4))
+        _train(net, opt, range(4), x, y, launch)
         buffer = io.BytesIO()
         torch.save({"model": net.module.state_dict(), "state": state.state_dict()}, buffer)
-        run(net, opt, range(4, 8))
+        _train(net, opt, range(4, 8), x, y, launch)
         loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
         again = fresh()
         again.module.load_state_dict(loaded["model"])
         state2, opt2 = build(again)
         state2.load_state_dict(loaded["state"])
-        run(again, opt2, range(4, 8))
+        _train(again, opt2, range(4, 8), x, y, launch)
         assert _digest(again) == _digest(net), f"{what}: the resumed run differs from the uninterrupted one"
     print(f"rank {launch.rank}: ok", flush=True)
 
