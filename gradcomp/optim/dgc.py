@@ -57,9 +57,9 @@ class DGC(Optimizer):
 
     ``ratio``: the kept fraction after the warm-up (0.01: 1%, 25x fewer bytes than fp32 allreduce
     at 4 ranks; top-k is allgathered, so the saving shrinks as ranks are added). ``warmup``: steps
-    of the sparsity ramp, or ``"auto"`` (its first level until the scale settles). ``clip_norm``: local gradient clipping (None: off). ``stages``: 1, top-k
-    allgathered; 2, reduced in two stages (``topk:stages=2``'s exchange: ``ratio=0.02`` is 25x at
-    any number of ranks).
+    of the sparsity ramp, or ``"auto"`` (its first level until the scale settles). ``clip_norm``:
+    local gradient clipping (None: off). ``stages``: 1, top-k allgathered; 2, reduced in two
+    stages (``topk:stages=2``'s exchange: ``ratio=0.02`` is 25x at any number of ranks).
     """
 
     runaway_advice = ("lengthen the sparsity warm-up (warmup=...), lower the learning rate, or keep "
