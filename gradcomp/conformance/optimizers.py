@@ -131,11 +131,9 @@ def _local(opt) -> bool:
 
 def _warmup(opt) -> int:
     """The most steps ``opt``'s warm-up can last: ``warmup="auto"`` ends by its settling's latest."""
-    warmup = getattr(opt, "warmup", 0)
-    if warmup == "auto":
-        settling = getattr(opt, "settling", None)
-        return settling.latest if settling is not None else 0
-    return int(warmup)
+    if opt.warmup == "auto":
+        return opt.settling.latest if opt.settling is not None else 0
+    return int(opt.warmup)
 
 
 def check_replicas(kit: OptimizerKit) -> None:

@@ -97,26 +97,16 @@ def rank_guard_sees_the_inner_stage():
     judges the inner recipe's residuals within the inner stage that reduced them, as it does
     without the hierarchy (``Compressor.regime``)."""
     import gradcomp as gc
-    from gradcomp.compressors.guard import Guard
     from gradcomp.compressors.hierarchical import Hierarchical
-
-    seen = []
-    measure = Guard.measure
-
-    def spy(self, bucket, residuals, gradients, regime=()):
-        seen.append(regime)
-        return measure(self, bucket, residuals, gradients, regime)
+    from tests.planning.test_recipes import regimes_judged
 
     comm = gc.MPICommunicator()
     comp = Hierarchical(gc.make("topk:warmup=0,ramp=40"))  # stages from 0, 13, 26, 40
     rng = np.random.default_rng(comm.rank)
     n = sum(int(np.prod(s)) for s in SHAPES)
-    Guard.measure = spy
-    try:
+    with regimes_judged() as seen:
         for step in range(50):
             comp.reduce(gc.Bucket(rng.standard_normal(n).astype(np.float32), 0, SHAPES), comm).result()
-    finally:
-        Guard.measure = measure
     assert seen == [(0,), (1,), (2,), (2,), (3,)], seen  # checks at steps 9, 19, 29, 39, 49
     print(f"rank {comm.rank}: ok", flush=True)
 

@@ -2,6 +2,8 @@
 tensor claims, under real mpiexec."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -204,6 +206,25 @@ def test_an_optimizer_drops_a_named_codes_warmup_unless_given():
         comm.close()
 
 
+@contextlib.contextmanager
+def regimes_judged():
+    """The regime of every residual check the divergence guard makes meanwhile, in order."""
+    from gradcomp.compressors.guard import Guard
+
+    seen: list = []
+    measure = Guard.measure
+
+    def spy(self, bucket, residuals, gradients, regime=()):
+        seen.append(regime)
+        return measure(self, bucket, residuals, gradients, regime)
+
+    Guard.measure = spy
+    try:
+        yield seen
+    finally:
+        Guard.measure = measure
+
+
 def test_the_guard_judges_each_stage_on_its_own():
     """A residual 20x its gradient, steady, after a stage whose residuals were 1x (an 8-bit
     warm-up, a ramp's first level) is no runaway: the smallest residuals are forgotten when the
@@ -229,16 +250,8 @@ def test_the_guard_judges_each_stage_on_its_own():
         guard.measure(other, {other.keys[0]: np.ones(100, np.float32)}, [1.0], (1,))
     assert guard.flag and list(guard.runaway) == ["0.0"], guard.stats()
 
-    seen = []
-    measure = Guard.measure
-
-    def spy(self, bucket, residuals, gradients, regime=()):
-        seen.append(regime)
-        return measure(self, bucket, residuals, gradients, regime)
-
     comm = gc.MPICommunicator()
-    try:
-        Guard.measure = spy
+    with regimes_judged() as seen, contextlib.closing(comm):
         ramped = gc.make("topk:warmup=0,ramp=40")              # stages from 0, 13, 26, 40
         halved = gc.make("fp16-powersgd:start_iter=3")          # FP16(PowerSGD): no stages
         dgc = gc.optim.DGC([np.zeros(4000, np.float32)], warmup=40, comm=comm)
@@ -248,9 +261,6 @@ def test_the_guard_judges_each_stage_on_its_own():
             ramped.reduce(gc.Bucket(g.copy(), 0, [(40, 100)]), comm).result()
             halved.reduce(gc.Bucket(g.copy(), 0, [(40, 100)]), comm).result()
             dgc.step([g.copy()])
-    finally:
-        Guard.measure = measure
-        comm.close()
     # checks at steps 9, 19, 29, 39, 49 of each, interleaved: the ramp's stages, none, DGC's ramp
     assert seen[0::3] == [(0,), (1,), (2,), (2,), (3,)], seen
     assert seen[1::3] == [()] * 5, seen
