@@ -96,6 +96,14 @@ def params_digest(params) -> np.ndarray:
     return np.frombuffer(h.digest(), dtype=np.uint8)
 
 
+def traffic(before: dict, after: dict) -> dict:
+    """Bytes per step and compression ratio (against fp32 allreduce) between two ``stats()``."""
+    steps = max(after["steps"] - before.get("steps", 0), 1)
+    sent = after["bytes_sent"] - before.get("bytes_sent", 0.0)
+    ref = after["reference_bytes"] - before.get("reference_bytes", 0.0)
+    return dict(bytes_sent_per_step=sent / steps, compression_ratio=ref / sent if sent else 1.0)
+
+
 def build_transform(args, comm, total_steps: int):
     schedule = optax.cosine_decay_schedule(args.lr, total_steps)
     """(the optax transformation, its gradcomp link: traffic figures and checkpoints)."""
@@ -142,8 +150,10 @@ def main(argv=None) -> dict:
         return optax.apply_updates(params, updates), state, loss
 
     step_fn = inside if args.jit == "inside" else outside
-    step_times, epoch_losses = [], []
+    step_times, epoch_losses, last_epoch_start = [], [], {}
     for epoch in range(args.epochs):
+        if epoch == args.epochs - 1:
+            last_epoch_start = dict(link.stats())
         order = np.random.default_rng([args.seed, epoch, comm.rank]).permutation(len(x))
         losses = []
         for b in range(steps_per_epoch):
@@ -164,7 +174,12 @@ def main(argv=None) -> dict:
                    jit=args.jit, ranks=comm.size, epochs=args.epochs, steps=total_steps, seed=args.seed,
                    epoch_losses=epoch_losses, test_accuracy=accuracy(params, x_test, y_test),
                    time_per_step_s=float(np.median(step_times)), bytes_sent=stats.get("bytes_sent"),
+                   run=traffic({}, stats), last_epoch=traffic(last_epoch_start, stats),
                    weight_digests=[bytes(d).hex() for d in digests], weights_identical=identical)
+    last, run = summary["last_epoch"], summary["run"]
+    say(f"traffic: last epoch {last['bytes_sent_per_step']:,.0f} bytes sent per rank per step, compression "
+        f"ratio {last['compression_ratio']:.2f}; whole run (any warm-up included) ratio "
+        f"{run['compression_ratio']:.2f}, {summary['bytes_sent']:,.0f} bytes sent per rank")
     say(f"test accuracy {summary['test_accuracy']:.4f}; median time per step "
         f"{1e3 * summary['time_per_step_s']:.2f} ms; parameters identical on every rank: {identical}")
     if comm.rank == 0 and args.json:

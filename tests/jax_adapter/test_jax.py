@@ -464,4 +464,8 @@ def test_example_trains_with_identical_replicas(tmp_path):
     assert summary["weights_identical"] and len(set(summary["weight_digests"])) == 1
     assert summary["test_accuracy"] > 0.85, summary["test_accuracy"]
     assert summary["bytes_sent"] > 0
+    # int8 after its 50 exact steps: about 4x in the last epoch, less over the whole run
+    assert 3.5 < summary["last_epoch"]["compression_ratio"] < 4.1, summary["last_epoch"]
+    assert 1.0 < summary["run"]["compression_ratio"] < summary["last_epoch"]["compression_ratio"], summary["run"]
+    assert "bytes sent per rank per step" in result.output and "compression ratio" in result.output
 
