@@ -153,7 +153,8 @@ def main(argv=None) -> dict:
     steps_per_epoch = len(x) // args.batch_size
     total_steps = args.epochs * steps_per_epoch
     say = print if comm.rank == 0 else (lambda *a, **k: None)
-    say(f"{args.compressor}: {compressor!r} on {comm.size} ranks, {len(x)} training samples per rank, "
+    ran = f"{args.compressor if optimizer is None else args.optimizer}: {compressor!r}"  # an optimizer's: its exchange too
+    say(f"{ran} on {comm.size} ranks, {len(x)} training samples per rank, "
         f"{steps_per_epoch} steps per epoch")
 
     step_times, epoch_losses, test_curve, last_epoch_start = [], [], [], compressor.stats()

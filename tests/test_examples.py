@@ -104,3 +104,15 @@ def test_diloco_example_learns_and_ranks_agree(tmp_path):
     # one int8 exchange per 10 steps against an fp32 allreduce at every step: far more than 10x
     assert s["compression_ratio"] > 20, s
     assert "DiLoCo(sync_every=10" in proc.stdout and "weights identical on every rank: True" in proc.stdout
+
+
+def test_numpy_mlp_names_the_optimizer_that_ran(tmp_path):
+    """``--optimizer dgc`` ran DGC, not the unused ``--compressor`` default: the first line and the
+    JSON say so."""
+    out = tmp_path / "summary.json"
+    proc = run([mpiexec(), "-n", str(RANKS), sys.executable, "examples/numpy_mlp.py", "--optimizer", "dgc",
+                "--lr", "0.01", "--epochs", "1", "--json", str(out)])
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("dgc: DGC(") and "allreduce" not in first.split(" on ")[0], first
+    s = json.loads(out.read_text())
+    assert s["optimizer"] == "dgc" and s["config"].startswith("DGC("), s["config"]
