@@ -312,6 +312,7 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
         raise TypeError(f"gradcomp.torch.register expects a DistributedDataParallel model or the root of an "
                         f"FSDP2 model (fully_shard), got {type(ddp_model).__name__}; wrap it first: "
                         "DistributedDataParallel(model), or fully_shard(model)")
+    _check_no_hook_yet(ddp_model)
     if comm is None:
         group = getattr(ddp_model, "process_group", None)
         if group is not None and dist.get_world_size(group) != dist.get_world_size():
@@ -332,8 +333,25 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
     state.names = {id(p): name for name, p in named}
     state.shapes = {name: tuple(p.shape) if p.dim() else (1,) for name, p in named}
     ddp_model.register_comm_hook(state, hook)
+    ddp_model._gradcomp_state = state  # what a second register names
     advice.watch(state, ddp_model.module.parameters())
     return state
+
+
+def _check_no_hook_yet(ddp_model: DistributedDataParallel) -> None:
+    """A ``ValueError`` saying what to do where DDP would refuse a second communication hook with
+    its bare RuntimeError ("can only be called once"), before anything changes."""
+    earlier = getattr(ddp_model, "_gradcomp_state", None)
+    if earlier is not None:
+        raise ValueError(f"gradcomp.torch.register: this DistributedDataParallel model already has gradcomp's "
+                         f"hook ({earlier.compressor.describe()}), and DDP takes one communication hook per "
+                         "model. Keep the HookState the first register returned (restore a checkpoint with "
+                         "its load_state_dict), or wrap the module in a new DistributedDataParallel to use "
+                         "another compressor")
+    if getattr(ddp_model, "_comm_hooks", None):
+        raise ValueError("gradcomp.torch.register: this DistributedDataParallel model already has a "
+                         "communication hook (register_comm_hook was called on it), and DDP takes one per "
+                         "model; register gradcomp on a DistributedDataParallel model without one")
 
 
 def plain_ddp_stats(ddp_model: DistributedDataParallel, steps: int) -> dict[str, Any]:

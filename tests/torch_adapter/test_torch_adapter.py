@@ -534,6 +534,19 @@ def rank_units():
     # gloo collectives on a 2-rank job are checked by the DDP tests; the hook also accepts names
     _, params, state = e.train(e.hook("allreduce", None), iters=2)
     assert isinstance(state.comm, gc.MPICommunicator), "under mpiexec the default transport is MPI"
+    # a second register on the same model: gradcomp's error saying what to do, not DDP's bare one
+    model = torch.nn.parallel.DistributedDataParallel(e.fresh_model())
+    first = gt.register(model, "int8", e.mpi)
+    with pytest.raises(ValueError, match=r"already has gradcomp's hook \(int8.*new DistributedDataParallel"):
+        gt.register(model, "fp16", e.mpi)
+    with pytest.raises(ValueError, match="already has gradcomp's hook"):
+        gt.register(model, None, e.mpi, state=first)
+    model = torch.nn.parallel.DistributedDataParallel(e.fresh_model())
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    with pytest.raises(ValueError, match="already has a communication hook"):
+        gt.register(model, "int8", e.mpi)
     _check_adam_advice(e)
     # the example's training function end to end (two epochs, one rank)
     from examples.torch_ddp import train
