@@ -13,6 +13,7 @@ import atexit
 import datetime
 import os
 import socket
+import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -84,6 +85,8 @@ def init_process_group(backend: str | None = None, timeout: datetime.timedelta |
 
     if dist.is_initialized():
         return _already_started(rank, size, local_rank, device, "MPI")
+    if size == 1 and not launched_by_mpi():
+        _say_one_rank()
 
     smallest_host = np.array([local_size], dtype=np.int64)
     world.Allreduce(MPI.IN_PLACE, smallest_host, op=MPI.MIN)
@@ -104,6 +107,21 @@ def init_process_group(backend: str | None = None, timeout: datetime.timedelta |
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, **kwargs)
     exits.guard().at_clean_exit(_destroy_process_group)
     return Launch(rank, size, local_rank, device, backend)
+
+
+_SAID_ONE_RANK = False
+
+
+def _say_one_rank() -> None:
+    """Once per process: plain ``python train.py`` is a one-rank job, which is easy to start by
+    mistake (nothing fails, nothing is averaged)."""
+    global _SAID_ONE_RANK
+    if not _SAID_ONE_RANK:
+        _SAID_ONE_RANK = True
+        warnings.warn("gradcomp.torch.init_process_group: no launcher started this process (plain "
+                      "python), so the job is one rank and nothing travels between processes; for N "
+                      "ranks start it with 'mpiexec -n N python ...' or 'torchrun --nproc_per_node N ...'",
+                      stacklevel=3)
 
 
 def _from_torchrun(backend: str | None, timeout: datetime.timedelta | None) -> Launch:

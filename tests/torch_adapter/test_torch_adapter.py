@@ -657,3 +657,24 @@ def test_import_gradcomp_does_not_import_torch():
 
     code = "import sys, gradcomp, gradcomp.compressors; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
+
+
+def test_plain_python_says_one_rank_once():
+    """``python train.py`` with no launcher is a one-rank job: init_process_group says so once (two
+    calls, one notice); under ``mpiexec -n 1`` (asked for) it says nothing."""
+    import subprocess
+
+    code = ("import warnings; warnings.simplefilter('always'); import gradcomp.torch as gt; "
+            "assert gt.init_process_group().size == 1; gt.init_process_group()")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PMI_SIZE", "PMI_RANK", "PMI_FD", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
+                        "HYDI_CONTROL_FD", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("no launcher started this process") == 1, done.stderr
+    assert "mpiexec -n N" in done.stderr and "torchrun --nproc_per_node N" in done.stderr
+    from tests.mpi_launch import mpiexec
+
+    done = subprocess.run([mpiexec(), "-n", "1", sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "no launcher" not in done.stderr, done.stderr
