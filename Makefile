@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.gradcomp-installed
 NP     ?= 4
 
-.PHONY: install test demo bench bench-capped docs clean
+.PHONY: install test test-cpus demo bench bench-capped docs clean
 
 # constraints.txt pins the versions CI tests (torch among them); setup.cfg states ranges.
 $(STAMP): setup.cfg pyproject.toml constraints.txt
@@ -28,6 +28,17 @@ $(DOCS_STAMP): $(STAMP)
 test: $(STAMP)
 	$(PY) -m mypy gradcomp
 	$(PY) -m pytest
+
+# The kernels, the codecs and the recorded bits again, compiled for other x86-64 CPUs than this
+# one (DESIGN.md, "Same bits on any CPU"): generic (no AVX, no F16C: the NumPy kernels), AVX2 and
+# AVX-512 vector widths. About a minute each on 2 cores.
+CPUS ?= generic haswell skylake-avx512
+test-cpus: $(STAMP)
+	for cpu in $(CPUS); do \
+	  echo "== NUMBA_CPU_NAME=$$cpu"; \
+	  NUMBA_CPU_NAME=$$cpu $(PY) -m pytest -q -p no:cacheprovider tests/kernels tests/compressors/test_same_bits.py \
+	    tests/compressors/test_codecs.py || exit 1; \
+	done
 
 # The digits MLP under mpiexec -n $(NP), once per compressor, one comparison table.
 demo: $(STAMP)

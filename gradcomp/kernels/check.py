@@ -1,16 +1,33 @@
-"""The self-check behind ``gradcomp.kernels.available()``: the half-precision kernels against
-NumPy / ml_dtypes on this machine (compiling them on the way)."""
+"""The self-check behind ``gradcomp.kernels.available()``: the target numba compiles for has the
+half-precision conversions in hardware, and the half-precision kernels agree with NumPy /
+ml_dtypes on this machine (compiling them on the way)."""
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import binding
+from numba.core import config
 
-from .half import decode, encode
+
+def target_has_f16c() -> bool:
+    """Whether the CPU numba compiles for (``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``, else this
+    host) converts halves in hardware. Without F16C, LLVM lowers ``base._f16_encode`` to a
+    runtime helper that numba does not link, and the first call jumps to nowhere (a crash, not an
+    exception the check below could catch): so the answer must come before anything compiles.
+    ``NUMBA_CPU_NAME=generic`` (plain x86-64) is such a target."""
+    features = config.CPU_FEATURES
+    if features is None:
+        features = binding.get_host_cpu_features().flatten()
+    return "+f16c" in features.split(",")
 
 
 def passes() -> bool:
     """Compile the kernels and compare them with NumPy / ml_dtypes on every float16 and bfloat16
-    value and on awkward float32 inputs; any failure (no F16C lowering, a numba bug) means the
-    NumPy kernels are used instead."""
+    value and on awkward float32 inputs; a target without F16C or any failure (a numba bug)
+    means the NumPy kernels are used instead."""
+    if not target_has_f16c():
+        return False
+    from .half import decode, encode
+
     try:
         import ml_dtypes
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -189,6 +189,9 @@ class Plan:
                               dtype=np.int64).reshape(-1, 6)
         self.q_placements = [(t.key, t.q_off, (t.m, t.r)) for t in mats]
         self.p_placements = [(t.key, t.p_off, (t.n, t.r)) for t in mats]
+        #: per dtype, the scratch rows of the ordered NumPy reconstruction (``products.Products``),
+        #: made on first use and kept with the plan, so that later steps allocate nothing
+        self.scratch: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
 
     @staticmethod
     def _place(mats: list[Matrix], order: list[int], attr: str, size_of: Callable[[Matrix], int]) -> int:

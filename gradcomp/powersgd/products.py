@@ -16,13 +16,36 @@ def _t(a: Array) -> Array:
     return a.swapaxes(-1, -2)
 
 
-def _decompress(xp: ArrayModule, out: Array, p: Array, q: Array) -> None:
+def _decompress(xp: ArrayModule, out: Array, p: Array, q: Array, scratch: tuple[Array, Array] | None) -> None:
     """``out = P Q^T``. At rank 1 an outer product by broadcasting: BLAS GEMM with an inner
-    dimension of 1 is many times slower than the single multiply per element it amounts to."""
-    if p.shape[-1] == 1:
+    dimension of 1 is many times slower than the single multiply per element it amounts to.
+
+    With ``scratch`` (NumPy buckets whose peers may run the compiled loops: a CPU without F16C,
+    ``GRADCOMP_JIT=0``), the r products are added in the loops' order instead of BLAS's
+    (``kernels.lowrank.reconstruct``: groups of four, ``((p0 q0 + p1 q1) + p2 q2) + p3 q3``, the
+    groups left to right, no fused multiply-add), so that this rank's mean has its peers' bits
+    (DESIGN invariant 2): P and Q are already the same on every rank, and this is the one
+    product whose result is the mean."""
+    r = p.shape[-1]
+    if r == 1:
         xp.multiply(p, _t(q), out=out)
-    else:
+        return
+    if scratch is None:
         xp.matmul(p, _t(q), out=out)
+        return
+    qt = _t(q)
+    group, term = (s[:out.size].reshape(out.shape) for s in scratch)
+    k = 0
+    while k < r:
+        width = 4 if k + 4 <= r else 1
+        acc = out if k == 0 else group
+        xp.multiply(p[..., k:k + 1], qt[..., k:k + 1, :], out=acc)
+        for i in range(k + 1, k + width):
+            xp.multiply(p[..., i:i + 1], qt[..., i:i + 1, :], out=term)
+            acc += term
+        if k:
+            out += group
+        k += width
 
 
 class Products:
@@ -32,10 +55,19 @@ class Products:
     def __init__(self, plan: Plan, xp: ArrayModule, dtype: DTypeLike):
         self.plan = plan
         self.loops: Any = None  # gradcomp.kernels.lowrank where it runs
-        if xp is np and dtype in (np.float32, np.float64) and kernels.available():
-            from ..kernels import lowrank
+        #: the ordered reconstruction's two scratch rows (NumPy without the loops: ``_decompress``)
+        self.scratch: tuple[Array, Array] | None = None
+        if xp is np and dtype in (np.float32, np.float64):
+            if kernels.available():
+                from ..kernels import lowrank
 
-            self.loops = lowrank
+                self.loops = lowrank
+            else:
+                key = np.dtype(dtype)
+                if key not in plan.scratch:
+                    largest = max((b * n * m for _, b, n, m, r, _, _ in plan.batches if r > 1), default=0)
+                    plan.scratch[key] = (np.empty(largest, key), np.empty(largest, key))
+                self.scratch = plan.scratch[key]
 
     @property
     def fused(self) -> bool:
@@ -66,4 +98,4 @@ class Products:
             return
         xp = array_module(out)
         for o, pp, qq in self.plan.views(out, p, q):
-            _decompress(xp, o, pp, qq)
+            _decompress(xp, o, pp, qq, self.scratch)
