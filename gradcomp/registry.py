@@ -146,7 +146,7 @@ def compressor_spec(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if name != "none" and name not in REGISTRY:
-        raise argparse.ArgumentTypeError(f"unknown compressor {name!r}; known: {', '.join(REGISTRY)}")
+        raise argparse.ArgumentTypeError(unknown_name(name))
     return text
 
 
@@ -163,6 +163,22 @@ def parameters(factory: Factory) -> list[str] | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
         return None
     return [p.name for p in sig.parameters.values() if p.kind in kinds]
+
+
+def unknown_name(name: str) -> str:
+    """The message for a name that is not registered: the closest registered names (``difflib``,
+    ignoring case), then every one."""
+    import difflib
+
+    names = {n.lower(): n for n in REGISTRY}
+    low = name.lower().replace("_", "-")
+    close = [names[low]] if low in names else [
+        names[n] for n in difflib.get_close_matches(low, list(names), n=2, cutoff=0.6)]
+    guess = f" (did you mean {' or '.join(repr(n) for n in close)}?)" if close else ""
+    if low.replace("-", "") in ("onebitadam", "dgc", "diloco"):  # an optimizer, not a hook's method
+        guess = (f" ({name} is an optimizer, not a compressor: gradcomp.optim, gradcomp.torch and "
+                 "gradcomp.jax have it)")
+    return f"unknown compressor {name!r}{guess}; known: {', '.join(REGISTRY)}"
 
 
 def _listed(unknown: list[str], accepted: list[str]) -> str:
@@ -184,7 +200,7 @@ def make(spec: str, **overrides: Any) -> Compressor:
     try:
         factory = REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown compressor {name!r}; known: {', '.join(REGISTRY)}") from None
+        raise ValueError(unknown_name(name)) from None
     accepted = parameters(factory)
     unknown = sorted(set(kwargs) - set(accepted)) if accepted is not None else []
     if accepted is not None and unknown:

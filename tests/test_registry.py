@@ -24,6 +24,21 @@ def test_specs_and_overrides():
         compressor_spec("nope")
 
 
+def test_unknown_names_get_a_did_you_mean():
+    import argparse
+
+    with pytest.raises(ValueError, match=r"unknown compressor 'int9' \(did you mean 'int8' or 'int4'\?\); known: "):
+        gc.make("int9")
+    with pytest.raises(ValueError, match=r"'INT8' \(did you mean 'int8'\?\)"):
+        gc.make("INT8:warmup=0")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"did you mean 'quantize-channel'\?"):
+        compressor_spec("quantize_channel")
+    with pytest.raises(ValueError, match="'onebitadam' is an optimizer|onebitadam is an optimizer"):
+        gc.make("onebitadam")
+    with pytest.raises(ValueError, match=r"unknown compressor 'zzz'; known: allreduce"):  # nothing close
+        gc.make("zzz")
+
+
 def test_register_and_refuse_duplicates():
     gc.register("test-halve", make_ep_compressor)
     try:
