@@ -248,14 +248,16 @@ def _sum_factor(op: Any, ranks: int) -> float:
                      "(a custom gradient divide factor, set_gradient_divide_factor, is not supported)")
 
 
-def scatter_names() -> list[str]:
-    """The registered names that have a reduce-scatter form (what ``register`` takes for FSDP)."""
+def scatter_names(allow_partial: bool = False) -> list[str]:
+    """The registered names that have a reduce-scatter form and that ``register`` takes for FSDP
+    (with ``allow_partial=False``, its default, not the ones that send part of each gradient)."""
     names = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # some factories warn when built (randomk)
         for name in REGISTRY:
             try:
-                if make(name).scatters:
+                made = make(name)
+                if made.scatters and (allow_partial or not sends_part(made)):
                     names.append(name)
             except Exception:  # a third-party factory that cannot be built without arguments
                 continue
@@ -314,7 +316,7 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
         lacking = [p.describe() for p in parts(compressor) if not p.scatters]
         raise ValueError(f"gradcomp.torch.register: {compressor.describe()} has no reduce-scatter form "
                          f"({lacking[0] if lacking else 'it'} cannot reduce FSDP's gradient shards); under "
-                         f"FSDP2 use one of: {', '.join(scatter_names())}")
+                         f"FSDP2 use one of: {', '.join(scatter_names(allow_partial))}")
     if sends_part(compressor) and not allow_partial:
         raise ValueError(f"gradcomp.torch.register: {compressor.describe()} sends a 1-bit, sparse or low-rank "
                          "part of each gradient, and under FSDP2 with Adam(W) such methods did not reach "

@@ -246,6 +246,9 @@ def rank_refusals():
             with pytest.raises(ValueError) as refused:
                 gt.register(model, name)
             assert all(n in str(refused.value) for n in needles), (name, refused.value)
+            if "no reduce-scatter form" in needles:  # what it suggests, FSDP takes
+                listed = str(refused.value).split("use one of: ")[1].split(", ")
+                assert "int8" in listed and not {"onebit", "topk", "powersgd"} & set(listed), refused.value
     try:
         gt.register(_model(), "int8")
     except TypeError as exc:
