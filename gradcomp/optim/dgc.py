@@ -1,17 +1,25 @@
-"""Deep Gradient Compression: momentum SGD that sends the top-k of each rank's accumulated velocity.
+"""Deep Gradient Compression: momentum SGD whose exchange sends the top-k of each rank's values.
 
-Top-k with error feedback on raw gradients, under momentum SGD, sends a coordinate's gradient
-late and then lets the momentum multiply it (Lin et al., ICLR 2018, section 3.2). DGC moves the
-momentum in front of the compression instead, on every rank:
+Two forms of momentum (``momentum_form``):
 
-* **momentum correction**: ``u = momentum * u + g`` (the rank's own velocity) and ``acc += u``; the
-  top ``ratio`` of ``acc`` by magnitude is sent (values and positions, allgathered) and cleared
-  from ``acc``, the rest waits. ``acc`` is the error-feedback residual of the exchange
-  (``ErrorFeedback(TopK)``), so it is checkpointed and handed over like any other residual;
-* **momentum factor masking**: where a value was sent, ``u`` is cleared too, so stale momentum does
-  not push the same coordinate again;
+* ``"global"`` (the default): each rank sends the top ``ratio`` of its gradient plus what it has
+  not sent yet (``ErrorFeedback(TopK)``: the residual is checkpointed and handed over like any
+  other), and the momentum runs on the averaged sparse update, ``v = momentum * v + (mean +
+  weight_decay * p)``, ``p -= lr * v``, the same bits on every rank (the global momentum of Zhao et
+  al., "Global Momentum Compression", 2019). Every gradient reaches the parameters in full, only
+  later, and its momentum then runs its course, so the step never shrinks: with ``ratio=1.0``
+  this is ``torch.optim.SGD(momentum=...)`` on the averaged gradients.
+* ``"local"``: the paper's form (Lin et al., ICLR 2018, section 3.2). **Momentum correction**:
+  ``u = momentum * u + g`` (each rank's own velocity) and ``acc += u``; the top of ``acc`` is sent
+  and cleared, the rest waits. **Momentum factor masking**: where a value was sent, ``u`` is
+  cleared too. The masking drops the rest of a sent value's momentum, so the effective step
+  shrinks: with ``ratio=1.0`` nothing of the momentum is left (plain SGD), and on workloads the
+  recipe was not tuned on it lost 10+ points in 400 steps (docs/convergence.md).
+
+Both share:
+
 * **local gradient clipping** (``clip_norm``): each rank scales its gradient to a norm of at most
-  ``clip_norm / sqrt(N)``, before it enters the velocity (the paper's rule for N workers);
+  ``clip_norm / sqrt(N)`` before it enters the exchange (the paper's rule for N workers);
 * **the exchange** (``stages``): the top-k allgathered (1, the paper's), or reduced in two stages
   (2: ``ReducedTopK``, each slice's owner sums the ranks' top values and sends back the top of the
   mean, keeping what it drops as its own residual; bytes flat in the number of ranks, so twice the
@@ -23,8 +31,8 @@ momentum in front of the compression instead, on every rank:
   the same step on every rank, checkpointed, in ``stats()``), then the other levels follow with
   the gaps of the ``WARMUP``-step ramp.
 
-Every rank then applies the same averaged sparse update, ``p -= lr * mean``. Weight decay is added
-to the gradient, as ``torch.optim.SGD`` does.
+Weight decay is added to the gradient, as ``torch.optim.SGD`` does (after the exchange in the
+global form: ``p`` is the same on every rank, so it need not travel).
 """
 from __future__ import annotations
 
@@ -40,6 +48,9 @@ from ..planning.recipes import sparsity_ramp
 from ..schedule import Schedule
 from ..settling import Settling
 from .base import Hyper, Optimizer, global_norm
+
+#: the forms of momentum (the module docstring)
+MOMENTUM_FORMS = ("global", "local")
 
 #: the sparsity ramp's default length. 30 steps trained as well as the earlier 100 on every
 #: workload measured (digits MLP and CNN, the LM under momentum SGD; docs/convergence.md) and
@@ -60,6 +71,8 @@ class DGC(Optimizer):
     of the sparsity ramp, or ``"auto"`` (its first level until the scale settles). ``clip_norm``:
     local gradient clipping (None: off). ``stages``: 1, top-k allgathered; 2, reduced in two
     stages (``topk:stages=2``'s exchange: ``ratio=0.02`` is 25x at any number of ranks).
+    ``momentum_form``: ``"global"`` (momentum on the averaged update: ``ratio=1.0`` is momentum
+    SGD) or ``"local"`` (the paper's momentum correction and factor masking).
     """
 
     runaway_advice = ("lengthen the sparsity warm-up (warmup=...), lower the learning rate, or keep "
@@ -68,7 +81,7 @@ class DGC(Optimizer):
     def __init__(self, params: Sequence[Array], lr: Hyper = 0.01, momentum: float = 0.9,
                  weight_decay: Hyper = 0.0, ratio: float = 0.01, warmup: int | str = WARMUP,
                  clip_norm: float | None = None, stages: int = 1, comm: Communicator | None = None,
-                 bucket_cap_mb: float = 25.0):
+                 bucket_cap_mb: float = 25.0, momentum_form: str = "global"):
         super().__init__(params, lr, weight_decay, comm, bucket_cap_mb)
         self.momentum = check_float("momentum", momentum, minimum=0, maximum=0.999999)
         self.ratio = check_float("ratio", ratio, above=0, maximum=1)
@@ -77,6 +90,7 @@ class DGC(Optimizer):
         self.warmup: int | str = warmup if warmup == "auto" else check_int("warmup", warmup, 0)
         self.clip_norm = None if clip_norm is None else check_float("clip_norm", clip_norm, above=0)
         self.exchange_stages = check_choice("stages", stages, (1, 2))
+        self.momentum_form = check_choice("momentum_form", momentum_form, MOMENTUM_FORMS)
         ramp = sparsity_ramp(self.ratio, WARMUP if warmup == "auto" else int(warmup))
         #: with "auto" and a ramp, the first level lasts until the scale settles; the later levels
         #: are laid out as if it lasted ``settling.latest`` steps and move earlier when it ends
@@ -89,14 +103,17 @@ class DGC(Optimizer):
         reducer = self._exchange(self.ramp)
         self._sent = reducer.gradients
         xp = array_module(self.params[0])
+        #: the velocity: each rank's own (local), or the averaged update's, the same on every rank
         self.u = [xp.zeros(p.shape, p.dtype) for p in self.params]
         self._arrays = {"u": self.u}
         self._keys = [str(i) for i in range(len(self.params))]
 
     def config(self) -> dict[str, Any]:
-        # stages only when 2: a checkpoint saved before it existed still names this configuration
+        # stages only when 2, the form only when global: a checkpoint saved before either existed
+        # (the local form, one stage) still names its configuration, and is refused by the global
         return {"momentum": self.momentum, "ratio": self.ratio, "warmup": self.warmup,
-                "clip_norm": self.clip_norm, **({"stages": 2} if self.exchange_stages == 2 else {})}
+                "clip_norm": self.clip_norm, **({"stages": 2} if self.exchange_stages == 2 else {}),
+                **({"momentum_form": "global"} if self.momentum_form == "global" else {})}
 
     def phase(self) -> str:
         return f"kept {self.fractions[self.ramp.stage_at(self.steps)]:g}"
@@ -110,6 +127,36 @@ class DGC(Optimizer):
             norm = global_norm(grads)
             limit = self.clip_norm / math.sqrt(self.comm.size)
             scale = min(1.0, limit / norm) if norm > 0 else 1.0
+        if self.momentum_form == "global":
+            self._global_step(grads, scale, rates, decay)
+        else:
+            self._local_step(grads, scale, rates, decay)
+        if self.settling is not None and self.settling.warm:
+            self._observe(self._sent)
+        self.steps += 1
+
+    def _global_step(self, grads: Sequence[Array], scale: float, rates: Sequence[float],
+                     decay: Sequence[float]) -> None:
+        """The gradients exchanged (top-k with error feedback), then momentum SGD on the mean,
+        in ``torch.optim.SGD``'s order: ``d = mean + wd * p``, ``v = momentum * v + d``."""
+        for g, s in zip(grads, self._sent):
+            if scale != 1.0:
+                s[...] = s.dtype.type(scale) * g
+            else:
+                s[...] = g
+        self.reducer.step()
+        for u, p, s, wd, rate in zip(self.u, self.params, self._sent, decay, rates):
+            kind = u.dtype.type
+            if wd:
+                s += kind(wd) * p
+            u *= kind(self.momentum)
+            u += s
+            p -= kind(rate) * u
+
+    def _local_step(self, grads: Sequence[Array], scale: float, rates: Sequence[float],
+                    decay: Sequence[float]) -> None:
+        """The paper's: each rank's velocity exchanged (top-k of its accumulation), and where a
+        value was sent its velocity cleared (momentum factor masking)."""
         for u, g, p, wd, s in zip(self.u, grads, self.params, decay, self._sent):
             kind = u.dtype.type
             u *= kind(self.momentum)
@@ -127,9 +174,6 @@ class DGC(Optimizer):
             if acc is not None:
                 u[acc.reshape(u.shape) == 0] = 0  # sent from here: its momentum goes with it
             p -= p.dtype.type(rate) * s
-        if self.settling is not None and self.settling.warm:
-            self._observe(self._sent)
-        self.steps += 1
 
     def _settled(self, end: int) -> None:
         self.ramp.start_later_stages(end)  # the rest of the ramp, with its gaps

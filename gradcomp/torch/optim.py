@@ -167,7 +167,8 @@ class DGC(_Wrapped):
 
     def __init__(self, params: Iterable[Any], lr: float = 0.01, momentum: float = 0.9,
                  weight_decay: float = 0.0, ratio: float = 0.01, warmup: int | str = core.DGC_WARMUP,
-                 clip_norm: float | None = None, stages: int = 1, model: Any = None,
-                 comm: Communicator | None = None, bucket_cap_mb: float = 25.0):
+                 clip_norm: float | None = None, stages: int = 1, momentum_form: str = "global",
+                 model: Any = None, comm: Communicator | None = None, bucket_cap_mb: float = 25.0):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay), model, comm, bucket_cap_mb,
-                         momentum=momentum, ratio=ratio, warmup=warmup, clip_norm=clip_norm, stages=stages)
+                         momentum=momentum, ratio=ratio, warmup=warmup, clip_norm=clip_norm, stages=stages,
+                         momentum_form=momentum_form)

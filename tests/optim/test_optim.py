@@ -17,16 +17,17 @@ def _problem(rank: int, step: int, shapes):
     return [rng.standard_t(3, s).astype(np.float32) for s in shapes]
 
 
-def rank_dgc_matches_its_definition():
-    """One rank, one bucket: DGC's update equals the paper's algorithm written out in NumPy
-    (momentum correction, top-k of the accumulation, factor masking), bit for bit."""
+def rank_dgc_matches_its_definition(form: str):
+    """One rank, one bucket: DGC's update equals its algorithm written out in NumPy, bit for bit.
+    ``local``: the paper's (momentum correction, top-k of the accumulation, factor masking);
+    ``global``: top-k of gradient plus residual, then momentum SGD on the sent values."""
     import gradcomp as gc
 
     comm = gc.MPICommunicator()
     shapes = [(20, 30), (30,)]
     params = [np.zeros(s, np.float32) for s in shapes]
     ref_p = [p.copy() for p in params]
-    opt = gc.optim.DGC(params, lr=0.1, momentum=0.9, ratio=0.05, warmup=0, comm=comm)
+    opt = gc.optim.DGC(params, lr=0.1, momentum=0.9, ratio=0.05, warmup=0, comm=comm, momentum_form=form)
     n = sum(int(np.prod(s)) for s in shapes)
     k = int(np.ceil(0.05 * n))
     u = np.zeros(n, np.float32)
@@ -35,21 +36,29 @@ def rank_dgc_matches_its_definition():
         grads = _problem(comm.rank, step, shapes)
         opt.step(grads)
         g = np.concatenate([x.reshape(-1) for x in grads])
-        u *= np.float32(0.9)
-        u += g
-        v += u
+        if form == "local":
+            u *= np.float32(0.9)
+            u += g
+            v += u
+        else:
+            v += g
         sent = np.sort(np.argpartition(np.abs(v), n - k)[n - k:])
         update = np.zeros(n, np.float32)
         update[sent] = v[sent]
         v[sent] = 0
-        u[sent] = 0
+        if form == "local":
+            u[sent] = 0
+        else:
+            u *= np.float32(0.9)
+            u += update
+            update = u
         flat = np.concatenate([p.reshape(-1) for p in ref_p])
         flat -= np.float32(0.1) * update
         ref_p = [flat[:600].reshape(20, 30), flat[600:]]
         for a, b in zip(params, ref_p):
-            assert np.array_equal(a, b), f"step {step}: DGC differs from its definition"
+            assert np.array_equal(a, b), f"step {step}: DGC ({form}) differs from its definition"
         assert np.array_equal(np.concatenate([x.reshape(-1) for x in opt.u]), u), f"step {step}: velocity"
-    print(f"rank {comm.rank}: DGC == definition", flush=True)
+    print(f"rank {comm.rank}: DGC ({form}) == definition", flush=True)
 
 
 def rank_onebit_adam_freezes_the_variance():
@@ -136,8 +145,9 @@ def test_onebit_adam_lossy_warmup():
     run_ranks(2, "tests.optim.test_optim:rank_onebit_adam_lossy_warmup")
 
 
-def test_dgc_matches_its_definition():
-    run_ranks(1, "tests.optim.test_optim:rank_dgc_matches_its_definition")
+@pytest.mark.parametrize("form", ["global", "local"])
+def test_dgc_matches_its_definition(form):
+    run_ranks(1, "tests.optim.test_optim:rank_dgc_matches_its_definition", form)
 
 
 def test_onebit_adam_freezes_the_variance():

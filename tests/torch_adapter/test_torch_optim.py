@@ -148,6 +148,37 @@ def rank_dgc_on_ddp():
     print(f"rank {launch.rank}: ok: loss dgc {dgc:.3f}, sgd {sgd:.3f}, compression {compression:.1f}", flush=True)
 
 
+def rank_dgc_sending_everything_is_momentum_sgd():
+    """``gt.DGC(ratio=1.0)`` (the default, global momentum) trains as ``torch.optim.SGD`` with the
+    same momentum and weight decay on DDP's averages, to float32 rounding; the paper's local form
+    with factor masking keeps no momentum there (the issue-57 collapse), and lands far away."""
+    torch, gt, launch, model, x, y = _setup()
+    from torch.nn.parallel import DistributedDataParallel
+
+    from examples.torch_ddp import DigitsCNN
+
+    nets = {}
+    for name in ("global", "local", "sgd"):
+        torch.manual_seed(0)
+        nets[name] = DistributedDataParallel(DigitsCNN(), bucket_cap_mb=0.01)
+    hyper = dict(lr=0.05, momentum=0.9, weight_decay=1e-3)
+    opts = {form: gt.DGC(nets[form].parameters(), ratio=1.0, warmup=0, momentum_form=form,
+                         model=nets[form], **hyper) for form in ("global", "local")}
+    opts["sgd"] = torch.optim.SGD(nets["sgd"].parameters(), **hyper)
+    for name, net in nets.items():
+        _train(net, opts[name], range(30), x, y, launch)
+    flat = {k: torch.cat([p.detach().reshape(-1) for p in n.parameters()]) for k, n in nets.items()}
+    start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    moved = (flat["sgd"] - start).norm().item()
+    off_global = (flat["global"] - flat["sgd"]).norm().item()
+    off_local = (flat["local"] - flat["sgd"]).norm().item()
+    assert off_global < 1e-4 * moved, (off_global, moved)
+    assert off_local > 0.1 * moved, (off_local, moved)
+    assert len(set(launch_allgather(_digest(nets["global"])))) == 1, "ranks differ"
+    print(f"rank {launch.rank}: ok: moved {moved:.3g}, global off by {off_global:.3g}, local {off_local:.3g}",
+          flush=True)
+
+
 def rank_onebit_adam_resumes_inside_a_lossy_warmup():
     """The default warm-up averages through int8: a checkpoint taken while its residuals are live
     (int8's own exact steps done, the variance not yet frozen) resumes bit for bit, through the
@@ -350,6 +381,7 @@ def rank_ddp_parameters_need_the_model():
 @pytest.mark.parametrize("check", ["rank_ddp_parameters_need_the_model",
                                    "rank_pickled_compressor_without_names_is_refused",
                                    "rank_onebit_adam_is_adamw_then_compresses", "rank_dgc_on_ddp",
+                                   "rank_dgc_sending_everything_is_momentum_sgd",
                                    "rank_onebit_adam_resumes_inside_a_lossy_warmup",
                                    "rank_hook_state_without_names_is_refused",
                                    "rank_auto_warmups_checkpoint_through_torch"])
