@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split-seed", type=int, help="the train/test split's seed (default: --seed); the "
+                   "demo keeps it to measure the other seeds' noise on the same test images")
     p.add_argument("--bucket-cap-mb", type=float, default=0.05)
     p.add_argument("--json", metavar="PATH", help="write a summary here (rank 0)")
     return p.parse_args(argv)
@@ -133,7 +135,8 @@ def traffic(before: dict, after: dict) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     comm = gradcomp.MPICommunicator()
-    (x, y), (x_test, y_test) = load_shard(args.seed, comm.rank, comm.size)
+    (x, y), (x_test, y_test) = load_shard(args.seed if args.split_seed is None else args.split_seed,
+                                          comm.rank, comm.size)
     params = init_params(args.seed, [x.shape[1], args.hidden, args.hidden, 10])
     velocity = [np.zeros_like(p) for p in params]
     optimizer = None
@@ -193,14 +196,15 @@ def main(argv=None) -> dict:
         config=repr(compressor if optimizer is None else optimizer), ranks=comm.size, epochs=args.epochs,
         steps=total_steps, batch_size_per_rank=args.batch_size, lr=args.lr, seed=args.seed,
         bucket_cap_mb=args.bucket_cap_mb, epoch_losses=epoch_losses, test_curve=test_curve,
-        train_accuracy_shard0=accuracy(params, x, y), test_accuracy=accuracy(params, x_test, y_test),
+        train_accuracy_shard0=accuracy(params, x, y), test_accuracy=accuracy(params, x_test, y_test), test_images=len(y_test),
         time_per_step_s=float(np.median(step_times)),
         run=traffic({"steps": 0, "bytes_sent": 0.0, "reference_bytes": 0.0}, compressor.stats()),
         last_epoch=traffic(last_epoch_start, compressor.stats()),
         weight_digests=[bytes(d).hex() for d in digests], weights_identical=identical,
         guard=final.get("guard"),
         warmup_ended_at=final.get("warmup_ended_at"),  # warmup="auto": when, and why
-        warmup_reason=final.get("warmup_reason"))
+        warmup_reason=final.get("warmup_reason"),
+        choices=[{k: c[k] for k in ("bucket", "chosen", "why")} for c in final.get("choices", ())] or None)  # auto's
     if summary["warmup_reason"]:
         say(f"warm-up: {summary['warmup_reason']}" + (f" (ended at step {summary['warmup_ended_at']})"
                                                       if summary["warmup_ended_at"] is not None else ""))

@@ -47,15 +47,22 @@ def test_numpy_mlp_learns_and_ranks_agree(tmp_path, name):
 
 
 def test_demo_prints_one_table(tmp_path):
+    """One row per method; differences within allreduce's own spread at another seed marked '~'
+    (fp16 after one epoch is within it), and what auto picked named in its row and under the table."""
     out = tmp_path / "all.json"
-    proc = run([sys.executable, "scripts/demo.py", "--compressors", "allreduce", "fp16",
-                "--ranks", str(RANKS), "--json", str(out), "--", "--epochs", "1"])
+    proc = run([sys.executable, "scripts/demo.py", "--compressors", "allreduce", "fp16", "auto",
+                "--ranks", str(RANKS), "--noise-seeds", "1", "--json", str(out), "--", "--epochs", "1"])
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert [r.split("|")[1].strip() for r in rows] == ["method", "allreduce", "fp16"], proc.stdout
+    assert [r.split("|")[1].strip() for r in rows] == ["method", "allreduce", "fp16", "auto (picked allreduce)"], \
+        proc.stdout
     results = json.loads(out.read_text())
     fp16 = results["fp16"][0]
     assert fp16["last_epoch"]["compression_ratio"] == pytest.approx(2.0, rel=0.01)
     assert f"{100 * fp16['test_accuracy']:.2f}" in rows[2]
+    other = results["allreduce at other seeds"][0]
+    assert other["seed"] == 1 and other["test_images"] == results["allreduce"][0]["test_images"]
+    assert "~" not in rows[1] and rows[2].count(" ~ ") == 2, rows  # loss and accuracy, both within the noise
+    assert "Single seed. '~'" in proc.stdout and "auto picked allreduce for its" in proc.stdout, proc.stdout
 
 
 def load_example():
