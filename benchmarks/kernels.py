@@ -253,16 +253,17 @@ def _extra_tasks(x: np.ndarray) -> list[_Task]:
         tasks.append(_Task("fp16 round trip, torch 1 thread", torch_rt(1)))
         tasks.append(_Task(f"fp16 round trip, torch {default_threads} threads", torch_rt(default_threads)))
 
-    from gradcomp.compressors.quantize.kernels import chunk_count, dequantize, quantize
+    from gradcomp import QuantizePerChannel
+    from gradcomp.comm import Workspace
 
-    width = 512
-    params = np.empty((2, chunk_count(n, width)), np.float32)
-    codes = np.empty(n, np.uint8)
+    codec = QuantizePerChannel(bits=8, channel_size=512)  # the public codec: its encode / decode
+    message = np.empty(codec.message_size(n), np.uint8)   # are the chunk kernels, and two views
     acc = np.zeros(n, np.float32)
+    space = Workspace()
 
     def int8_rt() -> None:  # into a preallocated accumulator, as a decode adds every rank's codes into one
-        quantize(x, params, codes, width, 255)
-        dequantize(acc, params, codes, width, add=True)
+        codec.encode(x, message, space)
+        codec.decode(message, acc, space, add=True)
     tasks.append(_Task("int8 per-channel round trip (quantize + dequantize, add)", int8_rt))
     return tasks
 

@@ -517,16 +517,16 @@ def parser() -> argparse.ArgumentParser:
 
 def _two_stage_pieces() -> None:
     """The pieces ablation: ``GRADCOMP_TWO_STAGE_PIECES=N`` cuts a two-stage slice into at most N
-    pieces in this job (``gradcomp.compressors.pieces.MAX_PIECES``; 1: whole slices, same bits)."""
+    pieces in this job (``gradcomp.compressors.set_two_stage_pieces``; 1: whole slices, same bits)."""
     text = os.environ.get("GRADCOMP_TWO_STAGE_PIECES")
     if text is None:
         return
     value = int(text) if text.strip().isdigit() else 0
     if value < 1:
         raise ValueError(f"GRADCOMP_TWO_STAGE_PIECES must be a whole number >= 1, got {text!r}")
-    from gradcomp.compressors import pieces
+    from gradcomp.compressors import set_two_stage_pieces
 
-    pieces.MAX_PIECES = value
+    set_two_stage_pieces(value)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,11 +50,16 @@ class GradientReducer:
     Every rank must pass the same shapes and dtypes in the same order; if one does not, every rank
     raises ``CollectiveError`` at construction. ``step(arrays)`` may pass a new list of arrays
     with the same shapes and dtypes.
+
+    ``buckets``: a bucket plan of your own instead of ``bucket_cap_mb``'s: lists of positions in
+    ``arrays``, every position once, each bucket's arrays of one dtype; e.g. DDP's layout, which
+    fills its buckets from the last parameter backwards. Every rank must pass the same plan (a
+    different one is a ``CollectiveError`` at the first step, as any layout mismatch).
     """
 
     def __init__(self, arrays: Sequence[Array], compressor: Compressor, comm: Communicator | None = None,
                  bucket_cap_mb: float = 25.0, hierarchical: bool | None = None,
-                 _groups: list[list[int]] | None = None):
+                 buckets: Sequence[Sequence[int]] | None = None, _groups: list[list[int]] | None = None):
         if not isinstance(compressor, Compressor):
             raise TypeError(f"expected a gradcomp Compressor, got {type(compressor).__name__} "
                             "(gradcomp.make(name) builds one by name)")
@@ -63,6 +68,8 @@ class GradientReducer:
         self.arrays = list(arrays)
         self.bucket_cap_mb = bucket_cap_mb
         groups = check_arrays(self.comm, self.arrays, bucket_cap_mb) if _groups is None else _groups
+        if buckets is not None:
+            groups = _plan(buckets, self.arrays)
         self.buckets: list[tuple[Bucket, list[int]]] = []
         for b, members in enumerate(groups):
             first = self.arrays[members[0]]
@@ -182,6 +189,26 @@ def allreduce_gradients(arrays: Sequence[Array], compressor: Compressor, comm: C
         _reducers[compressor] = reducer
     reducer.step(given)
     return given
+
+
+def _plan(buckets: Sequence[Sequence[int]], arrays: list[Array]) -> list[list[int]]:
+    """``buckets`` as lists, checked: every array's position once, one dtype per bucket, none empty
+    (a ValueError naming what is wrong)."""
+    plan = [[int(i) for i in members] for members in buckets]
+    seen = sorted(i for members in plan for i in members)
+    if seen != list(range(len(arrays))):
+        missing = sorted(set(range(len(arrays))) - set(seen))
+        extra = sorted({i for i in seen if seen.count(i) > 1 or not 0 <= i < len(arrays)})
+        raise ValueError(f"GradientReducer: buckets must hold every array's position 0..{len(arrays) - 1} "
+                         f"once; missing {missing[:5]}, repeated or out of range {extra[:5]}")
+    for b, members in enumerate(plan):
+        if not members:
+            raise ValueError(f"GradientReducer: bucket {b} of buckets is empty")
+        kinds = {dtype_name(arrays[i].dtype) for i in members}
+        if len(kinds) > 1:
+            raise ValueError(f"GradientReducer: bucket {b} of buckets mixes dtypes ({', '.join(sorted(kinds))}); "
+                             "a bucket holds one")
+    return plan
 
 
 def _same_memory(a: Array, b: Array) -> bool:

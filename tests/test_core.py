@@ -280,6 +280,17 @@ def rank_reducer_views_step():
         for i, g in enumerate(grads):
             assert np.array_equal(g, np.full(g.shape, expected * (i + 1), np.float32)), (step, i, g)
             assert out[i] is g
+    # a bucket plan of one's own (DDP's: the last array first), and plans that are refused
+    initial.append(np.zeros(3, np.float64))
+    reducer = gc.GradientReducer(initial, gc.Allreduce(), comm, buckets=[[2], [1, 0]])
+    assert [members for _, members in reducer.buckets] == [[2], [1, 0]]
+    mine = [np.full(a.shape, comm.rank + 1, a.dtype) for a in initial]
+    for a in reducer.step(mine):
+        assert np.array_equal(a, np.full(a.shape, (comm.size + 1) / 2, a.dtype)), a
+    for plan, words in (([[0, 1]], r"missing \[2\]"), ([[0, 1, 1], [2]], r"repeated or out of range \[1\]"),
+                        ([[0, 1, 2]], "mixes dtypes"), ([[0], [], [1], [2]], "bucket 1 of buckets is empty")):
+        with pytest.raises(ValueError, match=words):
+            gc.GradientReducer(initial, gc.Allreduce(), comm, buckets=plan)
 
 
 def rank_different_compressors():

@@ -93,7 +93,7 @@ def main() -> None:
         cases.append((f"{spec} reducer", lambda v=views: refill(v), rstep, tlr))
         # the reducer over DDP's bucket layout (DDP fills its buckets from the last parameter
         # backwards and closes one once it reaches the cap: fewer, larger buckets)
-        red3 = GradientReducer(grads, gradcomp.make(spec), comm, _groups=_ddp_groups(grads, 25.0))
+        red3 = GradientReducer(grads, gradcomp.make(spec), comm, buckets=_ddp_groups(grads, 25.0))
         views3 = red3.gradients
         cases.append((f"{spec} reducer-ddp-layout", lambda v=views3: refill(v), lambda r=red3: r.step(), None))
         red2 = GradientReducer(grads, gradcomp.make(spec), comm)
@@ -180,29 +180,22 @@ def main() -> None:
 
 
 def _register(gt, model, compressor, tl: dict):
-    """``gradcomp.torch.register``, with the hook and the compressor's reduce wrapped to record
-    timestamps in ``tl`` (rank-local)."""
-    import gradcomp.torch.hook as hookmod
+    """What ``gradcomp.torch.register`` does on one host, from public pieces (``gt.comm_hook``, a
+    ``HookState`` keyed by parameter name), with the hook and the compressor's reduce wrapped to
+    record timestamps in ``tl`` (rank-local). (On several hosts ``register`` would also pick the
+    hierarchical schedule; this script runs on one.)"""
+    state, hook = gt.comm_hook(compressor)
+    named = list(model.module.named_parameters())
+    state.names = {id(p): name for name, p in named}
+    state.shapes = {name: tuple(p.shape) if p.dim() else (1,) for name, p in named}
 
-    named = hookmod._named_hook
-
-    def timed_named(c):
-        inner = named(c)
-
-        def gradcomp_hook(state, bucket):
-            a = time.perf_counter()
-            out = inner(state, bucket)
-            tl["hooks"].append((a, time.perf_counter()))
-            return out
-        return gradcomp_hook
-    hookmod._named_hook = timed_named
-    try:
-        state = gt.register(model, compressor)
-    finally:
-        hookmod._named_hook = named
-    compressor = state.compressor
-
-    _time_reduce(compressor, tl)
+    def gradcomp_hook(state, bucket):
+        a = time.perf_counter()
+        out = hook(state, bucket)
+        tl["hooks"].append((a, time.perf_counter()))
+        return out
+    model.register_comm_hook(state, gradcomp_hook)
+    _time_reduce(state.compressor, tl)
     return state
 
 

@@ -14,10 +14,11 @@ from .base import Compressor
 from .cast import BF16, FP16, Cast
 from .codec import Codec
 from .feedback import ErrorFeedback
+from .pieces import set_two_stage_pieces
 from .quantize import OneBit, QuantizedAllreduce, QuantizePerChannel, QuantizePerTensor
 from .sparse import RandomK, ReducedTopK, TopK
 
 
 __all__ = ["Compressor", "Codec", "ErrorFeedback", "Allreduce", "Allgather", "Cast", "FP16", "BF16",
            "QuantizePerTensor", "QuantizePerChannel", "QuantizedAllreduce", "OneBit", "TopK", "ReducedTopK",
-           "RandomK"]
+           "RandomK", "set_two_stage_pieces"]

@@ -21,6 +21,19 @@ MAX_PIECES = 4
 PIECE_CHUNKS = 128
 
 
+def set_two_stage_pieces(pieces: int) -> int:
+    """The pieces ablation: cut a two-stage slice (``int8``, ``int4``, ...) into at most ``pieces``
+    pieces from now on, in this process (1: whole slices, the schedule before pieces; the same
+    bits either way, only the overlap changes). Returns the previous limit, to put back. Every rank
+    must set the same (a different one changes the collectives). The benchmarks' worker sets it
+    from ``GRADCOMP_TWO_STAGE_PIECES``; the library reads no such variable."""
+    from ..params import check_int
+
+    global MAX_PIECES
+    previous, MAX_PIECES = MAX_PIECES, check_int("pieces", pieces, 1)
+    return previous
+
+
 @dataclass
 class Layout:
     """Where each piece of each rank's slice sits in the two-stage message.
