@@ -1,0 +1,395 @@
+"""Compressed gradients on torchft: a replica group that dies or joins does not stop the job.
+
+    from torchft import Manager, Optimizer, ProcessGroupGloo
+    import gradcomp.torch.ft as gft
+
+    manager = Manager(pg=ProcessGroupGloo(), load_state_dict=..., state_dict=..., min_replica_size=1,
+                      use_async_quorum=False)
+    model = gft.DistributedDataParallel(manager, net, "int8")
+    optimizer = Optimizer(manager, torch.optim.AdamW(model.parameters()))
+    # the loop as torchft's: optimizer.zero_grad(); loss.backward(); optimizer.step()
+
+``DistributedDataParallel(manager, module, compressor)`` stands in for torchft's own
+``torchft.DistributedDataParallel(manager, module)`` and averages the gradients with any gradcomp
+compressor over the manager's current quorum. This is the only gradcomp module that imports
+torchft (docs/guides/fault-tolerance.md). What it does beyond the plain DDP hook (``hook.py``,
+whose ``HookState`` and hook it reuses), and why:
+
+* **Failures discard the step, never end the job.** gradcomp's own transports end the job when a
+  rank fails halfway through a reduction (DESIGN invariant 4). Here the communicator
+  (``QuorumCommunicator``) instead reports the failure to the manager (``report_error``), so that
+  ``manager.should_commit()`` is False on every survivor, and the hook's Future still resolves to
+  the bucket (zeroed), so ``backward()`` returns. torchft's own hook hands DDP the inner Future of
+  ``manager.allreduce`` and dies on ``assert fut._fut`` when a peer is lost in the step; this one
+  returns a plain torch Future the pipeline completes. The broken pipeline is replaced at the
+  next step, on the quorum's newly configured process group.
+* **A discarded step leaves no trace in the compressor.** The compressor's ``state_dict()`` is
+  taken before the first bucket of every step. A step counts as committed when the manager's step
+  advanced past it (``should_commit`` advances it only then); one that did not is rolled back
+  (``load_state_dict``) before the next step and before the state is sent to a healing replica:
+  residuals, step counters and warm-up stage are as if the step had never run. Its traffic stays
+  in ``stats()`` (the bytes were sent).
+* **A healing replica receives the compressor's state** (``manager.register_state_dict_fn``, key
+  ``"gradcomp"``): step counters, warm-up stage, warm-start factors and bucket layouts, everything
+  agreement compares (invariant 3). Not the error-feedback residuals: each is the error of one
+  replica's own messages, and a new replica has sent none, so it starts from zero ones (a copy of
+  its source's would count that error twice).
+* **The synchronous quorum, required** (``Manager(use_async_quorum=False)``; torchft's default is
+  the asynchronous one, refused here with an error that says so). It heals a joining replica in
+  ``start_quorum``, before the forward pass, so the replica enters the exchange with the
+  survivors' compressor state and its own gradients, every member of the quorum participates,
+  and the healing step is committed like any other. Under the asynchronous quorum a healing
+  replica receives its checkpoint only in ``should_commit``, after the exchange: its compressor
+  would enter the exchange with its old state, and the state it then receives is the survivors'
+  state before a step they commit, so it stays one step behind theirs and agreement (invariant 3)
+  refuses every later step. Refusing the healing step everywhere instead (what a replica that is
+  not participating does here) costs a step per heal, and at step 0 with ``init_sync`` (torchft
+  heals every replica from one until a step commits) no step would ever commit.
+* **A replica that cannot take part refuses, on every rank alike.** One whose quorum failed, or
+  that is not participating, takes part in each bucket's agreement only to refuse it: every rank
+  raises the same ``CollectiveError`` and every replica discards the step, promptly, instead of
+  its peers waiting for collectives it never starts (invariant 1). torchft's spares
+  (``WorldSizeMode.FIXED_WITH_SPARES``), which never participate, are refused at construction.
+* **Buckets are never rebuilt** (``find_unused_parameters=True``, as torchft's own wrapper does):
+  a restarted replica's first buckets are then laid out as the survivors' later ones.
+
+The process group is the manager's (``process_group=`` to name it explicitly). Tested with torchft
+0.2.0 on ``ProcessGroupGloo``.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions,
+                                                BroadcastOptions, ReduceOp)
+from torch.nn import parallel
+
+from ..comm.base import default_depth
+from ..compressors import Compressor
+from ..registry import make
+from . import advice
+from .communicator import TorchCommunicator
+from .hook import HookState, gradcomp_hook
+from .tensors import as_array
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from torchft import Manager
+
+#: the key of gradcomp's part of the manager's state dict (what a healing replica receives)
+STATE_KEY = "gradcomp"
+#: compressor state entries that are one replica's own error memory (``ErrorFeedback``'s worker
+#: and slice-owner residuals, PowerSGD's): not sent to a healing replica (module docstring)
+_OWN_ERROR = ("residual/", "owner/")
+
+
+class QuorumCommunicator(TorchCommunicator):
+    """gradcomp's transport over a torchft process group (``ProcessGroupGloo``, ``ProcessGroupNCCL``).
+
+    The collectives and the staging of buffers are ``TorchCommunicator``'s; what differs:
+
+    * they go to the torchft group's own methods (it is reconfigured for every new quorum and is
+      not registered with ``torch.distributed``, so its functional API cannot address it);
+    * ``renew()``, at the start of every step, reads this rank and the group's size from the
+      group as the latest quorum configured it, and replaces a pipeline an earlier failure broke;
+    * a failure reports the error to the manager (the step is then not committed) instead of
+      ending the job (``abort`` is never called).
+    """
+
+    group: Any  # a torchft ProcessGroup
+
+    def __init__(self, manager: Manager, process_group: Any, pipeline_depth: int | None = None):
+        # (TorchCommunicator.__init__ needs torch.distributed's default group, which a torchft job
+        # need not have: the fields it sets are set here)
+        self.manager = manager
+        self.group = process_group
+        self.rank, self.size = 0, 1
+        self.backend = str(process_group.getBackendName())
+        self._global_ranks = [0]
+        self._cuda_index = torch.cuda.current_device() if "nccl" in self.backend else None
+        self._depth = default_depth(pipeline_depth)
+        self._start("gradcomp-torchft", 0.0, self._depth)
+        self.failures = 0  # reductions that failed (peers lost, refused agreement), this process
+
+    def __repr__(self) -> str:
+        return f"QuorumCommunicator(rank={self.rank}, size={self.size}, backend={self.backend!r})"
+
+    def renew(self) -> None:
+        """Take this rank and size from the group's current configuration; start a new pipeline if
+        the old one broke. Call between steps, with no reduction in flight."""
+        parent = self.group.parent  # torchft: the group the last quorum configured
+        if self.broken is not None:
+            traffic = (self.bytes_sent, self.collectives)
+            old = self._pipeline
+            self._start("gradcomp-torchft", 0.0, self._depth)
+            old.close(timeout=5.0)
+            self.bytes_sent, self.collectives = traffic
+        self.rank, self.size = int(parent.rank()), int(parent.size())
+        self._global_ranks = list(range(self.size))
+
+    def _on_failure(self, exc: BaseException) -> None:
+        self.failures += 1
+        sys.stderr.write(f"gradcomp.torch.ft: a reduction failed ({exc!r}); this step is discarded "
+                         "(manager.should_commit() is False) and the next quorum goes on\n")
+        sys.stderr.flush()
+        self.manager.report_error(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+
+    def abort(self, code: int = 1) -> None:  # never: a failed step is discarded, not the job
+        pass
+
+    def _allreduce(self, array, overwrite=False):
+        tensor, xp = self._to_tensor(array, reuse=overwrite)
+        self._count("allreduce", array.nbytes)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]  # (torch's stubs: RedOpType)
+        self.group.allreduce([tensor], opts).wait()
+        out = self._to_array(tensor, xp)
+        if overwrite:
+            if xp is np and not tensor.is_cuda and tensor.data_ptr() == array.ctypes.data:
+                return array  # reduced in place
+            array[...] = out
+            return array
+        return out
+
+    def _allgather(self, array, out=None):
+        tensor, xp = self._to_tensor(array, as_bytes=True)
+        gathered = torch.empty(self.size * tensor.numel(), dtype=torch.uint8, device=tensor.device)
+        self._count("allgather", array.nbytes)
+        self.group.allgather([list(gathered.chunk(self.size))], [tensor], AllgatherOptions()).wait()
+        result = self._to_array(gathered, xp, array.dtype).reshape((self.size,) + tuple(array.shape))
+        if out is not None:
+            out.reshape(result.shape)[...] = result
+            return out.reshape(result.shape)
+        return result
+
+    def _alltoall(self, array, out=None):
+        tensor, xp = self._to_tensor(array, as_bytes=True)
+        received = torch.empty_like(tensor)
+        self._count("alltoall", array.nbytes)
+        self.group.alltoall_base(received, tensor, [], [], AllToAllOptions()).wait()
+        result = self._to_array(received, xp, array.dtype).reshape(self.size, -1)
+        if out is not None:
+            out.reshape(result.shape)[...] = result
+            return out.reshape(result.shape)
+        return result
+
+    def _broadcast(self, array, root):
+        tensor, xp = self._to_tensor(array, as_bytes=True)
+        self._count("broadcast", array.nbytes)
+        opts = BroadcastOptions()
+        opts.rootRank = int(root)
+        self.group.broadcast([tensor], opts).wait()
+        return self._to_array(tensor, xp, array.dtype).reshape(array.shape)
+
+
+class _Exchange:
+    """What the hook needs across steps: the manager, the communicator, the hook state, and the
+    compressor's state before this step (to roll a discarded step back)."""
+
+    def __init__(self, manager: Manager, comm: QuorumCommunicator, state: HookState):
+        self.manager = manager
+        self.comm = comm
+        self.state = state
+        self.lock = threading.Lock()
+        self.before: tuple[int, dict[str, Any]] | None = None  # (manager step, compressor state)
+        self.new_step = True
+        self.quorum_error: Any = None  # this step's quorum failed on this replica (then refused)
+        self.usable = True             # whether this step's process group can carry anything
+        self.rolled_back = 0    # discarded steps undone in the compressor, this process
+
+    # -- between steps ----------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Undo the last step in the compressor if the manager did not commit it."""
+        if self.before is not None and self.manager.current_step() == self.before[0]:
+            self.state.compressor.load_state_dict(self.before[1], self.state.shapes or None)
+            self.rolled_back += 1
+        self.before = None
+
+    def begin_step(self) -> None:
+        self.manager.wait_quorum()
+        with self.lock:
+            self.settle()
+            self.quorum_error = self.manager.errored()
+            try:
+                self.comm.renew()
+                self.usable = True
+            except Exception as exc:  # no process group: this replica's quorum failed
+                self.usable = False
+                self.manager.report_error(exc)
+            self.before = (self.manager.current_step(), self.state.compressor.state_dict())
+
+    # -- the manager's state dict (a healing replica's) -------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        with self.lock:
+            self.settle()  # never send a step that was not committed
+            state = self.state.state_dict()
+            state["state"] = {k: v for k, v in state["state"].items() if not _own_error(k)}
+            return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self.lock:
+            self.state.load_state_dict(state)
+            self.before = None  # the loaded state is this replica's now
+
+    # -- one bucket ----------------------------------------------------------------------------------
+    def exchange(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        """``bucket``'s mean (a Future that never fails), or, when the step cannot be committed,
+        the bucket zeroed, with the error reported to the manager. Whether a bucket takes part is
+        decided alike on every rank (invariant 1): not by this rank's ``manager.errored()``, which
+        an earlier bucket's failure sets at a different moment on each rank."""
+        if self.new_step:
+            self.begin_step()
+            self.new_step = False
+        if bucket.is_last():
+            self.new_step = True
+        tensor = bucket.buffer()
+        if not self.usable or self.comm.broken is not None:
+            return _done(tensor.zero_())  # a peer was lost in this step: nothing can be matched
+        problem = self.refusal()
+        manager = self.manager
+
+        def settled(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            try:
+                return done.value()
+            except Exception as exc:  # a lost peer, a refused agreement: the step is discarded
+                manager.report_error(exc)
+                return tensor.zero_()
+
+        if problem is None:
+            return gradcomp_hook(self.state, bucket).then(settled)
+        return self.refuse(tensor, problem).then(settled)
+
+    def refusal(self) -> str | None:
+        """Why this replica cannot take part in this step's exchange, or None."""
+        if self.quorum_error is not None:
+            return f"its quorum failed ({self.quorum_error.original_exception!r})"
+        if not self.manager.is_participating():
+            return ("it does not participate in this quorum (healing under torchft's asynchronous "
+                    "quorum?): use Manager(use_async_quorum=False)")
+        return None
+
+    def refuse(self, tensor: torch.Tensor, problem: str) -> torch.futures.Future[torch.Tensor]:
+        """Take part in the bucket's agreement only to refuse it: every rank then raises the same
+        ``CollectiveError`` (invariant 3), and every replica discards the step."""
+        compressor, comm = self.state.compressor, self.comm
+        future: torch.futures.Future[Any] = torch.futures.Future()  # (Any: torch's stubs type set_exception so)
+        array = as_array(tensor)
+
+        def answer(done: Future[Any]) -> None:
+            exc = done.exception()
+            future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(problem))
+
+        comm.submit(lambda _p, _e: compressor.checked_run(array, comm, None, problem)).add_done_callback(answer)
+        return future
+
+
+def _own_error(key: str) -> bool:
+    return any(part in key for part in _OWN_ERROR)
+
+
+def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future
+
+
+# ``bucket`` and the result unannotated: DDP's register_comm_hook refuses any annotation but its own
+# objects (see hook.py)
+def gradcomp_ft_hook(exchange: _Exchange, bucket):
+    """The DDP communication hook of ``DistributedDataParallel``."""
+    return exchange.exchange(bucket)
+
+
+class DistributedDataParallel(parallel.DistributedDataParallel):
+    """``torchft.DistributedDataParallel`` with the gradients averaged by a gradcomp compressor over
+    the manager's current quorum (the module docstring says what happens on failures and heals).
+
+    Args:
+        manager: the replica group's ``torchft.Manager``, made with ``use_async_quorum=False``
+            (module docstring) and the ``DYNAMIC`` world size mode (its default). Its process
+            group carries the compressor's collectives.
+        module: the model, identical on every replica group (the manager heals a joining one).
+        compressor: a gradcomp ``Compressor`` or a registry name (``"int8"``, ``"int4"``, ...).
+        process_group: the torchft process group to use; default the manager's.
+        **kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` (not
+            ``process_group`` or ``find_unused_parameters``, which are set here).
+
+    ``.compressor.stats()`` reports the traffic as usual (a discarded step's bytes included);
+    ``.hook_state`` is the ``HookState`` (``state_dict()`` for checkpoints); ``.comm`` the
+    ``QuorumCommunicator``. Registers the compressor's state with the manager under the key
+    ``"gradcomp"`` (once per manager).
+
+    Example::
+
+        model = DistributedDataParallel(manager, net, "int8")
+        optimizer = torchft.Optimizer(manager, torch.optim.SGD(model.parameters(), lr=0.1))
+        for x, y in batches:
+            optimizer.zero_grad()              # starts the quorum (and heals, if needed)
+            loss_fn(model(x), y).backward()    # the compressed exchange
+            optimizer.step()                   # steps only if the manager commits
+    """
+
+    def __init__(self, manager: Manager, module: torch.nn.Module, compressor: Compressor | str,
+                 *, process_group: Any = None, **kwargs: Any):
+        from torchft.process_group import ProcessGroupDummy
+
+        if isinstance(compressor, str):
+            compressor = make(compressor)
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"gradcomp.torch.ft: expected a gradcomp Compressor or a registry name, "
+                            f"got {type(compressor).__name__}")
+        from torchft.manager import WorldSizeMode
+
+        # (torchft keeps both settings in private attributes; read defensively)
+        if getattr(manager, "_use_async_quorum", False):
+            raise ValueError("gradcomp.torch.ft: construct the Manager with use_async_quorum=False. Under "
+                             "the asynchronous quorum a healing replica receives the compressor's state "
+                             "only after its step's exchange, one step behind its peers' from then on "
+                             "(see gradcomp.torch.ft's docstring)")
+        if getattr(manager, "_replica_world_size_mode", None) == WorldSizeMode.FIXED_WITH_SPARES:
+            raise ValueError("gradcomp.torch.ft: WorldSizeMode.FIXED_WITH_SPARES is not supported: a spare "
+                             "never participates, and a replica that does not participate refuses "
+                             "the exchange (every step would be discarded); use WorldSizeMode.DYNAMIC")
+        if process_group is None:
+            process_group = getattr(manager, "_pg", None)  # torchft keeps no public accessor
+            if process_group is None:
+                raise ValueError("gradcomp.torch.ft: this Manager has no process group gradcomp can "
+                                 "find; pass process_group= (the group given to the Manager)")
+        # DDP's own collectives (its initial broadcast, buffers) go to a group of one that does
+        # nothing; the gradients go through the hook
+        super().__init__(module, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True,
+                         **kwargs)
+        named = list(module.named_parameters())
+        comm = QuorumCommunicator(manager, process_group)
+        state = HookState(compressor, comm, {id(p): name for name, p in named},
+                          {name: tuple(p.shape) if p.dim() else (1,) for name, p in named})
+        self._exchange = _Exchange(manager, comm, state)
+        manager.register_state_dict_fn(STATE_KEY, self._exchange.load_state_dict,
+                                       self._exchange.state_dict)
+        self.register_comm_hook(self._exchange, gradcomp_ft_hook)
+        advice.watch(state, module.parameters())
+
+    @property
+    def compressor(self) -> Compressor:
+        return self._exchange.state.compressor
+
+    @property
+    def hook_state(self) -> HookState:
+        return self._exchange.state
+
+    @property
+    def comm(self) -> QuorumCommunicator:
+        return self._exchange.comm
+
+    @property
+    def steps_rolled_back(self) -> int:
+        """Discarded steps undone in the compressor's state, in this process."""
+        return self._exchange.rolled_back
+
+
+__all__ = ["DistributedDataParallel", "QuorumCommunicator", "STATE_KEY", "gradcomp_ft_hook"]
