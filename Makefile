@@ -11,7 +11,7 @@ NP     ?= 4
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[mpi,torch,test,bench,jax,integrations]' -c constraints.txt
+	$(PY) -m pip install --quiet -e '.[mpi,torch,test,bench,jax,integrations,ft]' -c constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
