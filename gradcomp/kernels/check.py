@@ -14,7 +14,7 @@ def target_has_f16c() -> bool:
     runtime helper that numba does not link, and the first call jumps to nowhere (a crash, not an
     exception the check below could catch): so the answer must come before anything compiles.
     ``NUMBA_CPU_NAME=generic`` (plain x86-64) is such a target."""
-    features = config.CPU_FEATURES
+    features = getattr(config, "CPU_FEATURES", None)  # set by numba from the environment
     if features is None:
         features = binding.get_host_cpu_features().flatten()
     return "+f16c" in features.split(",")
