@@ -46,10 +46,3 @@ def test_api_pages_link_the_guides_docstrings_name():
     assert "<pre><code>docs/guides/ddp.md</code></pre>" in out and '<a href="x">docs/guides/jax.md</a>' in out
     with pytest.raises(ValueError, match="not a page of the site"):
         h.linked("docs/guides/no-such-guide.md", "api/torch.md")
-    # every docs page a committed docstring names exists, so the build can link it
-    import subprocess
-
-    tracked = subprocess.run(["git", "ls-files", "gradcomp/*.py"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.split()
-    named = {m for p in tracked for m in re.findall(r"docs/(?:guides/)?[\w-]+\.md", (ROOT / p).read_text())}
-    assert named and all(h._target(n).is_file() for n in named), sorted(n for n in named if not h._target(n).is_file())
