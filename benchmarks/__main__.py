@@ -38,6 +38,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["zoo"]:  # the workload zoo: benchmarks/zoo/cli.py
+        from .zoo.cli import main as zoo
+        return zoo((sys.argv[1:] if argv is None else argv)[1:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
