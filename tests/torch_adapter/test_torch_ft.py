@@ -182,3 +182,14 @@ def test_refuses_what_it_cannot_keep_consistent():
         manager = types.SimpleNamespace(_pg=ProcessGroupGloo(), **settings)  # the attributes read
         with pytest.raises(ValueError, match=says):
             gft.DistributedDataParallel(manager, net, "int8")
+
+
+def test_example_trains_one_group(lighthouse, tmp_path):
+    """``examples/torch_ft.py`` as one replica group (its ``--demo`` kills and restarts one of two,
+    which takes a minute: run by hand)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCHFT_LIGHTHOUSE=lighthouse)
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_ft.py"), "--steps", "20"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["step"] == 20 and result["steps_rolled_back"] == 0, result  # (alone: nothing to compress)
