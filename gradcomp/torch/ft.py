@@ -267,7 +267,7 @@ class _Exchange:
     def refusal(self) -> str | None:
         """Why this replica cannot take part in this step's exchange, or None."""
         if self.quorum_error is not None:
-            return f"its quorum failed ({self.quorum_error.original_exception!r})"
+            return f"its quorum failed ({getattr(self.quorum_error, 'original_exception', self.quorum_error)!r})"
         if not self.manager.is_participating():
             return ("it does not participate in this quorum (healing under torchft's asynchronous "
                     "quorum?): use Manager(use_async_quorum=False)")
