@@ -219,12 +219,14 @@ def make(spec: str, **overrides: Any) -> Compressor:
 
 #: The parameters that shorten a registered name's warm-up to nothing (a recipe's exact warm-up
 #: and sparsity ramp; PowerSGD's ``start_iter``, 2 being the least it takes with error feedback).
-STEADY = ({"warmup": 0, "ramp": 0}, {"warmup": 0}, {"start_iter": 2})
+STEADY = ({"warmup": 0, "ramp": 0, "budget": None}, {"warmup": 0, "budget": None}, {"start_iter": 2, "budget": None},
+          {"warmup": 0, "ramp": 0}, {"warmup": 0}, {"start_iter": 2})
 
 
 def steady(spec: str, keep_given: bool = False) -> str:
-    """``spec`` with its warm-up shortened to nothing where its factory takes such a parameter:
-    what the benchmarks time and the tests check (the method itself, from the first step).
+    """``spec`` with its warm-up shortened to nothing, and without its governor, where its factory
+    takes such parameters: what the benchmarks time and the tests check (the method itself, from
+    the first step).
     ``keep_given``: only where ``spec`` does not set the parameter itself (an optimizer that runs
     its own warm-up before the method, e.g. ``OneBitAdam(compressor="topk:stages=2")``)."""
     name, given = parse_spec(spec)

@@ -15,7 +15,7 @@ def make_ep_compressor():
 
 def test_specs_and_overrides():
     assert parse_spec("powersgd:rank=4,start_iter=2") == ("powersgd", {"rank": 4, "start_iter": 2})
-    comp = gc.make("powersgd:rank=4", start_iter=7)
+    comp = gc.make("powersgd:rank=4,budget=None", start_iter=7)
     assert (comp.rank, comp.start_iter) == (4, 7)
     assert gc.make("int8:feedback=none").describe() == "int8(warmup=50, feedback='none')"
     assert gc.make("int8:feedback=none,warmup=0").compressors[0].describe() == "QuantizedAllreduce(bits=8)"

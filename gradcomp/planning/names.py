@@ -15,7 +15,14 @@ from ..compressors.quantize.twostage import CHUNK
 from ..params import check_choice
 from ..powersgd import PowerSGD
 from ..registry import register
+from .governor import BUDGET, Governed
 from .recipes import WARMUP_BITS, check_warmup_bits, codec_recipe, sparse_recipe, warmed
+
+
+def governed(method: Any, budget: float | None) -> Any:
+    """``method`` under the governor (``planning.governor``: it measures what compression costs
+    and backs off to 8-bit codes where that is over ``budget``); ``budget=None``: the method alone."""
+    return method if budget is None else Governed(method, budget=budget)
 
 
 def _half(wrapper: Any, inner: Any) -> Any:
@@ -83,29 +90,32 @@ def _allgathered(name: str, codec_factory: Any, default_warmup: int) -> Any:
     return factory
 
 
-def onebit(warmup: int | str = "auto", feedback: str = "none", warmup_bits: int = WARMUP_BITS) -> Any:
+def onebit(warmup: int | str = "auto", feedback: str = "none", warmup_bits: int = WARMUP_BITS,
+           budget: float | None = BUDGET) -> Any:
     """Signs and a scale per 512 values, two stages, after a warm-up: 8-bit codes until the
     gradients' scale settles (``"auto"``, ``recipes.warmed``; ``warmup_bits=4``: 4-bit after its
     first 30 steps), or ``warmup`` exact steps. Without error
     feedback: under momentum SGD and AdamW both residuals, or the workers' alone, trained worse.
     With Adam, prefer
-    ``gradcomp.optim.OneBitAdam``, where the feedback works on the frozen-variance momentum."""
-    return codec_recipe("onebit", OneBit, warmup, feedback, warmup_bits=warmup_bits)
+    ``gradcomp.optim.OneBitAdam``, where the feedback works on the frozen-variance momentum.
+    ``budget``: the governor's (``governed``; None: off)."""
+    return governed(codec_recipe("onebit", OneBit, warmup, feedback, warmup_bits=warmup_bits), budget)
 
 
 def topk(ratio: float = 0.01, warmup: int | str = "auto", ramp: int = 0, feedback: str | None = None,
-         stages: int = 1, warmup_bits: int = WARMUP_BITS) -> Any:
+         stages: int = 1, warmup_bits: int = WARMUP_BITS, budget: float | None = BUDGET) -> Any:
     """The largest ``ratio`` of each bucket after a warm-up (as ``onebit``'s): allgathered (``stages=1``,
     the workers' residual), or reduced in two stages (``stages=2``: ``ReducedTopK``, bytes flat in
-    the number of ranks, both residuals)."""
+    the number of ranks, both residuals). ``budget``: the governor's (``governed``; None: off)."""
     stages = check_choice("topk stages", stages, (1, 2))
     if feedback is None:
         feedback = "worker" if stages == 1 else "both"
-    return sparse_recipe("topk", TopK if stages == 1 else ReducedTopK, ratio, warmup, ramp, feedback,
-                         extra={"stages": 2} if stages == 2 else None, warmup_bits=warmup_bits)
+    return governed(sparse_recipe("topk", TopK if stages == 1 else ReducedTopK, ratio, warmup, ramp, feedback,
+                                  extra={"stages": 2} if stages == 2 else None, warmup_bits=warmup_bits), budget)
 
 
-def randomk(ratio: float = 0.01, warmup: int = 100, ramp: int = 0, feedback: str = "none", seed: int = 0) -> Any:
+def randomk(ratio: float = 0.01, warmup: int = 100, ramp: int = 0, feedback: str = "none", seed: int = 0,
+            budget: float | None = BUDGET) -> Any:
     """The same random ``ratio`` of coordinates on every rank, summed. Not recommended: with
     error feedback a coordinate waits about ``1 / ratio`` steps and then lands all at once, which
     diverged on every workload at its learning rate; without, 99% of each gradient is dropped and
@@ -115,10 +125,11 @@ def randomk(ratio: float = 0.01, warmup: int = 100, ramp: int = 0, feedback: str
     warnings.warn("gradcomp: randomk is not recommended (with error feedback it diverges; without, "
                   "it drops most of each gradient); use topk, onebit or int4 instead",
                   RuntimeWarning, stacklevel=3)
-    return sparse_recipe("randomk", RandomK, ratio, warmup, ramp, feedback, seed=seed)
+    return governed(sparse_recipe("randomk", RandomK, ratio, warmup, ramp, feedback, seed=seed), budget)
 
 
-def powersgd(rank: int = 4, start_iter: int | str = "auto", warmup_bits: int = WARMUP_BITS, **kwargs: Any) -> Any:
+def powersgd(rank: int = 4, start_iter: int | str = "auto", warmup_bits: int = WARMUP_BITS,
+             budget: float | None = BUDGET, **kwargs: Any) -> Any:
     """PowerSGD after a warm-up on 8-bit two-stage codes (``warmup_bits``) that ends when the
     gradients' scale settles (``start_iter="auto"``, ``recipes.warmed``; PowerSGD then takes its own 2 exact steps,
     which its error feedback and warm start need), or after ``start_iter`` exact steps (PyTorch's
@@ -128,9 +139,9 @@ def powersgd(rank: int = 4, start_iter: int | str = "auto", warmup_bits: int = W
     -0.00 at 3.1x; docs/convergence.md)."""
     check_warmup_bits("powersgd", start_iter, warmup_bits)
     if start_iter == "auto":
-        return warmed("powersgd", {"rank": rank, "start_iter": "auto", **kwargs}, "auto",
-                      [(0, PowerSGD(rank=rank, start_iter=2, **kwargs))], warmup_bits)
-    return PowerSGD(rank=rank, start_iter=start_iter, **kwargs)  # type: ignore[arg-type]
+        return governed(warmed("powersgd", {"rank": rank, "start_iter": "auto", **kwargs}, "auto",
+                               [(0, PowerSGD(rank=rank, start_iter=2, **kwargs))], warmup_bits), budget)
+    return governed(PowerSGD(rank=rank, start_iter=start_iter, **kwargs), budget)  # type: ignore[arg-type]
 
 
 powersgd.__signature__ = _passing_on(powersgd, PowerSGD)  # type: ignore[attr-defined]

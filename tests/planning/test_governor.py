@@ -1,0 +1,134 @@
+"""The governor (``gradcomp.planning.governor``) under real mpiexec: it backs off where compression
+costs more than its budget and stays where it does not, every rank takes the same decisions at
+the same step, its audits are counted in the bytes sent, its state resumes bit for bit, a rank
+with another budget is refused on every rank, and the divergence guard acts through it."""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from tests.mpi_launch import run_ranks
+
+SHAPES = [(200, 100), (100,), (50, 40)]
+
+
+def _grads(rank: int, step: int, noise: float) -> list[np.ndarray]:
+    """A slowly turning signal shared by every rank plus this rank's own noise."""
+    common = np.random.default_rng(0)
+    own = np.random.default_rng([step, rank])
+    return [(common.standard_normal(s) * np.cos(step / 30) + noise * own.standard_normal(s)).astype(np.float32)
+            for s in SHAPES]
+
+
+def _run(reducer, grads, rank: int, steps: range, noise: float, outputs: list) -> None:
+    for step in steps:
+        for g, new in zip(grads, _grads(rank, step, noise)):
+            g[...] = new
+        reducer.step(grads)
+        outputs.append(hashlib.sha256(b"".join(g.tobytes() for g in grads)).hexdigest())
+
+
+def rank_governor_decides_alike_and_resumes(spec: str, backs_off: bool):
+    """``spec`` over 160 steps of noisy gradients: the decisions (backing off, or none) are the
+    same on every rank at the same step, the means stay bit-identical, the audit's bytes are in
+    ``bytes_sent`` and a small share of it, and a checkpoint taken inside an audit window
+    resumes to the same bits and the same decisions."""
+    import gradcomp as gc
+
+    comm = gc.MPICommunicator()
+    make = lambda: gc.make(spec)  # noqa: E731
+    comp = make()
+    grads = [np.zeros(s, np.float32) for s in SHAPES]
+    reducer = gc.GradientReducer(grads, comp, comm)
+    outputs: list[str] = []
+    _run(reducer, reducer.gradients, comm.rank, range(45), 1.0, outputs)
+    saved = reducer.state_dict()  # inside the second audit window (steps 40-49)
+    _run(reducer, reducer.gradients, comm.rank, range(45, 160), 1.0, outputs)
+    stats = comp.stats()
+    gov = stats["governor"]
+    decisions = [(d["step"], d["to"], d["cost"]) for d in gov["decisions"]]
+    assert bool(decisions) == backs_off, gov
+    if backs_off:
+        assert decisions[0][0] == 49 and gov["tensor_steps"]["fallback"] > 0, gov
+        assert "noise" in gov["decisions"][0]["why"], gov
+    else:
+        assert gov["tensor_steps"]["fallback"] == 0, gov
+    assert 0 < gov["audit_bytes"] < stats["bytes_sent"] and gov["audit_share"] < 0.05, gov
+    every = comm.comm.allgather((outputs, decisions))  # test-side bookkeeping only
+    assert all(e == every[0] for e in every), "ranks differ in their means or their decisions"
+
+    again = make()
+    resumed = gc.GradientReducer([np.zeros(s, np.float32) for s in SHAPES], again, comm)
+    resumed.load_state_dict(saved)
+    tail: list[str] = []
+    _run(resumed, resumed.gradients, comm.rank, range(45, 160), 1.0, tail)
+    assert tail == outputs[45:], "the resumed run differs"
+    assert [(d["step"], d["to"], d["cost"]) for d in again.stats()["governor"]["decisions"]] == decisions
+    print(f"rank {comm.rank}: ok {decisions} audit share {gov['audit_share']:.4f}", flush=True)
+    comm.close()
+
+
+@pytest.mark.parametrize("spec,backs_off", [("topk:warmup=0,budget=0.05", True), ("topk:warmup=0,budget=1e6", False),
+                                            ("powersgd:start_iter=2,budget=0.05", True)])
+def test_governor_decides_alike_and_resumes(spec, backs_off):
+    run_ranks(3, "tests.planning.test_governor:rank_governor_decides_alike_and_resumes", spec, backs_off)
+
+
+def rank_another_budget_is_refused():
+    """A rank whose governor has another budget is a CollectiveError on every rank, naming it."""
+    import gradcomp as gc
+
+    comm = gc.MPICommunicator()
+    comp = gc.make(f"topk:warmup=0,budget={1.0 if comm.rank else 2.0}")
+    try:
+        comp.reduce(gc.Bucket(np.ones(4000, np.float32), 0, [(40, 100)]), comm).result()
+    except gc.CollectiveError as exc:
+        assert "budget" in str(exc), exc
+    else:
+        raise AssertionError("another budget was not refused")
+    print(f"rank {comm.rank}: ok", flush=True)
+    comm.close()
+
+
+def test_another_budget_is_refused():
+    run_ranks(2, "tests.planning.test_governor:rank_another_budget_is_refused")
+
+
+def rank_the_guard_acts():
+    """A residual that runs away (top-k of a constant gradient, another constant on each rank:
+    the same few coordinates are always sent) is announced, and the governor sends every bucket
+    to the fallback, saying why; with a budget the audits never exceed, only the guard moved it."""
+    import warnings
+
+    import gradcomp as gc
+
+    comm = gc.MPICommunicator()
+    comp = gc.make("topk:warmup=0,ratio=0.001,budget=1e12")
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        for step in range(300):
+            g = np.full(4000, 1.0 + comm.rank, np.float32)
+            comp.reduce(gc.Bucket(g, 0, [(40, 100)], keys=["w"]), comm).result()
+    gov = comp.stats()["governor"]
+    assert comp.stats()["guard"]["warned"], comp.stats()["guard"]
+    assert [d["why"] for d in gov["decisions"]] == ["the divergence guard saw a residual run away"], gov
+    assert gov["tensor_steps"]["fallback"] > 0, gov
+    print(f"rank {comm.rank}: ok {gov['decisions']}", flush=True)
+    comm.close()
+
+
+def test_the_guard_acts():
+    run_ranks(2, "tests.planning.test_governor:rank_the_guard_acts")
+
+
+def test_budget_and_window_are_checked():
+    from gradcomp.planning.governor import Governed
+
+    import gradcomp as gc
+
+    with pytest.raises(ValueError, match="budget"):
+        gc.make("topk:budget=0")
+    with pytest.raises(ValueError, match="window"):
+        Governed(gc.make("topk:budget=None"), window=60, every=50)
