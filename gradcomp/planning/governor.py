@@ -142,6 +142,7 @@ class Governed(Compressor):
         self._tensors: dict[str, _Tensor] = {}
         self._windows: dict[str, _Window] = {}   # first key of the bucket -> its open window
         self.decisions: list[dict[str, Any]] = []
+        self.audits: list[tuple[int, int, float]] = []  # (step, level, cost) of the latest windows
         self.audit_bytes = 0.0
         self._runaway_seen = False
         self._costs: dict[str, float] = {}  # each tensor's cost at its last audit (stats only)
@@ -266,6 +267,8 @@ class Governed(Compressor):
                 self._tensor(key).hold = self.hold  # held its budget: a later failure starts afresh
         for key in w.keys:
             self._costs[key] = float(cost)
+        self.audits.append((int(step), int(level), float(cost)))
+        del self.audits[:-KEPT]
 
     def _back_off(self, keys: Iterable[str], step: int, why: str, cost: float = math.nan) -> None:
         for key in keys:
@@ -329,6 +332,7 @@ class Governed(Compressor):
             "tensor_steps": dict(zip(names, steps)),
             "last_cost": dict(self._costs),
             "decisions": list(self.decisions),
+            "audits": list(self.audits),
             "audit_bytes": self.audit_bytes,
             "audit_share": self.audit_bytes / s["bytes_sent"] if s["bytes_sent"] else 0.0,
         }
