@@ -30,5 +30,6 @@ from .base import Optimizer
 from .dgc import DGC
 from .dgc import WARMUP as DGC_WARMUP
 from .diloco import DiLoCo
+from ..planning.governor import BUDGET as GOVERNOR_BUDGET
 
 __all__ = ["Optimizer", "OneBitAdam", "DGC", "DiLoCo"]

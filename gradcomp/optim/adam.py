@@ -98,7 +98,7 @@ class OneBitAdam(Optimizer):
                  compressor: Compressor | str | None = None, preconditioned: bool = True,
                  floor: float = 0.01, local_momentum: bool = False,
                  warmup_compressor: Compressor | str = WARMUP_COMPRESSOR,
-                 comm: Communicator | None = None, bucket_cap_mb: float = 25.0):
+                 comm: Communicator | None = None, bucket_cap_mb: float = 25.0, budget: float | None = None):
         super().__init__(params, lr, weight_decay, comm, bucket_cap_mb)
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
@@ -128,7 +128,7 @@ class OneBitAdam(Optimizer):
         exact = warm.describe() == Allreduce().describe()
         self._warmup_config = {} if exact else {"warmup_compressor": warm.describe()}
         self._schedule = Schedule([(0, warm), (self._freeze, inner)])
-        reducer = self._exchange(self._schedule)
+        reducer = self._exchange(self._schedule, budget)
         self._sent = reducer.gradients  # what travels: gradients in the warm-up, momentum after
         xp = array_module(self.params[0])
         self.m = [xp.zeros(p.shape, p.dtype) for p in self.params]
@@ -141,7 +141,8 @@ class OneBitAdam(Optimizer):
     def config(self) -> dict[str, Any]:
         return {"betas": self.betas, "eps": self.eps, "warmup": self.warmup, **self._warmup_config,
                 "compressor": self.momentum_compressor.describe(), "preconditioned": self.preconditioned,
-                "floor": self.floor, "local_momentum": self.local_momentum}
+                "floor": self.floor, "local_momentum": self.local_momentum,
+                **({"budget": self.budget} if self.budget is not None else {})}
 
     def phase(self) -> str:
         return "warm-up" if self.steps < self._freeze else "frozen variance"

@@ -193,11 +193,18 @@ class Optimizer:
         return {"optimizer step": self.steps, "phase": self.phase(), "lr": rates}
 
     # -- the exchange ---------------------------------------------------------------------------------------
-    def _exchange(self, compressor: Compressor) -> GradientReducer:
+    def _exchange(self, compressor: Compressor, budget: float | None = None) -> GradientReducer:
         """A reducer over arrays shaped like the parameters, averaging with ``compressor`` on one
         flat schedule (DGC's masking reads each rank's own residual, which a hierarchical one
         keeps on one rank of the host; and the 25x+ codes these optimizers send were measured
-        slower hierarchical, ``Compressor.hierarchical_pays``)."""
+        slower hierarchical, ``Compressor.hierarchical_pays``). ``budget``: the exchange is
+        governed (``gradcomp.planning.governor``: it backs off to 8-bit codes where compression
+        costs more than that); None: not."""
+        from ..planning.governor import Governed
+
+        self.budget = budget
+        if budget is not None:
+            compressor = Governed(compressor, budget=budget)
         like = [array_module(p).zeros(p.shape, p.dtype) for p in self.params]
         self.reducer = GradientReducer(like, _Agreed(compressor, self), self.comm, self.bucket_cap_mb,
                                        hierarchical=False)

@@ -44,6 +44,7 @@ from ..comm import Communicator
 from ..compressors.feedback import ErrorFeedback
 from ..compressors.sparse import ReducedTopK, TopK
 from ..params import check_choice, check_float, check_int
+from ..planning.governor import BUDGET
 from ..planning.recipes import sparsity_ramp
 from ..schedule import Schedule
 from ..settling import Settling
@@ -72,7 +73,8 @@ class DGC(Optimizer):
     local gradient clipping (None: off). ``stages``: 1, top-k allgathered; 2, reduced in two
     stages (``topk:stages=2``'s exchange: ``ratio=0.02`` is 25x at any number of ranks).
     ``momentum_form``: ``"global"`` (momentum on the averaged update: ``ratio=1.0`` is momentum
-    SGD) or ``"local"`` (the paper's momentum correction and factor masking).
+    SGD) or ``"local"`` (the paper's momentum correction and factor masking). ``budget``: the
+    governor's (``gradcomp.planning.governor``; None: the exchange is not governed).
     """
 
     runaway_advice = ("lengthen the sparsity warm-up (warmup=...), lower the learning rate, or keep "
@@ -81,7 +83,7 @@ class DGC(Optimizer):
     def __init__(self, params: Sequence[Array], lr: Hyper = 0.01, momentum: float = 0.9,
                  weight_decay: Hyper = 0.0, ratio: float = 0.01, warmup: int | str = WARMUP,
                  clip_norm: float | None = None, stages: int = 1, comm: Communicator | None = None,
-                 bucket_cap_mb: float = 25.0, momentum_form: str = "global"):
+                 bucket_cap_mb: float = 25.0, momentum_form: str = "global", budget: float | None = BUDGET):
         super().__init__(params, lr, weight_decay, comm, bucket_cap_mb)
         self.momentum = check_float("momentum", momentum, minimum=0, maximum=0.999999)
         self.ratio = check_float("ratio", ratio, above=0, maximum=1)
@@ -100,7 +102,7 @@ class DGC(Optimizer):
         self.fractions = [f for _, f in ramp]
         codec = TopK if self.exchange_stages == 1 else ReducedTopK
         self.ramp = Schedule([(s, ErrorFeedback(codec(f))) for s, f in ramp])
-        reducer = self._exchange(self.ramp)
+        reducer = self._exchange(self.ramp, budget)
         self._sent = reducer.gradients
         xp = array_module(self.params[0])
         #: the velocity: each rank's own (local), or the averaged update's, the same on every rank
@@ -113,7 +115,8 @@ class DGC(Optimizer):
         # (the local form, one stage) still names its configuration, and is refused by the global
         return {"momentum": self.momentum, "ratio": self.ratio, "warmup": self.warmup,
                 "clip_norm": self.clip_norm, **({"stages": 2} if self.exchange_stages == 2 else {}),
-                **({"momentum_form": "global"} if self.momentum_form == "global" else {})}
+                **({"momentum_form": "global"} if self.momentum_form == "global" else {}),
+                **({"budget": self.budget} if self.budget is not None else {})}
 
     def phase(self) -> str:
         return f"kept {self.fractions[self.ramp.stage_at(self.steps)]:g}"

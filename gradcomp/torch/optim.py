@@ -153,11 +153,11 @@ class OneBitAdam(_Wrapped):
                  eps: float = 1e-8, weight_decay: float = 0.0, warmup: int | str = "auto",
                  compressor: Any = None, preconditioned: bool = True, floor: float = 0.01,
                  local_momentum: bool = False, warmup_compressor: Any = core.WARMUP_COMPRESSOR, model: Any = None,
-                 comm: Communicator | None = None, bucket_cap_mb: float = 25.0):
+                 comm: Communicator | None = None, bucket_cap_mb: float = 25.0, budget: float | None = None):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay), model, comm, bucket_cap_mb,
                          betas=betas, eps=eps, warmup=warmup, compressor=compressor,
                          preconditioned=preconditioned, floor=floor, local_momentum=local_momentum,
-                         warmup_compressor=warmup_compressor)
+                         warmup_compressor=warmup_compressor, budget=budget)
 
 
 class DGC(_Wrapped):
@@ -168,7 +168,8 @@ class DGC(_Wrapped):
     def __init__(self, params: Iterable[Any], lr: float = 0.01, momentum: float = 0.9,
                  weight_decay: float = 0.0, ratio: float = 0.01, warmup: int | str = core.DGC_WARMUP,
                  clip_norm: float | None = None, stages: int = 1, momentum_form: str = "global",
-                 model: Any = None, comm: Communicator | None = None, bucket_cap_mb: float = 25.0):
+                 budget: float | None = core.GOVERNOR_BUDGET, model: Any = None, comm: Communicator | None = None,
+                 bucket_cap_mb: float = 25.0):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay), model, comm, bucket_cap_mb,
                          momentum=momentum, ratio=ratio, warmup=warmup, clip_norm=clip_norm, stages=stages,
-                         momentum_form=momentum_form)
+                         momentum_form=momentum_form, budget=budget)
