@@ -1,5 +1,9 @@
 """Array-module helpers: NumPy on the host, CuPy on the GPU, chosen from the array itself.
 
+The kernels behind ``cast``, ``divide``, ``add_into`` and ``subtract_into`` (half precision on
+NumPy) live in ``gradcomp.kernels`` (``halfcast``, ``elementwise``), which picks compiled or NumPy;
+``array_module`` and ``zero_non_finite`` are defined there too and re-exported here.
+
 Nothing here imports CuPy unless the caller already handed us a CuPy array (DESIGN invariant 6).
 
 Type annotations: ``Array`` is a NumPy or CuPy array, ``ArrayModule`` the module that owns one
@@ -11,12 +15,15 @@ from __future__ import annotations
 
 import sys
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from . import halfcast as _halfcast
-from . import kernels as _kernels
+from .kernels import array_module
+from .kernels.elementwise import add_into as _half_add_into
+from .kernels.elementwise import divide as _half_divide
+from .kernels.elementwise import zero_non_finite
+from .kernels.halfcast import cast_kernel, numpy_vector
 
 #: A NumPy or CuPy array (see the module docstring).
 Array = Any
@@ -26,13 +33,6 @@ ArrayModule = ModuleType
 DTypeLike = Any
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-
-
-def array_module(array: Array) -> ArrayModule:
-    """Return ``numpy`` or ``cupy``, whichever owns ``array``."""
-    if type(array).__module__.split(".")[0] == "cupy":
-        return sys.modules["cupy"]
-    return np
 
 
 def is_device_array(array: Array) -> bool:
@@ -59,75 +59,20 @@ def half_dtype(name: str, xp: ArrayModule = np) -> Any:
     raise ValueError(f"unknown half dtype {name!r}; expected 'float16' or 'bfloat16'")
 
 
-def _numpy_vector(array: Array) -> bool:
-    return type(array) is np.ndarray and array.flags.c_contiguous
-
-
-def _half_name(dtype: DTypeLike) -> str | None:
-    name = np.dtype(dtype).name
-    return name if name in ("float16", "bfloat16") else None
-
-
-#: Below this many values a compiled kernel call costs more than NumPy's own loop.
-_JIT_MIN = 256
-
-
-_jit: Any = None  # gradcomp.kernels.half once imported and working, False when not usable here
-
-
-def compiled_kernels() -> Any:
-    """``gradcomp.kernels.half`` when the compiled kernels work here (``kernels.available()``),
-    else None. Imported on first need only: numba takes a good fraction of a second to import,
-    which processes that never touch a half-precision array should not pay."""
-    global _jit
-    if _jit is None:
-        if _kernels.available():
-            from .kernels import half
-
-            _jit = half
-        else:
-            _jit = False
-    return _jit or None
-
-
-def _use_jit(array: Array) -> bool:
-    return _numpy_vector(array) and array.size >= _JIT_MIN and compiled_kernels() is not None
-
-
-def _cast_kernel(array: Array, source: Any, target: np.dtype) -> Callable[[Array, Array], Any] | None:
-    """The fast kernel ``(flat source, flat out)`` for converting ``array`` from ``source`` to
-    ``target``, or None where ``astype`` is the way: compiled kernels for float32 <->
-    float16/bfloat16, else the NumPy float16 kernels of ``gradcomp.halfcast``. Conversions that
-    involve no half type never reach ``_use_jit``, which would import numba."""
-    if source == target or not (_half_name(source) or _half_name(target)):
-        return None
-    if _use_jit(array):
-        if source == np.float32 and _half_name(target):
-            return lambda x, out: _jit.encode(x, out.view(np.uint16), target.name == "bfloat16")
-        if _half_name(source) and target == np.float32:
-            return lambda x, out: _jit.decode(x.view(np.uint16), out, source.name == "bfloat16")
-    elif _numpy_vector(array) and array.size >= _halfcast.MIN_SIZE:
-        if source == np.float32 and target == np.float16:
-            return _halfcast.float32_to_float16
-        if source == np.float16 and target == np.float32:
-            return _halfcast.float16_to_float32
-    return None
-
-
 def cast(array: Array, dtype: DTypeLike, out: Array | None = None) -> Array:
     """``array`` converted to ``dtype``, in a new array or in ``out`` (same shape, ``dtype``). The
     one place every dtype conversion of gradcomp goes through, so the fastest available kernel is
     chosen once for all methods.
 
-    Contiguous NumPy float32 <-> float16/bfloat16 use the compiled kernels of ``gradcomp.kernels.half``
-    (hardware conversion, about a memory pass); without numba, float32 <-> float16 uses
-    ``gradcomp.halfcast`` (SIMD bit manipulation, several times faster than ``astype``). Both give
-    ``astype``'s bits; everything else is ``astype``.
+    ``gradcomp.kernels.halfcast`` picks the kernel: for contiguous NumPy float32 <->
+    float16/bfloat16 the compiled ones (hardware conversion, about a memory pass), without numba
+    its NumPy float16 kernels (SIMD bit manipulation, several times faster than ``astype``). Both
+    give ``astype``'s bits; everything else is ``astype``.
     """
     target = np.dtype(dtype)
     source = getattr(array, "dtype", None)
-    kernel = _cast_kernel(array, source, target)
-    if kernel is None or (out is not None and not _numpy_vector(out)):
+    kernel = cast_kernel(array, source, target)
+    if kernel is None or (out is not None and not numpy_vector(out)):
         if out is None:
             return array.astype(dtype)
         out[...] = array  # converts element by element, no temporary of the whole array
@@ -138,71 +83,32 @@ def cast(array: Array, dtype: DTypeLike, out: Array | None = None) -> Array:
     return out
 
 
-def _half_operands(acc: Array, other: Array) -> str | None:
-    """The half kind ('float16'/'bfloat16') when ``acc`` and ``other`` are same-shape contiguous
-    NumPy arrays of it, big enough for a kernel; else None."""
-    kind = _half_name(acc.dtype) if type(acc) is np.ndarray else None
-    if (kind and type(other) is np.ndarray and other.dtype == acc.dtype
-            and other.shape == acc.shape and other.flags.c_contiguous
-            and _numpy_vector(acc) and acc.size >= _JIT_MIN):
-        return kind
-    return None
-
-
 def divide(array: Array, divisor: float, out: Array | None = None) -> Array:
     """``array / divisor`` in the array's own dtype, into ``out`` (``array`` itself is allowed)
-    or a new array. NumPy half arrays go through a kernel (same bits as NumPy's emulated float16
-    / ml_dtypes' bfloat16 division)."""
-    kind = _half_name(array.dtype) if type(array) is np.ndarray else None
-    if kind and _use_jit(array) and (out is None or _numpy_vector(out)):
-        if out is None:
-            out = array.copy()
-        elif out is not array:
-            np.copyto(out, array)
-        _jit.divide_in_place(out.reshape(-1).view(np.uint16), np.float32(array.dtype.type(divisor)),
-                             kind == "bfloat16")
-        return out
-    if kind == "float16" and _numpy_vector(array) and array.ndim == 1 and array.size >= _halfcast.MIN_SIZE:
-        return _halfcast.divide(array, divisor, out)
+    or a new array. NumPy half arrays go through a kernel (``kernels.elementwise``: same bits as
+    NumPy's emulated float16 / ml_dtypes' bfloat16 division)."""
+    done = _half_divide(array, divisor, out)
+    if done is not None:
+        return done
     if out is None:
         return array / array.dtype.type(divisor)
     return array_module(array).divide(array, array.dtype.type(divisor), out=out)
 
 
 def add_into(acc: Array, other: Array) -> Array:
-    """``acc += other`` in ``acc``'s dtype; NumPy float16/bfloat16 through a kernel (same bits as
-    NumPy's emulated float16 add / ml_dtypes' bfloat16 add)."""
-    kind = _half_operands(acc, other)
-    if kind and compiled_kernels():
-        _jit.add_into(acc.reshape(-1).view(np.uint16), other.reshape(-1).view(np.uint16),
-                      kind == "bfloat16", np.float32(1.0))
-        return acc
-    if kind == "float16" and acc.ndim == 1 and acc.size >= _halfcast.MIN_SIZE:
-        return _halfcast.add_into(acc, other)
-    acc += other
+    """``acc += other`` in ``acc``'s dtype; NumPy float16/bfloat16 through a kernel
+    (``kernels.elementwise``: same bits as NumPy's emulated float16 add / ml_dtypes' bfloat16 add)."""
+    if not _half_add_into(acc, other):
+        acc += other
     return acc
 
 
 def subtract_into(acc: Array, other: Array) -> Array:
     """``acc -= other`` in ``acc``'s dtype, with the kernel of ``add_into`` (``a - b`` is exactly
     ``a + (-b)`` in IEEE arithmetic)."""
-    kind = _half_operands(acc, other)
-    if kind and compiled_kernels():
-        _jit.add_into(acc.reshape(-1).view(np.uint16), other.reshape(-1).view(np.uint16),
-                      kind == "bfloat16", np.float32(-1.0))
-        return acc
-    acc -= other
+    if not _half_add_into(acc, other, -1.0):
+        acc -= other
     return acc
-
-
-def zero_non_finite(flat: Array) -> None:
-    """Zero the NaN and Inf entries of ``flat`` (an error-feedback residual after a bad step, so
-    one bad step does not poison the following ones); one cheap sum decides whether to look."""
-    xp = array_module(flat)
-    with np.errstate(all="ignore"):
-        total = flat.sum()  # NaN or Inf anywhere makes it non-finite (an overflow only costs a look)
-    if not bool(xp.isfinite(total)):
-        flat[~xp.isfinite(flat)] = 0
 
 
 def sum_of_squares(array: Array) -> float:

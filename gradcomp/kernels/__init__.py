@@ -1,24 +1,40 @@
-"""Every compiled (numba) kernel of gradcomp, and the one check that says whether they run here.
+"""Every kernel of gradcomp, one subject at a time: the NumPy reference beside its compiled
+(numba) form, and the one dispatch that picks between them.
+
+Each subject has a NumPy module, which callers use: it holds the NumPy reference (the bits every
+path must give) and ``compiled(...)``, the subject's one dispatch (the compiled module where it
+runs here and takes the arrays, else None); where the subject has a single entry point, that
+function itself picks. The compiled modules import numba and are loaded only through a dispatch.
+
+================  ==========================  ===========================================
+subject           NumPy module (use this)     compiled (numba) form
+================  ==========================  ===========================================
+half casts        ``halfcast``                ``half`` (``encode``, ``decode``)
+element-wise      ``elementwise``             ``half`` (``add_into``, ``divide_in_place``)
+quantization      ``affine``                  ``quantize``, ``quantize64``, ``chunks``
+signs (1-bit)     ``signcodes``               ``onebit``, ``signs``
+sparse            ``selection``               ``sparse``
+low rank          ``products``                ``lowrank``
+================  ==========================  ===========================================
+
+Shared by the compiled forms: ``base`` (the compile policy, ``kernel``/``inline``, and the LLVM
+intrinsics: half-precision conversion, float bits, int32 min/max, bit counts, streamed stores)
+and ``check`` (the self-check behind ``available()``).
 
 numba is imported only under this package, and only once ``available()`` has been asked (it
 takes a good fraction of a second to import: processes that never need a kernel do not pay it).
-This module itself imports no numba: it holds what the NumPy paths share with the kernels.
+This module and the NumPy modules import no numba, and nothing above this package (the layer at
+the bottom of DESIGN.md's drawing): ``array_module`` lives here, ``gradcomp.arrays`` re-exports it.
 
-- ``base``: the compile policy (``kernel``, ``inline``) and the LLVM intrinsics every subject
-  uses (half-precision conversion, float bits, int32 min/max, bit counts, streamed stores);
-- ``half``: float32 <-> float16/bfloat16 casts and element-wise half arithmetic;
-- ``check``: the self-check behind ``available()``;
-- ``sparse``: top-k's and random-k's one-pass kernels;
-- ``chunks``: the chunk codes' shared steps (ranges, codes, 4-bit packing, rows);
-- ``quantize`` / ``quantize64``: the affine 8- and 4-bit codes of float32 / float64;
-- ``signs`` / ``onebit``: the 1-bit code's vector intrinsics / its kernels;
-- ``lowrank``: PowerSGD's products.
-
-``GRADCOMP_JIT=0`` turns them off: callers use their NumPy kernels instead.
+``GRADCOMP_JIT=0`` turns the compiled forms off: every dispatch answers NumPy.
 """
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +49,14 @@ STREAM_BYTES = 4 << 20
 _ok: bool | None = None
 
 
+def array_module(array: Any) -> ModuleType:
+    """Return ``numpy`` or ``cupy``, whichever owns ``array`` (CuPy is never imported here: an
+    array of it means the caller imported it)."""
+    if type(array).__module__.split(".")[0] == "cupy":
+        return sys.modules["cupy"]
+    return np
+
+
 def stream(out) -> bool:
     """Whether a kernel writing all of ``out`` should do it with ``base._stream`` (``STREAM_BYTES``)."""
     return out.nbytes >= STREAM_BYTES
@@ -45,6 +69,16 @@ def available() -> bool:
     if _ok is None:
         _ok = os.environ.get("GRADCOMP_JIT", "1") != "0" and _passes()
     return _ok
+
+
+def load(name: str, *arrays: Any) -> ModuleType | None:
+    """The compiled module ``gradcomp.kernels.<name>`` where the compiled kernels run here
+    (``available()``) and every one of ``arrays`` is a contiguous NumPy array, else None. What
+    each subject's dispatch is built on; the arrays are looked at first, so work that could never
+    take a kernel does not import numba."""
+    if all(type(a) is np.ndarray and a.flags.c_contiguous for a in arrays) and available():
+        return importlib.import_module(f"{__name__}.{name}")
+    return None
 
 
 def _passes() -> bool:

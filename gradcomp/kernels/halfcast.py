@@ -1,4 +1,7 @@
-"""float32 <-> float16 conversion on NumPy without NumPy's software cast.
+"""Half casts: float32 <-> float16/bfloat16, the NumPy kernels and the one dispatch (``cast_kernel``)
+that picks them, the compiled ones (``gradcomp.kernels.half``) or ``astype``.
+
+NumPy float16 without NumPy's software cast:
 
 NumPy's ``astype(float16)`` and back convert one value at a time in C (numpy#28753: its wheels
 target a baseline without the F16C instructions), several times slower than a memcpy. PyTorch uses
@@ -24,13 +27,20 @@ float multiply by 2**112, which also normalizes subnormals exactly.
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
+
+from . import load
 
 #: Values per chunk: 64 Ki values = 256 KiB per uint32 scratch array, a few of which fit in L2.
 CHUNK = 1 << 16
 
 #: Below this many values NumPy's own cast is as fast (the chunk loop has a fixed Python cost).
 MIN_SIZE = 1 << 14
+
+#: Below this many values a compiled kernel call costs more than NumPy's own loop.
+JIT_MIN = 256
 
 _TO_INF = np.float32(2.0 ** 112)
 _BACK = np.float32(2.0 ** -110)
@@ -118,40 +128,42 @@ def float16_to_float32(h: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     return out
 
 
-def _binary(op, a: np.ndarray, b, out: np.ndarray) -> np.ndarray:
-    """``out = op(a, b)`` for contiguous 1-D float16 ``a`` (and ``b``: same-length float16 array or
-    a Python/NumPy scalar), computed in float32 and rounded once to float16, chunk by chunk.
-
-    This is what NumPy's own float16 loops compute (convert, operate in float32, round), so the
-    bits are the same; and since float32 carries more than twice float16's 11 significant bits
-    plus two, the result is also the correctly rounded float16 result of +, -, *, / (no double
-    rounding error), as native float16 hardware would give.
-    """
-    n = a.shape[0]
-    size = min(CHUNK, n)
-    fa = np.empty(size, np.float32)
-    fb = np.empty(size, np.float32) if isinstance(b, np.ndarray) else None
-    scalar = None if fb is not None else np.float32(np.float16(b))
-    with np.errstate(all="ignore"):
-        for start in range(0, n, CHUNK):
-            stop = min(start + CHUNK, n)
-            k = stop - start
-            float16_to_float32(a[start:stop], fa[:k])
-            if fb is not None:
-                float16_to_float32(b[start:stop], fb[:k])
-                op(fa[:k], fb[:k], out=fa[:k])
-            else:
-                op(fa[:k], scalar, out=fa[:k])
-            float32_to_float16(fa[:k], out[start:stop])
-    return out
+def numpy_vector(array: Any) -> bool:
+    """Whether ``array`` is a contiguous NumPy array (what the kernels of this module take)."""
+    return type(array) is np.ndarray and array.flags.c_contiguous
 
 
-def add_into(acc: np.ndarray, other: np.ndarray) -> np.ndarray:
-    """``acc += other`` for contiguous 1-D float16 arrays, bit-identical to NumPy's float16 add."""
-    return _binary(np.add, acc, other, acc)
+def half_name(dtype: Any) -> str | None:
+    """'float16' or 'bfloat16' for a half-precision dtype, else None."""
+    name = np.dtype(dtype).name
+    return name if name in ("float16", "bfloat16") else None
 
 
-def divide(a: np.ndarray, divisor, out: np.ndarray | None = None) -> np.ndarray:
-    """``a / divisor`` into ``out`` (may be ``a``) or a new float16 array, bit-identical to NumPy's
-    float16 division."""
-    return _binary(np.true_divide, a, divisor, np.empty(a.shape[0], np.float16) if out is None else out)
+def compiled(array: Any) -> Any:
+    """``gradcomp.kernels.half`` where it runs here and takes ``array`` (contiguous NumPy, at least
+    ``JIT_MIN`` values), else None: the dispatch of the half-precision kernels, casts and
+    element-wise alike. Asked only for half-precision work (numba is imported on first need)."""
+    if array.size < JIT_MIN:
+        return None
+    return load("half", array)
+
+
+def cast_kernel(array: Any, source: Any, target: np.dtype) -> Callable[[Any, Any], Any] | None:
+    """The fast kernel ``(flat source, flat out)`` for converting ``array`` from ``source`` to
+    ``target``, or None where ``astype`` is the way: compiled kernels for float32 <->
+    float16/bfloat16, else this module's NumPy float16 kernels. Conversions that involve no half
+    type never reach ``compiled``, which would import numba."""
+    if source == target or not (half_name(source) or half_name(target)) or not numpy_vector(array):
+        return None
+    jit = compiled(array)
+    if jit is not None:
+        if source == np.float32 and half_name(target):
+            return lambda x, out: jit.encode(x, out.view(np.uint16), target.name == "bfloat16")
+        if half_name(source) and target == np.float32:
+            return lambda x, out: jit.decode(x.view(np.uint16), out, source.name == "bfloat16")
+    elif array.size >= MIN_SIZE:
+        if source == np.float32 and target == np.float16:
+            return float32_to_float16
+        if source == np.float16 and target == np.float32:
+            return float16_to_float32
+    return None

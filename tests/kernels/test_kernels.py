@@ -1,6 +1,6 @@
 """The kernels the benchmarks measure, correctness only (moved here from the benchmarks' tests).
 
-* ``gradcomp.halfcast`` (behind ``arrays.cast``) is bit-identical to NumPy's float16 casts.
+* ``gradcomp.kernels.halfcast`` (behind ``arrays.cast``) is bit-identical to NumPy's float16 casts.
 * The blocked NumPy quantization kernels are bit-identical to the documented reference sequence
   (its helpers serve tests/test_half_kernels.py and tests/test_quantize_kernels.py too).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradcomp import halfcast
+from gradcomp.kernels import halfcast
 from gradcomp.arrays import cast
 from gradcomp.compressors import QuantizePerChannel, QuantizePerTensor
 
