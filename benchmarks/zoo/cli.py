@@ -44,13 +44,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def listing() -> str:
-    from benchmarks.tables import aligned_table
-
+    """The workloads, one a line, every column left-aligned."""
     from .workloads import WORKLOADS
 
-    rows = [[w.name, w.family, w.optimizer, f"{w.lr:g}", str(w.batch), w.metric, w.half, w.describe]
-            for w in WORKLOADS]
-    return aligned_table(["workload", "family", "optimizer", "lr", "batch/rank", "metric", "half", "what"], rows)
+    header = ["workload", "family", "optimizer", "lr", "batch/rank", "metric", "half", "what"]
+    rows = [header] + [[w.name, w.family, w.optimizer, f"{w.lr:g}", str(w.batch), w.metric, w.half, w.describe]
+                       for w in WORKLOADS]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(n) for c, n in zip(r, widths)).rstrip() for r in rows)
 
 
 def main(argv=None) -> int:
