@@ -18,12 +18,14 @@ variance of the exact mean (the ranks' spread divided by their number). The cost
 ``|D|^2 / E``: how much compression adds to the noise that averaging leaves in the updates. 1 is
 as much noise again, as if each rank's batch were halved.
 
-**What is decided.** A bucket whose cost is over ``budget`` backs off to ``fallback`` (8-bit
-two-stage codes with error feedback: ``int8``'s steady method) for ``hold`` steps, with the
-residual handed over as a ``Schedule`` hands it between stages, then tries its method again; a
-bucket that fails again holds twice as long. The divergence guard acts through it as well: a
-residual that runs away sends every bucket to the fallback. The levels are kept per tensor (they
-survive DDP's bucket rebuild); a bucket runs at the highest level of its tensors.
+**What is decided.** The levels are a ladder: the method, then 4-bit and 8-bit two-stage codes
+with error feedback at both stages (``int4``'s and ``int8``'s steady methods: 7-8x and about 4x,
+quality measured close to exact). A bucket whose cost is over ``budget`` steps one rung down,
+with the residual handed over as a ``Schedule`` hands it between stages; after ``hold`` steps it
+tries the rung above again, and a rung that fails again holds twice as long. The divergence
+guard acts through it as well: a residual that runs away moves every bucket one rung down. The
+levels are kept per tensor (they survive DDP's bucket rebuild); a bucket runs at the lowest rung
+of its tensors.
 
 **Agreement.** The audit's sums are computed from allreduced values, the same bits on every rank,
 so every rank takes the same decision; the level of each bucket is part of the agreed state
@@ -64,19 +66,23 @@ EVERY, WINDOW = 50, 10
 #: the audit's bytes over a period as a share of the method's (the sample's size follows from
 #: the method's declared traffic), and the fewest coordinates sampled
 SHARE, MIN_SAMPLES = 0.02, 64
-#: steps a bucket that went over its budget stays on the fallback before it tries again (doubled
-#: at each new failure)
-HOLD = 200
+#: steps a bucket that went over its budget stays a rung down before it tries the rung above
+#: again (doubled at each failure of that try)
+HOLD = 100
 #: a decision applies this many steps after the step that took it (see the module)
 DELAY = 2
 #: the decisions kept for ``stats()``
 KEPT = 50
+#: the rungs: the method and the two of ``ladder()``, by name
+RUNGS = ("method", "int4", "int8")
+LEVELS = len(RUNGS)
 
 
-def fallback_codes() -> Compressor:
-    """The safer code a governed bucket backs off to: 8-bit two-stage codes with error feedback
-    at both stages (``int8``'s method after its warm-up)."""
-    return ErrorFeedback(QuantizedAllreduce(bits=8), owner_feedback=True)
+def ladder() -> list[Compressor]:
+    """The rungs below a governed method: 4-bit codes on a grid that holds zero, then 8-bit codes,
+    two stages with error feedback at both (``int4``'s and ``int8``'s methods after a warm-up)."""
+    return [ErrorFeedback(QuantizedAllreduce(bits=4, exact_zero=True), owner_feedback=True),
+            ErrorFeedback(QuantizedAllreduce(bits=8), owner_feedback=True)]
 
 
 @dataclass
@@ -101,38 +107,42 @@ class _Prepared:
 
 @dataclass
 class _Tensor:
-    """One tensor's level: ``level`` from step ``since`` on (``before`` until then); on the
-    fallback, the method again from step ``retry``."""
+    """One tensor's rung: ``level`` from step ``since`` on (``before`` until then); below the
+    method, the rung above is tried again from step ``retry``."""
     level: int = 0
     since: int = 0
     before: int = 0
     retry: int = -1
     hold: int = HOLD
-    last: int | None = None  # the level that last reduced it (for the hand-over)
-    steps: list[int] = field(default_factory=lambda: [0, 0])
+    last: int = -1  # the rung that last reduced it (for the hand-over; -1: none yet)
+    steps: list[int] = field(default_factory=lambda: [0] * LEVELS)
 
     def at(self, step: int) -> int:
         if step < self.since:
             return self.before
-        if self.level == 1 and 0 <= self.retry <= step:
-            return 0
+        if self.level > 0 and 0 <= self.retry <= step:
+            return self.level - 1
         return self.level
 
+    def move(self, to: int, step: int, hold: int) -> None:
+        """To rung ``to`` from step ``step + DELAY`` on, trying the rung above after ``hold``."""
+        self.before, self.level, self.since, self.hold = self.at(step), to, step + DELAY, hold
+        self.retry = self.since + hold if to > 0 else -1
+
     def row(self) -> np.ndarray:
-        return np.array([self.level, self.since, self.before, self.retry, self.hold,
-                         -1 if self.last is None else self.last, *self.steps], np.int64)
+        return np.array([self.level, self.since, self.before, self.retry, self.hold, self.last, *self.steps],
+                        np.int64)
 
 
 class Governed(Compressor):
-    """``method``, governed: see the module. ``budget``: the largest cost allowed (``BUDGET``);
-    ``fallback``: the code it backs off to (``fallback_codes()``)."""
+    """``method``, governed: see the module. ``budget``: the largest cost allowed (``BUDGET``)."""
 
-    def __init__(self, method: Compressor, budget: float = BUDGET, fallback: Compressor | None = None,
-                 every: int = EVERY, window: int = WINDOW, hold: int = HOLD):
+    def __init__(self, method: Compressor, budget: float = BUDGET, every: int = EVERY, window: int = WINDOW,
+                 hold: int = HOLD):
         super().__init__()
         self.method = method
         self.budget = check_float("budget", budget, above=0)
-        self.fallback = fallback if fallback is not None else fallback_codes()
+        self.below = ladder()
         self.every = check_int("every", every, 1)
         self.window = check_int("window", window, 1)
         if self.window > self.every:
@@ -151,11 +161,11 @@ class Governed(Compressor):
     # -- what it declares: the method's, level 0 --------------------------------------------------
     @property
     def levels(self) -> list[Compressor]:
-        return [self.method, self.fallback]
+        return [self.method, *self.below]
 
     def config(self) -> dict[str, Any]:
-        return {"method": self.method, "budget": self.budget, "fallback": self.fallback,
-                "every": self.every, "window": self.window, "hold": self.hold}
+        return {"method": self.method, "budget": self.budget, "every": self.every, "window": self.window,
+                "hold": self.hold}
 
     def describe(self) -> str:
         return f"{self.method.describe()} governed (budget {self.budget:g})"
@@ -209,7 +219,7 @@ class Governed(Compressor):
         level = max((t.at(step) for t in tensors), default=0)
         handed: dict[str, Array] = {}
         for key, t in zip(bucket.keys, tensors):
-            if t.last is not None and t.last != level:
+            if t.last >= 0 and t.last != level:
                 handed.update(self.levels[t.last].take_residual([key]))
             t.last = level
             t.steps[level] += 1
@@ -256,31 +266,39 @@ class Governed(Compressor):
             self._decide(prepared, w)
 
     def _decide(self, prepared: _Prepared, w: _Window) -> None:
+        """At a window's end: a rung over budget steps down (a failed try of the rung above goes
+        back, holding twice as long); a rung within it stays, and a successful try is kept."""
         d2 = float(w.d @ w.d)
         cost = d2 / w.e if w.e > 0 else (0.0 if d2 == 0 else math.inf)
-        step, level = prepared.step, prepared.level
-        if level == 0 and cost > self.budget:
-            why = f"compression added {cost:.3g}x the exact mean's noise over {w.steps} steps (budget {self.budget:g})"
-            self._back_off(w.keys, step, why, cost)
-        elif level == 0:
-            for key in w.keys:
-                self._tensor(key).hold = self.hold  # held its budget: a later failure starts afresh
+        step, ran = prepared.step, prepared.level
+        over = cost > self.budget
+        why = (f"compression added {cost:.3g}x the exact mean's noise over {w.steps} steps "
+               f"({'over' if over else 'within'} budget {self.budget:g})")
+        moved = []
         for key in w.keys:
+            t = self._tensor(key)
             self._costs[key] = float(cost)
-        self.audits.append((int(step), int(level), float(cost)))
+            tried = ran < t.level  # the rung above, tried after its hold
+            if over and ran < LEVELS - 1:
+                t.move(ran + 1, step, 2 * t.hold if tried else self.hold)
+                moved.append(key)
+            elif not over and tried:
+                t.move(ran, step, self.hold)
+                moved.append(key)
+        if moved:
+            self._note(step, moved, RUNGS[self._tensor(moved[0]).level], cost, why)
+        self.audits.append((int(step), int(ran), float(cost)))
         del self.audits[:-KEPT]
 
-    def _back_off(self, keys: Iterable[str], step: int, why: str, cost: float = math.nan) -> None:
-        for key in keys:
-            t = self._tensor(key)
-            if t.at(step) == 1:
-                continue  # on the fallback already
-            if t.level == 1:  # back on the method after its hold, and over budget again
-                t.hold *= 2
-            t.level, t.before, t.since = 1, 0, step + DELAY
-            t.retry = step + DELAY + t.hold
-        self.decisions.append({"step": int(step), "tensors": list(keys)[:8], "to": "fallback",
-                               "cost": float(cost), "why": why})
+    def _step_down_all(self, step: int, why: str) -> None:
+        for key, t in self._tensors.items():
+            if t.at(step) < LEVELS - 1:
+                t.move(t.at(step) + 1, step, self.hold)
+        self._note(step, list(self._tensors), "one rung down", math.nan, why)
+
+    def _note(self, step: int, keys: Sequence[str], to: str, cost: float, why: str) -> None:
+        self.decisions.append({"step": int(step), "tensors": list(keys)[:8], "to": to, "cost": float(cost),
+                               "why": why})
         del self.decisions[:-KEPT]
 
     def checked_run(self, bucket: Bucket | Array, comm: Communicator, prepared: Any = None,
@@ -290,7 +308,7 @@ class Governed(Compressor):
         if guard is not None and guard.warned and not self._runaway_seen and isinstance(prepared, _Prepared):
             # every rank saw the same flags in the agreement, at the same bucket: the same step
             self._runaway_seen = True
-            self._back_off(list(self._tensors), prepared.step, "the divergence guard saw a residual run away")
+            self._step_down_all(prepared.step, "the divergence guard saw a residual run away")
         return out
 
     def agreement_state(self, bucket: Bucket, prepared: _Prepared | None) -> dict[str, Any]:
@@ -309,7 +327,7 @@ class Governed(Compressor):
         out: dict[str, Array] = {}
         for key in keys:
             t = self._tensors.get(key)
-            if t is not None and t.last is not None:
+            if t is not None and t.last >= 0:
                 out.update(self.levels[t.last].take_residual([key]))
         return out
 
@@ -317,19 +335,18 @@ class Governed(Compressor):
         out: dict[str, Array] = {}
         for key in keys:
             t = self._tensors.get(key)
-            if t is not None and t.last is not None:
+            if t is not None and t.last >= 0:
                 out.update(self.levels[t.last].residuals([key]))
         return out
 
     # -- what it says and keeps -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         s = super().stats()
-        names = ["method", "fallback"]
-        steps = [sum(t.steps[i] for t in self._tensors.values()) for i in (0, 1)]
+        steps = [sum(t.steps[i] for t in self._tensors.values()) for i in range(LEVELS)]
         s["governor"] = {
             "budget": self.budget,
-            "levels": {k: names[t.at(self._step)] for k, t in self._tensors.items()},
-            "tensor_steps": dict(zip(names, steps)),
+            "levels": {k: RUNGS[t.at(self._step)] for k, t in self._tensors.items()},
+            "tensor_steps": dict(zip(RUNGS, steps)),
             "last_cost": dict(self._costs),
             "decisions": list(self.decisions),
             "audits": list(self.audits),
@@ -362,24 +379,24 @@ class Governed(Compressor):
         tensors: dict[str, _Tensor] = {}
         windows: dict[str, _Window] = {}
         for name in [k for k in state if k.startswith("tensor/")]:
-            row = check_array(state.pop(name), name, owner, shape=(8,), dtypes=("int64",))
-            level, since, before, retry, hold, last, s0, s1 = (int(v) for v in row)
-            if level not in (0, 1) or before not in (0, 1) or last not in (-1, 0, 1) or hold < 1:
-                raise ValueError(f"{owner} state: {name!r} holds {row.tolist()}: a level, the one before "
-                                 f"and the last are 0 or 1 (last -1: none yet), the hold at least 1")
-            tensors[name[len("tensor/"):]] = _Tensor(level, since, before, retry, hold,
-                                                     None if last < 0 else last, [s0, s1])
+            row = check_array(state.pop(name), name, owner, shape=(6 + LEVELS,), dtypes=("int64",))
+            level, since, before, retry, hold, last = (int(v) for v in row[:6])
+            if not (0 <= level < LEVELS and 0 <= before < LEVELS and -1 <= last < LEVELS and hold >= 1):
+                raise ValueError(f"{owner} state: {name!r} holds {row.tolist()}: the rung, the one before "
+                                 f"and the last are below {LEVELS} (last -1: none yet), the hold at least 1")
+            tensors[name[len("tensor/"):]] = _Tensor(level, since, before, retry, hold, last,
+                                                     [int(v) for v in row[6:]])
         for name in [k for k in state if k.startswith("window/") and k.endswith("/keys")]:
             first = name[len("window/"):-len("/keys")]
             keys = tuple(str(np.asarray(state.pop(name))).split("\n"))
             d = check_array(state.pop(f"window/{first}/d", None), f"window/{first}/d", owner, dtypes=("float64",), ndim=1)
             e = check_array(state.pop(f"window/{first}/e", None), f"window/{first}/e", owner, (2,), ("float64",))
             windows[first] = _Window(keys, np.asarray(d, np.float64).copy(), float(e[0]), int(e[1]))
-        per_level: list[dict[str, Any]] = [{}, {}]
+        per_level: list[dict[str, Any]] = [{} for _ in range(LEVELS)]
         for key in list(state):
             head, sep, rest = key.partition("/")
-            if sep and head in ("level0", "level1"):
-                per_level[int(head[-1])][rest] = state.pop(key)
+            if sep and head in [f"level{i}" for i in range(LEVELS)]:
+                per_level[int(head[len("level"):])][rest] = state.pop(key)
         reject_leftovers(state, owner)
         saved = [comp.state_dict() for comp in self.levels]
         try:

@@ -51,10 +51,10 @@ def rank_governor_decides_alike_and_resumes(spec: str, backs_off: bool):
     decisions = [(d["step"], d["to"], d["cost"]) for d in gov["decisions"]]
     assert bool(decisions) == backs_off, gov
     if backs_off:
-        assert decisions[0][0] == 49 and gov["tensor_steps"]["fallback"] > 0, gov
+        assert decisions[0][0] == 49 and gov["tensor_steps"]["int4"] > 0, gov
         assert "noise" in gov["decisions"][0]["why"], gov
     else:
-        assert gov["tensor_steps"]["fallback"] == 0, gov
+        assert gov["tensor_steps"]["int4"] == gov["tensor_steps"]["int8"] == 0, gov
     assert 0 < gov["audit_bytes"] < stats["bytes_sent"] and gov["audit_share"] < 0.05, gov
     every = comm.comm.allgather((outputs, decisions))  # test-side bookkeeping only
     assert all(e == every[0] for e in every), "ranks differ in their means or their decisions"
@@ -98,8 +98,8 @@ def test_another_budget_is_refused():
 
 def rank_the_guard_acts():
     """A residual that runs away (top-k of a constant gradient, another constant on each rank:
-    the same few coordinates are always sent) is announced, and the governor sends every bucket
-    to the fallback, saying why; with a budget the audits never exceed, only the guard moved it."""
+    the same few coordinates are always sent) is announced, and the governor moves every bucket
+    a rung down, saying why; with a budget the audits never exceed, only the guard moved it."""
     import warnings
 
     import gradcomp as gc
@@ -113,8 +113,9 @@ def rank_the_guard_acts():
             comp.reduce(gc.Bucket(g, 0, [(40, 100)], keys=["w"]), comm).result()
     gov = comp.stats()["governor"]
     assert comp.stats()["guard"]["warned"], comp.stats()["guard"]
-    assert [d["why"] for d in gov["decisions"]] == ["the divergence guard saw a residual run away"], gov
-    assert gov["tensor_steps"]["fallback"] > 0, gov
+    assert gov["decisions"][0]["why"] == "the divergence guard saw a residual run away", gov
+    assert all("within budget" in d["why"] for d in gov["decisions"][1:]), gov  # back up after its hold
+    assert gov["tensor_steps"]["int4"] > 0, gov
     print(f"rank {comm.rank}: ok {gov['decisions']}", flush=True)
     comm.close()
 
