@@ -139,6 +139,13 @@ def half_name(dtype: Any) -> str | None:
     return name if name in ("float16", "bfloat16") else None
 
 
+def half_kind(x: Any, residual: Any) -> str | None:
+    """'float16' or 'bfloat16' for a half-precision ``x`` with a float32 residual (what the
+    compiled error-feedback kernels widen themselves), else None."""
+    name = np.dtype(x.dtype).name
+    return name if name in ("float16", "bfloat16") and residual.dtype == np.float32 else None
+
+
 def compiled(array: Any) -> Any:
     """``gradcomp.kernels.half`` where it runs here and takes ``array`` (contiguous NumPy, at least
     ``JIT_MIN`` values), else None: the dispatch of the half-precision kernels, casts and

@@ -153,8 +153,8 @@ def _quantize_cases():
 
 
 def _kernel_quantize(x, bits, width):
-    """(params, codes) from the quantizers' shared kernels (``compressors.quantize.kernels``)."""
-    from gradcomp.compressors.quantize.kernels import chunk_count, quantize
+    """(params, codes) from the quantizers' shared kernels (``kernels.affine``)."""
+    from gradcomp.kernels.affine import chunk_count, quantize
 
     width = width or max(x.shape[0], 1)
     params = np.empty((2, chunk_count(x.shape[0], width)), np.float32)
@@ -164,7 +164,7 @@ def _kernel_quantize(x, bits, width):
 
 
 def _kernel_dequantize_add(acc, params, codes, width):
-    from gradcomp.compressors.quantize.kernels import dequantize
+    from gradcomp.kernels.affine import dequantize
 
     dequantize(acc, params, codes, width or max(acc.shape[0], 1), add=True)
 

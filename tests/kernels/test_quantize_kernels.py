@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from gradcomp import kernels
-from gradcomp.compressors.quantize import kernels as quantize_module
-from gradcomp.compressors.quantize.kernels import chunk_count, dequantize, quantize
+from gradcomp.kernels import affine, signcodes
+from gradcomp.kernels.affine import chunk_count, dequantize, quantize
 
 from tests.mpi_launch import run_ranks
 from tests.kernels.test_kernels import _quantize_cases, _reference_dequantize_add, _reference_quantize
@@ -25,9 +25,10 @@ SHAPES = [(8, 512), (4, 512), (1, 512), (8, 3), (8, 100000), (8, 300000), (8, No
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    """Run a test on one path: 'numpy' hides the compiled kernels from quantize.py."""
+    """Run a test on one path: 'numpy' hides the compiled kernels (``affine.compiled``, the
+    quantizers' one dispatch)."""
     if request.param == "numpy":
-        monkeypatch.setattr(quantize_module, "_compiled", lambda *a: None)
+        monkeypatch.setattr(affine, "compiled", lambda *a: None)
     return request.param
 
 
@@ -124,7 +125,7 @@ def test_compiled_and_numpy_paths_give_the_same_bits(bits, width, zero, monkeypa
         acc0 = np.random.default_rng(4).standard_normal(x.size).astype(np.float32)
         acc0[::5] = -0.0
         with monkeypatch.context() as m:
-            m.setattr(quantize_module, "_compiled", lambda *a: None)
+            m.setattr(affine, "compiled", lambda *a: None)
             expected = _round_trip(q, x, acc0)
         got = _round_trip(q, x, acc0)
         for e, g, what in zip(expected, got, ("params", "codes", "acc")):
@@ -196,7 +197,7 @@ def test_float64_compiled_and_numpy_paths_give_the_same_bits(bits, width, zero, 
         acc0 = np.random.default_rng(4).standard_normal(x.size)
         acc0[::5] = -0.0
         with monkeypatch.context() as m:
-            m.setattr(quantize_module, "_compiled", lambda *a: None)
+            m.setattr(affine, "compiled", lambda *a: None)
             expected = _round_trip(q, x, acc0)
         got = _round_trip(q, x, acc0)
         for e, g, what in zip(expected, got, ("params", "codes", "acc")):
@@ -210,7 +211,7 @@ def test_packed_codes_are_pack4_of_the_codes(dtype):
     """The kernels' 4-bit codes, packed as they are made, equal ``pack4`` of the byte codes (an
     odd last code alone in its byte), and unpack back."""
     from gradcomp.kernels import quantize as compiled
-    from gradcomp.compressors.quantize.kernels import pack4, quantize_compiled
+    from gradcomp.kernels.affine import pack4, quantize_compiled
 
     rng = np.random.default_rng(9)
     for n in (1, 31, 33, 511, 512, 513, 512 * 5 + 77, 512 * 6):
@@ -259,7 +260,6 @@ def _codec_bits(name, dtype, comm, n):
     import ml_dtypes
 
     import gradcomp as gc
-    from gradcomp.compressors.quantize import allgather, onebit, twostage
 
     dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     rng = np.random.default_rng(11 + comm.rank)
@@ -278,10 +278,8 @@ def _codec_bits(name, dtype, comm, n):
     def run(compiled):
         comp = CODECS[name](gc)
         hidden = (lambda *a: None)
-        with mock.patch.object(twostage, "_compiled", twostage._compiled if compiled else hidden), \
-                mock.patch.object(onebit, "_compiled", onebit._compiled if compiled else hidden), \
-                mock.patch.object(allgather, "_compiled", allgather._compiled if compiled else hidden), \
-                mock.patch.object(quantize_module, "_compiled", quantize_module._compiled if compiled else hidden):
+        with mock.patch.object(affine, "compiled", affine.compiled if compiled else hidden), \
+                mock.patch.object(signcodes, "compiled", signcodes.compiled if compiled else hidden):
             outs = [comp.reduce(gc.Bucket(x.copy(), 0, scratch=True), comm).result().copy() for x in steps]
         return outs, comp.state_dict()
 
@@ -389,14 +387,14 @@ def test_onebit_kernels_on_odd_byte_counts(dtype):
         fast = np.empty(codec.message_size(n), np.uint8)
         slow = np.empty_like(fast)
         codec.encode(x, fast, Workspace())
-        with mock.patch.object(onebit, "_compiled", lambda *a: None):
+        with mock.patch.object(signcodes, "compiled", lambda *a: None):
             codec.encode(x, slow, Workspace())
         assert np.array_equal(fast, slow), n
         for add in (False, True):
             base = rng.standard_normal(n).astype(dtype)
             got, want = base.copy(), base.copy()
             codec.decode(fast, got, Workspace(), add=add)
-            with mock.patch.object(onebit, "_compiled", lambda *a: None):
+            with mock.patch.object(signcodes, "compiled", lambda *a: None):
                 codec.decode(fast, want, Workspace(), add=add)
             assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (n, add)
         chunks = chunk_count(n, 512)
@@ -454,7 +452,7 @@ def test_onebit_owner_by_sign_patterns_gives_the_same_bits(case, dtype):
             rows = _owner_rows(rng, size, n, case)
             got = np.empty(codec.message_size(n), np.uint8)
             assert codec.average(rows, n, dtype, got, Workspace())
-            with mock.patch.object(onebit, "_compiled", lambda *a: None):
+            with mock.patch.object(signcodes, "compiled", lambda *a: None):
                 mine = np.zeros(n, dtype)
                 for r in range(size):
                     codec.decode(rows[r], mine, Workspace(), add=True)

@@ -13,10 +13,10 @@ import numpy as np
 
 from ...arrays import Array, DTypeLike
 from ...comm import Workspace
-from ...kernels import stream
+from ...kernels import affine, stream
+from ...kernels.affine import chunk_count, dequantize, quantize
 from ...params import check_int
 from ..codec import Codec
-from .kernels import _compiled, chunk_count, dequantize, quantize
 from .. import passes
 
 #: the longest chunk decoded through a chunk-sized buffer to be streamed (``kernels.stream``)
@@ -65,7 +65,7 @@ class QuantizePerChannel(Codec):
         n = out.shape[0]
         width = self._width(n)
         chunks = chunk_count(n, width)
-        jit = _compiled(out, rows) if out.dtype in (np.float32, np.float64) and n else None
+        jit = affine.compiled(out, rows) if n else None
         if jit is None:
             return False
         size = rows.shape[0]

@@ -8,21 +8,22 @@ the float32 bucket. Without error feedback the signs are biased; with it (the re
 ``onebit``: both stages keep their error) this is the compressed allreduce behind 1-bit Adam
 (Tang et al. 2021) and error-compensated signSGD (Karimireddy et al. 2019).
 
-The scale is summed in float64 in index order on every path (compiled loop or NumPy's
-``cumsum``), so every rank computes the same bits whichever kernel it has.
+The kernels, NumPy and compiled, and the choice between them are ``gradcomp.kernels.signcodes``;
+the scale is summed in float64 in index order on every path, so every rank computes the same
+bits whichever kernels it has.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ...arrays import Array, ArrayModule, DTypeLike, array_module, zero_non_finite
+from ...arrays import Array, DTypeLike, zero_non_finite
 from ...comm import Workspace
-from ...kernels import stream
+from ...kernels import signcodes, stream
+from ...kernels.affine import chunk_count
+from ...kernels.halfcast import half_kind
 from ..codec import Codec
-from .kernels import _compiled, _half_kind, chunk_count
 
 CHUNK = 512
-_BLOCK_CHUNKS = 4  # = kernels.signs.TOTALS_AT_ONCE (that module imports only with numba)
 
 
 class OneBit(Codec):
@@ -55,7 +56,7 @@ class OneBit(Codec):
         if not n:
             return True
         feedback = residual is not None
-        half = None if residual is None else _half_kind(x, residual)
+        half = None if residual is None else half_kind(x, residual)
         jit = self._jit(x if half is None else residual, x, scales, bits, *(() if residual is None else (residual,)))
         if jit is not None and (residual is None or residual.dtype == x.dtype or half is not None):
             g = x if half is None else x.view(np.uint16)
@@ -67,28 +68,14 @@ class OneBit(Codec):
             return True
         if feedback:
             return False  # the runner adds the residual and keeps the error itself
-        xp = array_module(x)
-        full = n // CHUNK
-        wide = workspace.array(self, "wide", n, np.float64, like=x)
-        xp.abs(x, out=wide)
-        with np.errstate(all="ignore"):
-            if full:
-                scales[:full] = _lane_sums(xp, wide[:full * CHUNK].reshape(full, CHUNK)) / CHUNK
-            if n > full * CHUNK:
-                scales[full] = _lane_sums(xp, wide[full * CHUNK:].reshape(1, -1))[0] / (n - full * CHUNK)
-        positive = workspace.array(self, "positive", n, np.bool_, like=x)
-        xp.greater_equal(x, 0, out=positive)
-        bits[...] = xp.packbits(positive, bitorder="little")
+        signcodes.encode(x, scales, bits, CHUNK, workspace.array(self, "wide", n, np.float64, like=x),
+                         workspace.array(self, "positive", n, np.bool_, like=x))
         return True
 
     def _jit(self, *arrays: Array):
-        """``gradcomp.kernels.onebit`` where the compiled kernels take ``arrays`` (the first one
-        float32 or float64), else None."""
-        if arrays[0].dtype not in (np.float32, np.float64) or _compiled(*arrays) is None:
-            return None
-        from ...kernels import onebit
-
-        return onebit
+        """``gradcomp.kernels.onebit`` where the compiled kernels take ``arrays``, else None
+        (``kernels.signcodes.compiled``)."""
+        return signcodes.compiled(*arrays)
 
     def average_with_feedback(self, rows: Array, residual: Array, message: Array, workspace: Workspace) -> bool:
         """The owner's stage in one compiled pass per chunk (``onebit_owner_chunks``): NumPy
@@ -116,8 +103,8 @@ class OneBit(Codec):
 
     def _chunk(self, workspace: Workspace, like: Array, dtype: DTypeLike) -> Array:
         """A block of chunks of values of ``dtype``, for the compiled kernels (whose chunks'
-        sums run side by side: ``kernels.signs.TOTALS_AT_ONCE``; in the L1 cache)."""
-        return workspace.array(self, "tmp", _BLOCK_CHUNKS * CHUNK, dtype, like=like)
+        sums run side by side: ``kernels.signcodes.BLOCK_CHUNKS``; in the L1 cache)."""
+        return workspace.array(self, "tmp", signcodes.BLOCK_CHUNKS * CHUNK, dtype, like=like)
 
     def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         n = out.shape[0]
@@ -131,29 +118,4 @@ class OneBit(Codec):
             else:
                 jit.onebit_decode_chunks(scales, bits, out, CHUNK, add)
             return
-        xp = array_module(out)
-        signs = workspace.array(self, "signs", n, out.dtype, like=out)
-        signs[...] = xp.unpackbits(bits, count=n, bitorder="little")
-        signs *= 2
-        signs -= 1
-        full = n // CHUNK
-        with np.errstate(all="ignore"):
-            if full:
-                signs[:full * CHUNK].reshape(full, CHUNK)[...] *= scales[:full, None]
-            if n > full * CHUNK:
-                signs[full * CHUNK:] *= scales[full]
-            lost = xp.isnan(scales)  # one NaN for every path (a NaN product's sign is not portable)
-            if bool(lost.any()):
-                for c in xp.flatnonzero(lost).tolist():
-                    signs[c * CHUNK:(c + 1) * CHUNK] = np.nan
-        if add:
-            out += signs
-        else:
-            out[...] = signs
-
-
-def _lane_sums(xp: ArrayModule, rows: Array) -> Array:
-    """Per row, the float64 sum of the compiled loop's order: eight lanes (lane k adds values
-    8j + k in order), then the lanes in order. Rows have a multiple of 8 values."""
-    lanes = xp.cumsum(rows.reshape(rows.shape[0], -1, 8), axis=1)[:, -1, :]
-    return xp.cumsum(lanes, axis=1)[:, -1]
+        signcodes.decode(scales, bits, out, CHUNK, workspace.array(self, "signs", n, out.dtype, like=out), add)

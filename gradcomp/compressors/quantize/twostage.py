@@ -8,7 +8,7 @@ bit-identical (``Codec`` two-stage runner). Bytes per rank: ``2(N-1)/N`` of the 
 about ``2(N-1)/N * (bits/32 + 1/256)`` of the float32 bucket, where the allgathered quantizers
 send ``(N-1)`` messages. Wrapped in ``ErrorFeedback`` (the registered ``int8``, ``int4``), both
 stages keep their rounding error and send it with the next step. ``exact_zero`` puts zero on
-each chunk's grid (``kernels._zero_grid``; the registered ``int4`` does), so small values go as
+each chunk's grid (``kernels.affine._zero_grid``; the registered ``int4`` does), so small values go as
 exact zeros while their error builds up, instead of as rounding noise every step.
 """
 from __future__ import annotations
@@ -20,9 +20,11 @@ import numpy as np
 from ...arrays import Array, DTypeLike, zero_non_finite
 from ...comm import Workspace
 from ...params import check_bool, check_choice
+from ...kernels import affine
+from ...kernels.affine import chunk_count, dequantize, pack4, quantize, quantize_compiled, redone, unpack4
+from ...kernels.halfcast import half_kind
 from ..codec import Codec
 from .allgather import chunk_error_bound
-from .kernels import _compiled, _half_kind, chunk_count, dequantize, pack4, quantize, quantize_compiled, redone, unpack4
 
 CHUNK = 512
 
@@ -73,8 +75,8 @@ class QuantizedAllreduce(Codec):
         pack4(codes, packed)
 
     def _jit(self, *arrays: Array):
-        """The compiled kernels where they take ``arrays`` (the first one float32 or float64)."""
-        return _compiled(*arrays) if arrays[0].dtype in (np.float32, np.float64) else None
+        """The compiled kernels where they take ``arrays`` (``kernels.affine.compiled``)."""
+        return affine.compiled(*arrays)
 
     def _ctmp(self, workspace: Workspace, like: Array) -> Array:
         """A chunk of uint8 codes (4-bit codes are packed from there)."""
@@ -92,7 +94,7 @@ class QuantizedAllreduce(Codec):
         steps)."""
         n = x.shape[0]
         params, packed = self._views(message, n)
-        half = _half_kind(x, residual)
+        half = half_kind(x, residual)
         if half is None and residual.dtype != x.dtype:
             return False
         jit = self._jit(residual, x, params)

@@ -1,5 +1,6 @@
-"""Affine quantization of 512-value chunks (offset = the chunk's minimum, scale = range / levels),
-and bit packing for codes narrower than a byte.
+"""Quantization: affine codes of 512-value chunks (offset = the chunk's minimum, scale = range /
+levels), and bit packing for codes narrower than a byte. The NumPy kernels, and the one dispatch
+(``compiled``) to their compiled form (``gradcomp.kernels.quantize``, ``quantize64``, ``chunks``).
 
 With ``zero`` the grid holds zero exactly (``_zero_grid``): the range widened to include 0,
 ``levels - 1`` steps across it, the offset a whole number of steps below 0, so a value within half
@@ -10,7 +11,7 @@ adaptive optimizer's second moment counts as signal; BENCHMARKS.md section 6: in
 
 ``quantize(x, params, codes, width, levels)`` and ``dequantize(acc, params, codes, width, add)``
 pick the fastest kernel once for every quantizer: the compiled one-pass loops (``compiled``) for
-contiguous NumPy float32, else NumPy kernels working a block of chunks at a time (about ten
+contiguous NumPy float32 and float64, else NumPy kernels working a block of chunks at a time (about ten
 passes over each block, but in the L2 cache), else whole-array operations (CuPy). All give the
 same bits.
 
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...arrays import array_module, zero_non_finite
-from ...kernels import ROUND_MAGIC, available
+from typing import Any
+
+from . import ROUND_MAGIC, array_module, load
+from .elementwise import zero_non_finite
 
 _BLOCK = 1 << 18  # values per NumPy block (1 MiB of float32 scratch: fewer Python round trips)
 
@@ -31,21 +34,13 @@ def chunk_count(n: int, width: int) -> int:
     return -(-n // width) if n else 0
 
 
-def _compiled(*arrays):
-    """``gradcomp.kernels.quantize`` when the compiled kernels can take ``arrays`` (contiguous
-    NumPy arrays, numba present and enabled), else None."""
-    if all(type(a) is np.ndarray and a.flags.c_contiguous for a in arrays) and available():
-        from ...kernels import quantize
-
-        return quantize
-    return None
-
-
-def _half_kind(x, residual):
-    """'float16' or 'bfloat16' for a half-precision ``x`` with a float32 residual (what the
-    compiled error-feedback kernels widen themselves), else None."""
-    name = np.dtype(x.dtype).name
-    return name if name in ("float16", "bfloat16") and residual.dtype == np.float32 else None
+def compiled(*arrays: Any) -> Any:
+    """``gradcomp.kernels.quantize`` (which holds ``quantize64``'s kernels too) when the compiled
+    kernels can take ``arrays``: contiguous NumPy arrays, the first one float32 or float64, numba
+    present and enabled; else None. The one place the quantizers choose compiled or NumPy."""
+    if arrays[0].dtype not in (np.float32, np.float64):
+        return None
+    return load("quantize", *arrays)
 
 
 def _runs(flags):
@@ -127,7 +122,7 @@ def quantize(x, params, codes, width: int, levels: int, zero: bool = False) -> N
     xp = array_module(x)
     n = x.shape[0]
     if xp is np:
-        jit = _compiled(x, params, codes) if x.dtype in (np.float32, np.float64) else None
+        jit = compiled(x, params, codes)
         if jit is None:
             _quantize_blocked(x, params, codes, width, levels, zero=zero)
             return
@@ -174,7 +169,7 @@ def redone(redo, n: int, width: int, levels: int, params, codes, packed: bool, v
     without it), keep the error there as the runner's steps do. The marks of the float64 kernels
     say why (``kernels.chunks.REDO_*``): a chunk whose rounding depends on its NumPy block takes that
     block's path (the reference where the block holds a non-finite chunk)."""
-    from ...kernels.chunks import REDO_BAD, REDO_ROUNDING
+    from .chunks import REDO_BAD, REDO_ROUNDING
 
     rows = n // width
     per = max(1, _BLOCK // width) if width <= _BLOCK else 1
@@ -260,7 +255,7 @@ def dequantize(acc, params, codes, width: int, add: bool = False) -> None:
     chunks with non-finite parameters become NaN."""
     xp = array_module(acc)
     if xp is np:
-        jit = _compiled(acc, params, codes) if acc.dtype in (np.float32, np.float64) else None
+        jit = compiled(acc, params, codes)
         if jit is not None:
             jit.dequantize_chunks(acc, params, codes, width, add)
             return
