@@ -7,7 +7,9 @@ trains measurably worse than int4 at the hook or ``OneBitAdam``, which compresse
 instead (BENCHMARKS.md, section 6). The hook cannot see the optimizer, so ``register`` asks torch to call
 ``_before_step`` before any optimizer's step: the first step of an Adam-like optimizer (one whose
 parameter groups have ``betas``; gradcomp's own optimizers excepted) over a watched model's
-parameters warns once, on every rank (each steps its own optimizer). The result is not changed.
+parameters warns once, on every rank (each steps its own optimizer), and tells the hook's
+governors (``gradcomp.planning.governor``) that the optimizer is adaptive: they then hold the
+method to a quarter of their budget. The same first step on every rank, before any audit.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..compressors.base import sends_part
+from ..compressors.base import parts, sends_part
 from ..planning.auto import Auto
+from ..planning.governor import Governed
 
 if TYPE_CHECKING:
     from ..compressors import Compressor
@@ -44,8 +47,11 @@ def watch(state: Any, parameters: Iterable[torch.nn.Parameter]) -> None:
 
 
 def _adam_like(optimizer: torch.optim.Optimizer) -> bool:
+    """Adam's kind (parameter groups with ``betas``), or torch's other optimizers that scale each
+    coordinate by its own running magnitude (RMSprop, Adagrad, Adadelta)."""
+    scaling = (torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta)
     return (not type(optimizer).__module__.startswith("gradcomp.")
-            and all("betas" in group for group in optimizer.param_groups))
+            and (isinstance(optimizer, scaling) or all("betas" in group for group in optimizer.param_groups)))
 
 
 def _user_level() -> int:
@@ -69,6 +75,9 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     for state, (method, ids) in list(_WATCHED.items()):
         if ids & stepped:
             del _WATCHED[state]
+            governed = [p for p in parts(state.compressor) if isinstance(p, Governed)]
+            for g in governed:
+                g.adaptive = True
             warnings.warn(
                 f"gradcomp: the DDP hook runs {method} a sparse, low-rank or 1-bit part "
                 f"of each gradient, and {type(optimizer).__name__} steps every coordinate by about "
@@ -76,7 +85,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                 "worse than exact averaging. For Adam(W), let the optimizer compress its momentum: "
                 "gradcomp.torch.OneBitAdam(model.parameters(), ..., model=model), with "
                 "compressor='topk:stages=2,ratio=0.02' or 'fp16-powersgd:rank=8,factor_bits=8' for "
-                "a sparse or low-rank exchange; or int8 / int4 at the hook",
+                "a sparse or low-rank exchange; or int8 / int4 at the hook"
+                + ("; the hook's governor now holds it to a quarter of its budget" if governed else ""),
                 RuntimeWarning, stacklevel=_user_level())
     if not _WATCHED and _HANDLE is not None:
         _HANDLE.remove()

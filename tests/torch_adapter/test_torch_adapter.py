@@ -562,9 +562,15 @@ def _check_adam_advice(e):
 
     torch = e.torch
 
+    governors = []
+
     def steps(method, make_opt, n=2):
+        from gradcomp.compressors.base import parts
+        from gradcomp.planning.governor import Governed
+
         model = torch.nn.parallel.DistributedDataParallel(e.fresh_model(), bucket_cap_mb=BUCKET_CAP_MB)
-        e.gt.register(model, method, e.mpi)
+        state = e.gt.register(model, method, e.mpi)
+        governors[:] = [p for p in parts(state.compressor) if isinstance(p, Governed)]
         opt = make_opt(model)
         x, y = e.batch(0)
         with warnings.catch_warnings(record=True) as caught:
@@ -580,8 +586,13 @@ def _check_adam_advice(e):
     for method in ("topk", "onebit", "fp16-powersgd", "auto:allowed='int8,powersgd'"):
         said = steps(method, adamw)
         assert len(said) == 1 and "AdamW" in said[0] and e.gc.make(method).describe() in said[0], (method, said)
-    assert steps("int8", adamw) == [] and steps("topk", sgd) == [] and steps("auto", adamw) == []
+        # the hook's governor holds the method to its adaptive share of the budget from now on
+        assert all(g.adaptive for g in governors) and (governors or method.startswith("auto")), method
+    assert steps("topk", sgd) == []
+    assert governors and not any(g.adaptive for g in governors), "adaptive after momentum SGD"
+    assert steps("int8", adamw) == [] and steps("auto", adamw) == []
     assert steps("topk", lambda m: torch.optim.Adam(m.parameters()), n=1) != [], "a new model, a new warning"
+    assert steps("topk", lambda m: torch.optim.RMSprop(m.parameters()), n=1) != [], "RMSprop scales too"
 
 
 def rank_torch_collectives():
