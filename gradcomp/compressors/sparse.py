@@ -12,10 +12,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import kernels
 from ..arrays import Array, DTypeLike, add_into, array_module, zero_non_finite
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
+from ..kernels import selection
+from ..kernels.selection import BLOCK, scatter, sum_is_finite
 from ..params import check_float, check_int
 from ..state import reject_leftovers, take_int
 from .codec import Codec
@@ -24,41 +25,6 @@ from . import passes
 
 _SAMPLE = 1 << 16  # values in top-k's threshold sample
 _SAMPLED_FROM = 1 << 18  # buckets of at least this many values are sampled
-_BLOCK = 2048  # values per block of the compiled one-pass kernels (in the L1 cache)
-
-
-def _jit(*arrays: Array) -> Any:
-    """``gradcomp.kernels.sparse`` where its kernels take ``arrays`` (contiguous NumPy float32 or
-    float64 of one dtype, the first ones; index arrays after), else None."""
-    floats = [a for a in arrays if a.dtype.kind == "f"]
-    if not all(type(a) is np.ndarray and a.flags.c_contiguous for a in arrays):
-        return None
-    if not floats or floats[0].dtype not in (np.float32, np.float64) or any(a.dtype != floats[0].dtype for a in floats):
-        return None
-    return _compiled()
-
-
-def _compiled() -> Any:
-    """``gradcomp.kernels.sparse`` when the compiled kernels run here, else None."""
-    if not kernels.available():
-        return None
-    from ..kernels import sparse
-
-    return sparse
-
-
-def _sum_is_finite(top_bits: int, n: int, dtype: np.dtype) -> bool | None:
-    """Whether a vector of ``n`` values whose largest magnitude has the bits ``top_bits`` (from
-    ``randomk_gather``) sums to a finite value in NumPy's ``sum``: False when a value is NaN or
-    Inf, True when ``n`` times the largest magnitude is below a quarter of the dtype's largest
-    value (no partial sum can overflow: NumPy's pairwise sum grows rounding errors by far less
-    than 4x), None when only the sum itself can tell."""
-    info = np.finfo(dtype)
-    inf_bits = int(np.array(np.inf, dtype).view(np.int32 if dtype == np.float32 else np.int64))
-    if top_bits >= inf_bits:
-        return False
-    largest = float(np.array(top_bits, np.int32 if dtype == np.float32 else np.int64).view(dtype))
-    return True if largest * n < float(info.max) / 4 else None
 
 
 def kept(n: int, ratio: float) -> int:
@@ -126,7 +92,7 @@ class TopK(Codec):
         path, the same ``argpartition`` on the same candidates, so the same bits. False, having
         changed nothing, where that path does not apply (small buckets, no kernels)."""
         n, k = x.shape[0], index.shape[0]
-        jit = _jit(x, *(() if residual is None else (residual,)))
+        jit = selection.compiled(x, *(() if residual is None else (residual,)))
         if jit is None or x.dtype != np.float32 or not (n >= _SAMPLED_FROM and 16 * k <= n):
             return False
         feedback = residual is not None
@@ -140,7 +106,7 @@ class TopK(Codec):
         cand = workspace.array(self, "candidates", cap, np.int64, like=x)
         mags = workspace.array(self, "candidate-magnitudes", cap, np.float32, like=x)
         vals = workspace.array(self, "candidate-values", cap, np.float32, like=x)
-        masks = workspace.array(self, "masks", _BLOCK // 8, np.uint8, like=x)
+        masks = workspace.array(self, "masks", BLOCK // 8, np.uint8, like=x)
         count = jit.topk_candidates(x, e, feedback, threshold, cand, mags, vals, masks)  # (the residual is added now)
         if k <= count <= cap:
             picked = workspace.array(self, "picked", count, np.bool_, like=x)
@@ -193,7 +159,7 @@ class TopK(Codec):
 
     def decode(self, message: Array, out: Array, workspace: Workspace, add: bool = False) -> None:
         index, values = self._views(message, out.shape[0])
-        if _scatter(out, index, values, add):
+        if scatter(out, index, values, add):
             return
         if not add:
             out[...] = 0
@@ -252,8 +218,7 @@ class RandomK(Codec):
         self.ratio = check_float("ratio", ratio, above=0, maximum=1)
         self.seed = check_int("seed", seed, 0)
         self._step = 0
-        self._bitmap: np.ndarray | None = None  # Floyd's drawn positions (``_choose``)
-        self._spare: np.ndarray | None = None
+        self._draws = selection.Draws()
 
     def start(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> int:
         step = self._step
@@ -267,27 +232,8 @@ class RandomK(Codec):
         return step
 
     def _choose(self, rng: np.random.Generator, n: int, k: int, index: Array) -> None:
-        """``k`` of ``n`` positions, ascending, into ``index``: ``np.sort(rng.choice(n, k,
-        replace=False, shuffle=False))``. Where NumPy's choice uses Floyd's algorithm (not more
-        than 2% of a large ``n``) and the kernels are here, the same draws from the same bit
-        generator by a compiled loop (``jit.floyd_bits``, checked against NumPy on first use),
-        which marks them in a bitmap whose set bits are the sorted positions (no sort)."""
-        jit = _compiled() if type(index) is np.ndarray else None
-        floyd = k and not (n > 10000 and k > n // 50) and n < 1 << 31
-        if jit is None or not floyd or not _floyd_matches_numpy(jit):
-            chosen = np.sort(rng.choice(n, size=k, replace=False, shuffle=False)) if k else np.zeros(0, np.int64)
-            index[...] = array_module(index).asarray(chosen)
-            return
-        words = -(-n // 64)
-        if self._bitmap is None or self._bitmap.shape[0] < words:
-            self._bitmap = np.zeros(words, np.uint64)  # all zero between uses (cleared as read)
-        _floyd_positions(jit, rng, n, k, self._bitmap[:words], index, self._positions(k))
-
-    def _positions(self, k: int) -> np.ndarray:
-        """Room for ``k`` positions and the two ``jit.bitmap_positions`` may write past them."""
-        if self._spare is None or self._spare.shape[0] < k + 2:
-            self._spare = np.empty(k + 2, np.int64)
-        return self._spare[:k + 2]
+        """``k`` of ``n`` positions, ascending, into ``index`` (``kernels.selection.Draws``)."""
+        self._draws.choose(rng, n, k, index)
 
     def message_size(self, n: int) -> int:
         return kept(n, self.ratio) + 1
@@ -295,10 +241,10 @@ class RandomK(Codec):
     def encode(self, x: Array, message: Array, workspace: Workspace) -> None:
         k = message.shape[0] - 1
         index = workspace.array(self, "index", k, np.int64, like=x)
-        jit = _jit(x, message, index)
+        jit = selection.compiled(x, message, index)
         if jit is not None:
-            top = jit.randomk_gather(x, x, False, index, message[:k], _BLOCK)
-            finite = _sum_is_finite(top, x.shape[0], x.dtype)
+            top = jit.randomk_gather(x, x, False, index, message[:k], BLOCK)
+            finite = sum_is_finite(top, x.shape[0], x.dtype)
             if finite is not None:
                 message[k] = 0 if finite else np.nan
                 return
@@ -314,10 +260,10 @@ class RandomK(Codec):
             return False
         k = message.shape[0] - 1
         index = workspace.array(self, "index", k, np.int64, like=x)
-        jit = _jit(x, residual, message, index)
+        jit = selection.compiled(x, residual, message, index)
         if jit is not None:
-            top = jit.randomk_gather(x, residual, True, index, message[:k], _BLOCK)  # zero where sent
-            finite = _sum_is_finite(top, x.shape[0], x.dtype)
+            top = jit.randomk_gather(x, residual, True, index, message[:k], BLOCK)  # zero where sent
+            finite = sum_is_finite(top, x.shape[0], x.dtype)
             if finite is None:  # only the sum of the values (before zeroing) can tell
                 residual[index] = message[:k]
                 with np.errstate(all="ignore"):
@@ -341,7 +287,7 @@ class RandomK(Codec):
         if not bool(array_module(message).isfinite(message[k])):
             out[...] = np.nan
             return
-        if _scatter(out, index, message[:k], add):
+        if scatter(out, index, message[:k], add):
             return
         if not add:
             out[...] = 0
@@ -363,56 +309,3 @@ class RandomK(Codec):
                       residuals: passes.Residuals | None = None) -> passes.Passes | None:
         n = passes.numel(shapes)
         return passes.randomk(n, itemsize, kept(n, self.ratio), ranks, residuals is not None)
-
-
-def _scatter(out: Array, index: Array, values: Array, add: bool) -> bool:
-    """``out (+)= scatter(index, values)`` in one write of ``out`` (``jit.scatter_into``: zeros and
-    the values' ``0 + v`` a block at a time) where the kernels take the arrays and ``index`` is
-    ascending without repeats (every message this module encodes); else False, nothing changed."""
-    jit = _jit(out, values, index)
-    if jit is None:
-        return False
-    n = out.shape[0]
-    if index.shape[0] and not (int(index[0]) >= 0 and int(index[-1]) < n and bool((index[1:] > index[:-1]).all())):
-        return False
-    if not add and kernels.stream(out):
-        jit.scatter_into_streamed(out, index, values, np.empty(_BLOCK, out.dtype))
-    else:
-        jit.scatter_into(out, index, values, _BLOCK, add)
-    return True
-
-
-def _floyd_positions(jit: Any, rng: np.random.Generator, n: int, k: int, bitmap: np.ndarray, index: Array,
-                     spare: np.ndarray) -> None:
-    """Floyd's ``k`` of ``n`` from ``rng``'s 32-bit outputs (low half of each 64-bit one first, as
-    NumPy's PCG64 hands them out), ascending into ``index`` (through ``spare``, ``k + 2`` long);
-    ``bitmap`` zero before and after."""
-    stream = rng.bit_generator.random_raw(k // 2 + k // 64 + 64).view(np.uint32)
-    j, used = n - k, 0
-    while True:
-        j, used = jit.floyd_bits(stream, n, k, j, used, bitmap)
-        if j >= n:
-            break
-        stream = np.concatenate([stream[used:], rng.bit_generator.random_raw(k // 64 + 64).view(np.uint32)])
-        used = 0
-    jit.bitmap_positions(bitmap, spare)
-    index[...] = spare[:k]
-
-
-_FLOYD_OK: bool | None = None
-
-
-def _floyd_matches_numpy(jit: Any) -> bool:
-    """Whether ``jit.floyd_bits`` draws what this NumPy's ``Generator.choice`` draws (checked once,
-    on a few sizes): a NumPy that samples another way gets its own ``choice``."""
-    global _FLOYD_OK
-    if _FLOYD_OK is None:
-        ok = True
-        for n, k, seed in ((10, 3, 1), (1000, 10, 2), (10001, 200, 3), (1 << 20, 10485, 4), (70001, 1, 5)):
-            expected = np.sort(np.random.default_rng(seed).choice(n, size=k, replace=False, shuffle=False))
-            got = np.empty(k, np.int64)
-            _floyd_positions(jit, np.random.default_rng(seed), n, k, np.zeros(-(-n // 64), np.uint64), got,
-                             np.empty(k + 2, np.int64))
-            ok = ok and bool(np.array_equal(expected, got))
-        _FLOYD_OK = ok
-    return _FLOYD_OK

@@ -5,7 +5,8 @@
 * ``local_stage``, ``ordered_stage``: the work of a compressed step's two stages, and ``work``,
   what the first hands to the second;
 * ``plan``: which tensors become factors, where their P and Q blocks lie, orthogonalization;
-* ``products``/``loops``: ``P = M Q``, ``Q = M^T P``, ``P Q^T`` (compiled loops or matmul);
+* the products ``P = M Q``, ``Q = M^T P``, ``P Q^T`` (compiled loops or matmul) are
+  ``gradcomp.kernels.products``;
 * ``checkpoint``: ``state_dict`` and the checks of ``load_state_dict``.
 """
 from .compressor import BatchedPowerSGD, PowerSGD

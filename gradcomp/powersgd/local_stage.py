@@ -11,9 +11,9 @@ import numpy as np
 from ..arrays import Array, add_into, array_module, cast, dtype_name
 from ..bucket import Bucket
 from ..comm import Workspace
+from ..kernels.products import Products
 from ..state import TensorStore
 from .plan import Plan, orthogonalize
-from .products import Products
 from .work import HALF, Work, residual_dtype
 
 

@@ -189,7 +189,7 @@ class Plan:
                               dtype=np.int64).reshape(-1, 6)
         self.q_placements = [(t.key, t.q_off, (t.m, t.r)) for t in mats]
         self.p_placements = [(t.key, t.p_off, (t.n, t.r)) for t in mats]
-        #: per dtype, the scratch rows of the ordered NumPy reconstruction (``products.Products``),
+        #: per dtype, the scratch rows of the ordered NumPy reconstruction (``kernels.products.Products``),
         #: made on first use and kept with the plan, so that later steps allocate nothing
         self.scratch: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
 

@@ -8,8 +8,9 @@ bit-identical (``Codec`` two-stage runner). Bytes per rank: ``2(N-1)/N`` of the 
 about ``2(N-1)/N * (bits/32 + 1/256)`` of the float32 bucket, where the allgathered quantizers
 send ``(N-1)`` messages. Wrapped in ``ErrorFeedback`` (the registered ``int8``, ``int4``), both
 stages keep their rounding error and send it with the next step. ``exact_zero`` puts zero on
-each chunk's grid (``kernels.affine._zero_grid``; the registered ``int4`` does), so small values go as
-exact zeros while their error builds up, instead of as rounding noise every step.
+each chunk's grid (``gradcomp.kernels.affine``'s ``zero``; the registered ``int4`` does), so
+small values go as exact zeros while their error builds up, instead of as rounding noise every
+step.
 """
 from __future__ import annotations
 

@@ -1,22 +1,33 @@
-"""The three products of a PowerSGD step for every matrix of a plan: compiled loops on NumPy
-float32/float64 buckets (``kernels.lowrank``: one memory pass each, with the gradient add and the
-residual subtract folded in), else a matmul per matrix (CuPy, or numba unavailable)."""
+"""Low rank: the three products of a PowerSGD step for every matrix of a plan
+(``gradcomp.powersgd.plan.Plan``), with the one dispatch (``compiled``) between the compiled loops
+on NumPy float32/float64 buckets (``gradcomp.kernels.lowrank``: one memory pass each, with the
+gradient add and the residual subtract folded in) and a matmul per matrix (CuPy, or numba
+unavailable; NumPy's reconstruction then adds the rank's terms in the loops' order)."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
-from .. import kernels
-from ..arrays import Array, ArrayModule, DTypeLike, array_module
-from .plan import Plan
+from . import array_module, load
+
+Array = Any
 
 
 def _t(a: Array) -> Array:
     return a.swapaxes(-1, -2)
 
 
-def _decompress(xp: ArrayModule, out: Array, p: Array, q: Array, scratch: tuple[Array, Array] | None) -> None:
+def compiled(xp: Any, dtype: Any) -> Any:
+    """``gradcomp.kernels.lowrank`` where its loops run here and take buckets of ``dtype`` in the
+    array module ``xp`` (NumPy float32 or float64), else None: the one place the products choose
+    compiled or matmul."""
+    if xp is np and dtype in (np.float32, np.float64):
+        return load("lowrank")
+    return None
+
+
+def _decompress(xp: Any, out: Array, p: Array, q: Array, scratch: tuple[Array, Array] | None) -> None:
     """``out = P Q^T``. At rank 1 an outer product by broadcasting: BLAS GEMM with an inner
     dimension of 1 is many times slower than the single multiply per element it amounts to.
 
@@ -52,22 +63,17 @@ class Products:
     """``P = M Q``, ``Q = M^T P`` and ``OUT = P Q^T`` for a plan. ``fused`` says whether the
     compiled loops run; ``add`` and ``residual`` may only be passed when it is True."""
 
-    def __init__(self, plan: Plan, xp: ArrayModule, dtype: DTypeLike):
-        self.plan = plan
-        self.loops: Any = None  # gradcomp.kernels.lowrank where it runs
+    def __init__(self, plan: Any, xp: Any, dtype: Any):
+        self.plan = plan  # a gradcomp.powersgd.plan.Plan (this layer cannot name it)
+        self.loops: Any = compiled(xp, dtype)  # gradcomp.kernels.lowrank where it runs
         #: the ordered reconstruction's two scratch rows (NumPy without the loops: ``_decompress``)
         self.scratch: tuple[Array, Array] | None = None
-        if xp is np and dtype in (np.float32, np.float64):
-            if kernels.available():
-                from ..kernels import lowrank
-
-                self.loops = lowrank
-            else:
-                key = np.dtype(dtype)
-                if key not in plan.scratch:
-                    largest = max((b * n * m for _, b, n, m, r, _, _ in plan.batches if r > 1), default=0)
-                    plan.scratch[key] = (np.empty(largest, key), np.empty(largest, key))
-                self.scratch = plan.scratch[key]
+        if self.loops is None and xp is np and dtype in (np.float32, np.float64):
+            key = np.dtype(dtype)
+            if key not in plan.scratch:
+                largest = max((b * n * m for _, b, n, m, r, _, _ in plan.batches if r > 1), default=0)
+                plan.scratch[key] = (np.empty(largest, key), np.empty(largest, key))
+            self.scratch = plan.scratch[key]
 
     @property
     def fused(self) -> bool:
