@@ -1,7 +1,7 @@
 """The steps the chunk codes' kernels share (``quantize``, ``quantize64``): a chunk's range from
 order keys, its codes (and residual), 4-bit packing, and the rows of the slice owner's stage.
 
-The operations of the NumPy kernels (``compressors.quantize.kernels``) in the same order, one
+The operations of the NumPy kernels (``kernels.affine``) in the same order, one
 chunk of 512 values at a time while it is in the L1 cache, so the bits are the same.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The sparsifiers' one-pass kernels (``topk_*``, ``randomk_*``, ``scatter_into``, Floyd's
 sampling): they fold top-k's and random-k's passes over the bucket into one: the residual added,
 the selection, the NaN check and the gather in one read, the output written once
-(``compressors.sparse`` says what each replaces, with the same bits).
+(``compressors.sparse`` and ``selection`` say what each replaces, with the same bits).
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def randomk_gather(g, e, feedback, index, values, block):
     time: ``e = g + e`` where ``feedback``, the values at ``index`` (ascending) into ``values``
     and, with ``feedback``, ``e`` zeroed there; returns the bits of the largest |value| (as
     int64; above infinity's when a value is NaN), from which the caller knows whether the
-    bucket's sum is finite (``sparse._sum_is_finite``)."""
+    bucket's sum is finite (``selection.sum_is_finite``)."""
     n = g.shape[0]
     top = _no_bits(g)
     t = 0
