@@ -230,9 +230,13 @@ class Optimizer:
         return grads
 
     def stats(self) -> dict[str, Any]:
-        """The exchange's traffic (``Compressor.stats``) plus the optimizer's step and phase, and
-        with ``settling``, when and why the warm-up ended."""
+        """The exchange's traffic (``Compressor.stats``) plus the optimizer's step and phase, the
+        governor's levels and decisions where it is governed, and with ``settling``, when and why
+        the warm-up ended."""
         out = {**self.compressor.stats(), "optimizer_step": self.steps, "phase": self.phase()}
+        inner = getattr(self.compressor, "inner", None)
+        if self.budget is not None and inner is not None:
+            out["governor"] = inner.stats()["governor"]  # each tensor's rung and the decisions
         return out if self.settling is None else {**out, **self.settling.stats()}
 
     # -- checkpoints ----------------------------------------------------------------------------------------
