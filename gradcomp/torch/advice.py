@@ -8,8 +8,9 @@ instead (BENCHMARKS.md, section 6). The hook cannot see the optimizer, so ``regi
 ``_before_step`` before any optimizer's step: the first step of an Adam-like optimizer (one whose
 parameter groups have ``betas``; gradcomp's own optimizers excepted) over a watched model's
 parameters warns once, on every rank (each steps its own optimizer), and tells the hook's
-governors (``gradcomp.planning.governor``) that the optimizer is adaptive: they then hold the
-method to a quarter of their budget. The same first step on every rank, before any audit.
+governors (``gradcomp.planning.governor``) that the optimizer is adaptive: they then run a rung
+down (4-bit codes) and let the method earn its place against a quarter of their budget. The same
+first step on every rank, before any audit.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
             del _WATCHED[state]
             governed = [p for p in parts(state.compressor) if isinstance(p, Governed)]
             for g in governed:
-                g.adaptive = True
+                g.adapt()
             warnings.warn(
                 f"gradcomp: the DDP hook runs {method} a sparse, low-rank or 1-bit part "
                 f"of each gradient, and {type(optimizer).__name__} steps every coordinate by about "
@@ -86,7 +87,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                 "gradcomp.torch.OneBitAdam(model.parameters(), ..., model=model), with "
                 "compressor='topk:stages=2,ratio=0.02' or 'fp16-powersgd:rank=8,factor_bits=8' for "
                 "a sparse or low-rank exchange; or int8 / int4 at the hook"
-                + ("; the hook's governor now holds it to a quarter of its budget" if governed else ""),
+                + ("; the hook's governor now sends 4-bit codes and tries the method later, against a "
+                   "quarter of its budget" if governed else ""),
                 RuntimeWarning, stacklevel=_user_level())
     if not _WATCHED and _HANDLE is not None:
         _HANDLE.remove()

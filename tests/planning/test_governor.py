@@ -133,3 +133,32 @@ def test_budget_and_window_are_checked():
         gc.make("topk:budget=0")
     with pytest.raises(ValueError, match="window"):
         Governed(gc.make("topk:budget=None"), window=60, every=50)
+
+
+def rank_adaptive_starts_a_rung_down():
+    """Under an adaptive optimizer (``adapt``, which gradcomp.torch calls at an Adam-like first
+    step) the method moves a rung down two steps later, and a tensor first seen after starts
+    there; a checkpoint keeps both."""
+    import gradcomp as gc
+
+    comm = gc.MPICommunicator()
+    comp = gc.make("topk:warmup=0")
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        comp.reduce(gc.Bucket(rng.standard_normal(4000).astype(np.float32), 0, [(40, 100)], keys=["w"]), comm).result()
+    comp.adapt()
+    for step in range(6):
+        comp.reduce(gc.Bucket(rng.standard_normal(4000).astype(np.float32), 0, [(40, 100)], keys=["w"]), comm).result()
+    comp.reduce(gc.Bucket(rng.standard_normal(300).astype(np.float32), 0, [(300,)], keys=["late"]), comm).result()
+    gov = comp.stats()["governor"]
+    assert gov["levels"] == {"w": "int4", "late": "int4"} and gov["tensor_steps"]["int4"] == 4 + 1, gov
+    assert "adaptive" in gov["decisions"][0]["why"] and gov["limit"] == 0.25 * gov["budget"], gov
+    again = gc.make("topk:warmup=0")
+    again.load_state_dict(comp.state_dict())
+    assert again.adaptive and again.stats()["governor"]["levels"] == gov["levels"]
+    print("ok", flush=True)
+    comm.close()
+
+
+def test_adaptive_starts_a_rung_down():
+    run_ranks(1, "tests.planning.test_governor:rank_adaptive_starts_a_rung_down")
