@@ -22,7 +22,7 @@ import numpy as np
 from .kernels import array_module
 from .kernels.elementwise import add_into as _half_add_into
 from .kernels.elementwise import divide as _half_divide
-from .kernels.elementwise import zero_non_finite
+from .kernels.elementwise import zero_non_finite  # noqa: F401 - defined there, re-exported here
 from .kernels.halfcast import cast_kernel, numpy_vector
 
 #: A NumPy or CuPy array (see the module docstring).

@@ -20,9 +20,9 @@ such a chunk dequantizes to NaN, so a loss scaler notices, and no other chunk is
 """
 from __future__ import annotations
 
-import numpy as np
-
 from typing import Any
+
+import numpy as np
 
 from . import ROUND_MAGIC, array_module, load
 from .elementwise import zero_non_finite

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import array_module, halfcast
-from .halfcast import CHUNK, MIN_SIZE, JIT_MIN, float16_to_float32, float32_to_float16, half_name, numpy_vector
+from .halfcast import CHUNK, JIT_MIN, MIN_SIZE, float16_to_float32, float32_to_float16, half_name, numpy_vector
 
 
 def _half_operands(acc: Any, other: Any) -> str | None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradcomp.kernels import halfcast
 from gradcomp.arrays import cast
 from gradcomp.compressors import QuantizePerChannel, QuantizePerTensor
+from gradcomp.kernels import halfcast
 
 
 # -- float16 kernels --------------------------------------------------------------------------------
