@@ -126,7 +126,8 @@ def rank_dgc_on_ddp():
     torch, gt, launch, model, x, y = _setup()
     torch.manual_seed(0)
     twin = DistributedDataParallel(DigitsCNN(), bucket_cap_mb=0.01)
-    opt = gt.DGC(model.parameters(), lr=0.1, momentum=0.9, ratio=0.01, warmup=20, model=model)
+    opt = gt.DGC(model.parameters(), lr=0.1, momentum=0.9, ratio=0.01, warmup=20, model=model,
+                 budget=None)  # the ramp's bytes, ungoverned
     ref = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
     losses: dict = {"dgc": [], "sgd": []}
     for it in range(80):
