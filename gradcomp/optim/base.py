@@ -236,7 +236,9 @@ class Optimizer:
         out = {**self.compressor.stats(), "optimizer_step": self.steps, "phase": self.phase()}
         inner = getattr(self.compressor, "inner", None)
         if self.budget is not None and inner is not None:
-            out["governor"] = inner.stats()["governor"]  # each tensor's rung and the decisions
+            governor = inner.stats()["governor"]  # each tensor's rung and the decisions
+            sent = out["bytes_sent"]  # counted around the exchange, outside the governor
+            out["governor"] = {**governor, "audit_share": governor["audit_bytes"] / sent if sent else 0.0}
         return out if self.settling is None else {**out, **self.settling.stats()}
 
     # -- checkpoints ----------------------------------------------------------------------------------------
