@@ -39,6 +39,20 @@ def with_residuals(owner: Compressor, bucket: Bucket, residuals: dict[str, Array
     return bucket
 
 
+def from_last(stages: Sequence[Compressor], last: Mapping[str, int], keys: Iterable[str],
+              take: bool) -> dict[str, Array]:
+    """The residuals that the stage which last reduced each of ``keys`` (``last``: key -> stage
+    index, -1 or missing for none yet) keeps for it, taken out of it where ``take`` (a hand-over)
+    or as live views: what ``Schedule`` and the governor's rungs answer for their stages."""
+    out: dict[str, Array] = {}
+    for key in keys:
+        k = last.get(key, -1)
+        if k >= 0:
+            stage = stages[k]
+            out.update(stage.take_residual([key]) if take else stage.residuals([key]))
+    return out
+
+
 @dataclass
 class _Stage:
     step: int
@@ -173,21 +187,11 @@ class Schedule(Compressor):
 
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         """What the stages that last reduced ``keys`` kept for them (a Schedule in a Schedule)."""
-        out: dict[str, Array] = {}
-        for key in keys:
-            k = self._last_stage.get(key)
-            if k is not None:
-                out.update(self.compressors[k].take_residual([key]))
-        return out
+        return from_last(self.compressors, self._last_stage, keys, take=True)
 
     def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
         """The residuals of the stages that last reduced ``keys``."""
-        out: dict[str, Array] = {}
-        for key in keys:
-            k = self._last_stage.get(key)
-            if k is not None:
-                out.update(self.compressors[k].residuals([key]))
-        return out
+        return from_last(self.compressors, self._last_stage, keys, take=False)
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()

@@ -55,7 +55,7 @@ from ..compressors.feedback import ErrorFeedback
 from ..compressors.passes import Passes
 from ..compressors.quantize import QuantizedAllreduce
 from ..params import check_float, check_int
-from ..schedule import with_residuals
+from ..schedule import from_last, with_residuals
 from ..state import check_array, reject_leftovers, take_int
 
 #: the default budget: compression may add at most this multiple of the exact mean's own noise
@@ -361,20 +361,10 @@ class Governed(Compressor):
         return (prepared.level,) + self.levels[prepared.level].regime(prepared.inner)
 
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
-        out: dict[str, Array] = {}
-        for key in keys:
-            t = self._tensors.get(key)
-            if t is not None and t.last >= 0:
-                out.update(self.levels[t.last].take_residual([key]))
-        return out
+        return from_last(self.levels, {k: t.last for k, t in self._tensors.items()}, keys, take=True)
 
     def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
-        out: dict[str, Array] = {}
-        for key in keys:
-            t = self._tensors.get(key)
-            if t is not None and t.last >= 0:
-                out.update(self.levels[t.last].residuals([key]))
-        return out
+        return from_last(self.levels, {k: t.last for k, t in self._tensors.items()}, keys, take=False)
 
     # -- what it says and keeps -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
