@@ -125,11 +125,31 @@ class TorchCommunicator(OrderedCommunicator):
             out = xp.asarray(as_array(tensor))
         return out if like_dtype is None else out.view(like_dtype)
 
+    # -- the collective calls themselves (what a subclass over another kind of group overrides) -----
+    def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the group, in place. One method per collective call, so that a
+        transport over a group torch.distributed cannot address (``ft.QuorumCommunicator``)
+        replaces only the call and keeps the staging and counting around it."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+    def _all_gather_into(self, gathered: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Every rank's ``tensor``, in rank order, into ``gathered`` (``size`` times as long)."""
+        _all_gather_single(gathered, tensor, group=self.group)
+
+    def _all_to_all(self, received: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Block ``r`` of ``tensor`` (``size`` equal blocks) to rank ``r``; block ``r`` of
+        ``received`` from rank ``r``."""
+        dist.all_to_all_single(received, tensor, group=self.group)
+
+    def _broadcast_from(self, tensor: torch.Tensor, root: int) -> None:
+        """Group rank ``root``'s ``tensor`` into every rank's, in place."""
+        dist.broadcast(tensor, src=self._global_ranks[root], group=self.group)
+
     # -- the collectives, on the wire thread ---------------------------------------------------------
     def _allreduce(self, array, overwrite=False):
         tensor, xp = self._to_tensor(array, reuse=overwrite)
         self._count("allreduce", array.nbytes)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        self._all_reduce_sum(tensor)
         out = self._to_array(tensor, xp)
         if overwrite:
             if xp is np and not tensor.is_cuda and tensor.data_ptr() == array.ctypes.data:
@@ -172,7 +192,7 @@ class TorchCommunicator(OrderedCommunicator):
         tensor, xp = self._to_tensor(array, as_bytes=True)
         gathered = torch.empty(self.size * tensor.numel(), dtype=torch.uint8, device=tensor.device)
         self._count("allgather", array.nbytes)
-        _all_gather_single(gathered, tensor, group=self.group)
+        self._all_gather_into(gathered, tensor)
         result = self._to_array(gathered, xp, array.dtype).reshape((self.size,) + tuple(array.shape))
         if out is not None:
             out.reshape(result.shape)[...] = result
@@ -183,7 +203,7 @@ class TorchCommunicator(OrderedCommunicator):
         tensor, xp = self._to_tensor(array, as_bytes=True)
         received = torch.empty_like(tensor)
         self._count("alltoall", array.nbytes)
-        dist.all_to_all_single(received, tensor, group=self.group)
+        self._all_to_all(received, tensor)
         result = self._to_array(received, xp, array.dtype).reshape(self.size, -1)
         if out is not None:
             out.reshape(result.shape)[...] = result
@@ -193,7 +213,7 @@ class TorchCommunicator(OrderedCommunicator):
     def _broadcast(self, array, root):
         tensor, xp = self._to_tensor(array, as_bytes=True)
         self._count("broadcast", array.nbytes)
-        dist.broadcast(tensor, src=self._global_ranks[root], group=self.group)
+        self._broadcast_from(tensor, root)
         return self._to_array(tensor, xp, array.dtype).reshape(array.shape)
 
 

@@ -62,7 +62,6 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions,
                                                 BroadcastOptions, ReduceOp)
@@ -93,8 +92,9 @@ class QuorumCommunicator(TorchCommunicator):
 
     The collectives and the staging of buffers are ``TorchCommunicator``'s; what differs:
 
-    * they go to the torchft group's own methods (it is reconfigured for every new quorum and is
-      not registered with ``torch.distributed``, so its functional API cannot address it);
+    * the collective calls (``_all_reduce_sum`` and the like) go to the torchft group's own
+      methods (it is reconfigured for every new quorum and is not registered with
+      ``torch.distributed``, so its functional API cannot address it);
     * ``renew()``, at the start of every step, reads this rank and the group's size from the
       group as the latest quorum configured it, and replaces a pipeline an earlier failure broke;
     * a failure reports the error to the manager (the step is then not committed) instead of
@@ -142,49 +142,23 @@ class QuorumCommunicator(TorchCommunicator):
     def abort(self, code: int = 1) -> None:  # never: a failed step is discarded, not the job
         pass
 
-    def _allreduce(self, array, overwrite=False):
-        tensor, xp = self._to_tensor(array, reuse=overwrite)
-        self._count("allreduce", array.nbytes)
+    # torchft's own methods and ``*Options`` (the staging and counting around them are
+    # TorchCommunicator's)
+    def _all_reduce_sum(self, tensor: torch.Tensor) -> None:
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]  # (torch's stubs: RedOpType)
         self.group.allreduce([tensor], opts).wait()
-        out = self._to_array(tensor, xp)
-        if overwrite:
-            if xp is np and not tensor.is_cuda and tensor.data_ptr() == array.ctypes.data:
-                return array  # reduced in place
-            array[...] = out
-            return array
-        return out
 
-    def _allgather(self, array, out=None):
-        tensor, xp = self._to_tensor(array, as_bytes=True)
-        gathered = torch.empty(self.size * tensor.numel(), dtype=torch.uint8, device=tensor.device)
-        self._count("allgather", array.nbytes)
+    def _all_gather_into(self, gathered: torch.Tensor, tensor: torch.Tensor) -> None:
         self.group.allgather([list(gathered.chunk(self.size))], [tensor], AllgatherOptions()).wait()
-        result = self._to_array(gathered, xp, array.dtype).reshape((self.size,) + tuple(array.shape))
-        if out is not None:
-            out.reshape(result.shape)[...] = result
-            return out.reshape(result.shape)
-        return result
 
-    def _alltoall(self, array, out=None):
-        tensor, xp = self._to_tensor(array, as_bytes=True)
-        received = torch.empty_like(tensor)
-        self._count("alltoall", array.nbytes)
+    def _all_to_all(self, received: torch.Tensor, tensor: torch.Tensor) -> None:
         self.group.alltoall_base(received, tensor, [], [], AllToAllOptions()).wait()
-        result = self._to_array(received, xp, array.dtype).reshape(self.size, -1)
-        if out is not None:
-            out.reshape(result.shape)[...] = result
-            return out.reshape(result.shape)
-        return result
 
-    def _broadcast(self, array, root):
-        tensor, xp = self._to_tensor(array, as_bytes=True)
-        self._count("broadcast", array.nbytes)
+    def _broadcast_from(self, tensor: torch.Tensor, root: int) -> None:
         opts = BroadcastOptions()
-        opts.rootRank = int(root)
+        opts.rootRank = int(root)  # the torchft group's own rank (it has no global ranks)
         self.group.broadcast([tensor], opts).wait()
-        return self._to_array(tensor, xp, array.dtype).reshape(array.shape)
 
 
 class _Exchange:
