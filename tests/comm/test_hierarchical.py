@@ -107,7 +107,8 @@ def rank_guard_sees_the_inner_stage():
     with regimes_judged() as seen:
         for step in range(50):
             comp.reduce(gc.Bucket(rng.standard_normal(n).astype(np.float32), 0, SHAPES), comm).result()
-    assert seen == [(0,), (1,), (2,), (2,), (3,)], seen  # checks at steps 9, 19, 29, 39, 49
+    # checks at steps 9, 19, 29, 39, 49: the governor's rung (0: the method), then the recipe's stage
+    assert seen == [(0, 0), (0, 1), (0, 2), (0, 2), (0, 3)], seen
     print(f"rank {comm.rank}: ok", flush=True)
 
 
