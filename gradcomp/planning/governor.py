@@ -1,42 +1,34 @@
 """The governor: a lossy method that measures what its compression costs while it trains, and
-backs off to a safer code where the cost is over its budget.
+steps down to safer codes where the cost is over its budget.
 
-A method's error-feedback residual, its sparsity or its rank decide how far each averaged update
-strays from the exact mean. Whether that matters depends on the workload: the same recipe held
-on one model and lost 10+ points on another (issue 57). So the governor measures, on the
-workload it runs on, the one thing that decides it: how much the compression moved the updates,
-against how much noise the exact mean already has.
+Whether a method's residual, sparsity or rank matters depends on the workload: the same recipe
+held on one model and lost 10+ points on another (issue 57). So the governor measures, on the
+model it runs on, how far compression moves the updates against the noise the exact mean has.
 
 **What is measured.** Every ``every`` steps, each bucket runs an audit window of ``window``
-steps. On a fixed sample of its coordinates (the same on every rank: as many as cost ``SHARE`` of
-the method's own bytes over a period, at least ``MIN_SAMPLES``), each rank also sends its own
-gradient exactly (a small allreduce, float64, counted in ``bytes_sent`` like any other traffic). From it every rank gets the exact mean there
-and the spread of the ranks' gradients around it. Over the window it sums ``D``, the compressed
-mean minus the exact mean (error feedback delivers late what it held back, so the window sees
-the delay that the momentum or Adam's averaging sees, not one step's error), and ``E``, the
-variance of the exact mean (the ranks' spread divided by their number). The cost is
-``|D|^2 / E``: how much compression adds to the noise that averaging leaves in the updates. 1 is
-as much noise again, as if each rank's batch were halved.
+steps: on a fixed sample of its coordinates (the same on every rank, as many as cost ``SHARE``
+of the method's bytes over a period), each rank also sends its gradient exactly (a small float64
+allreduce, counted in ``bytes_sent``). Over the window it sums ``D``, the compressed mean minus
+the exact mean (error feedback delivers late what it held back, so the window sees the delay the
+optimizer's averaging sees), and ``E``, the exact mean's variance (the ranks' spread over their
+number). The cost is ``|D|^2 / E``: 1 adds as much noise again, as if each batch were halved.
 
-**What is decided.** The levels are a ladder: the method, then 4-bit and 8-bit two-stage codes
-with error feedback at both stages (``int4``'s and ``int8``'s steady methods: 7-8x and about 4x,
-quality measured close to exact). A bucket whose cost is over ``budget`` steps one rung down,
-with the residual handed over as a ``Schedule`` hands it between stages; after ``hold`` steps it
-tries the rung above again, and a rung that fails again holds twice as long. The divergence
-guard acts through it as well: a residual that runs away moves every bucket one rung down. The
-levels are kept per tensor (they survive DDP's bucket rebuild); a bucket runs at the lowest rung
-of its tensors.
+**What is decided.** The rungs: the method, then 4-bit and 8-bit two-stage codes with error
+feedback at both stages (``int4``'s and ``int8``'s steady methods). A bucket over ``budget``
+steps one rung down, its residual handed over as a ``Schedule`` hands it between stages; after
+``hold`` steps it tries the rung above again, and one that fails again holds twice as long. The
+divergence guard acts through it: a runaway moves every bucket a rung down. Under an optimizer
+that scales each coordinate by its own magnitude (``adapt``) a bucket starts a rung down and the
+method must hold ``ADAPTIVE_SHARE`` of the budget. Rungs are kept per tensor (they survive DDP's
+bucket rebuild); a bucket runs at the lowest rung of its tensors.
 
-**Agreement.** The audit's sums are computed from allreduced values, the same bits on every rank,
-so every rank takes the same decision; the level of each bucket is part of the agreed state
-(DESIGN invariant 3). A decision taken at step ``s`` applies from step ``s + 2``, after every
-job of step ``s + 1`` that the pipeline may have prepared ahead. The levels, holds, the open
-windows' sums and both methods' states are checkpointed, and a resume continues bit for bit.
-``stats()["governor"]`` says at which level each tensor runs, how many steps each level reduced,
-and each decision with its cost and why.
-
-Buckets of FSDP's reduce-scatter (``scatter``) are reduced at their tensors' level but never
-audited: each rank holds only its row of the mean.
+**Agreement.** The audit's sums come from allreduced values, the same bits on every rank, so
+every rank decides alike; each bucket's rung is agreed state (DESIGN invariant 3). A decision
+taken at step ``s`` applies from ``s + 2``, past any job of ``s + 1`` the pipeline prepared
+ahead. Rungs, holds, open windows and every rung's state are checkpointed: a resume continues
+bit for bit. ``stats()["governor"]`` has each tensor's rung, the steps per rung and each
+decision with its cost and why. FSDP's ``scatter`` buckets run at their rung, never audited
+(each rank holds only its row of the mean).
 """
 from __future__ import annotations
 
@@ -62,14 +54,11 @@ from ..state import check_array, reject_leftovers, take_int
 #: to the updates of an audit window (chosen on the workload zoo's tuning half, BENCHMARKS.md)
 BUDGET = 1.0
 #: the share of the budget that holds under an optimizer that scales each coordinate by its own
-#: magnitude (Adam, AdamW, RMSprop: ``adaptive``). Such an optimizer steps a small coordinate as
-#: far as a large one, so an error that is small against the whole gradient is not small against
-#: the coordinates it falls on: on the zoo's transformer under AdamW, PowerSGD at a cost of
-#: 0.5-0.8 ended 3.6% worse, where under momentum SGD costs up to 1 held within a point
+#: magnitude (Adam, RMSprop: ``adaptive``): it steps a small coordinate as far as a large one, so
+#: an error small against the whole gradient is not small against the coordinates it falls on
 ADAPTIVE_SHARE = 0.25
-#: under such an optimizer a method starts a rung down and is tried after this many steps: on the
-#: zoo's transformer under AdamW every partial method lost over 2% even when it backed off at its
-#: first audit (the steps before it were enough), while 4-bit codes held
+#: under such an optimizer a method starts a rung down and is tried after this many steps (on
+#: the zoo's tuning half, even the steps before a first audit cost the methods too much)
 ADAPTIVE_HOLD = 400
 #: steps between the starts of two audit windows, and the steps of one window
 EVERY, WINDOW = 50, 10
