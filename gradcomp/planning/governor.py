@@ -370,8 +370,8 @@ class Governed(Compressor):
             "audit_bytes": self.audit_bytes,
             "audit_share": self.audit_bytes / s["bytes_sent"] if s["bytes_sent"] else 0.0,
         }
-        s["method"] = self.method.stats()
-        return s
+        # the method's own keys too (its recipe, warm-up end, ...); the traffic is counted here
+        return {**{k: v for k, v in self.method.stats().items() if k not in s}, **s}
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"step": self._step, "audit_bytes": self.audit_bytes,

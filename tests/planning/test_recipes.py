@@ -22,7 +22,11 @@ def test_sparsity_ramp():
 
 
 def test_recipes_declare_what_they_use():
-    topk = gc.make("topk:ratio=0.001,warmup=50,ramp=200")
+    from gradcomp.planning.governor import Governed
+
+    governed = gc.make("topk:ratio=0.001,warmup=50,ramp=200")  # as shipped: the recipe, governed
+    assert isinstance(governed, Governed) and isinstance(governed.method, gc.Recipe)
+    topk = gc.make("topk:ratio=0.001,warmup=50,ramp=200,budget=None")
     assert isinstance(topk, gc.Recipe)
     assert topk.describe().startswith("topk(ratio=0.001, warmup=50, ramp=200")
     assert topk.starts == [0, 50, 100, 150, 200, 250]
@@ -30,7 +34,7 @@ def test_recipes_declare_what_they_use():
     assert topk.error_feedback_on
     config = topk.config()
     assert config["recipe"] == "topk" and config["warmup"] == 50 and len(config["stages"]) == 6
-    assert gc.make("onebit:warmup=0").starts == [0]
+    assert gc.make("onebit:warmup=0,budget=None").starts == [0]
     with pytest.raises(ValueError, match="feedback"):
         gc.make("onebit:feedback=always")
     with pytest.raises(ValueError, match="warmup"):
@@ -107,7 +111,7 @@ def rank_guard_warns_once_everywhere(spec: str, runaway: bool):
     print(f"rank {comm.rank}: guard {guard}", flush=True)
 
 
-@pytest.mark.parametrize("spec,runaway", [("topk:warmup=0,ratio=0.001", True), ("int8:warmup=0", False),
+@pytest.mark.parametrize("spec,runaway", [("topk:warmup=0,ratio=0.001,budget=None", True), ("int8:warmup=0", False),
                                           ("topk:warmup=0", False)])
 def test_divergence_guard(spec, runaway):
     run_ranks(2, "tests.planning.test_recipes:rank_guard_warns_once_everywhere", spec, runaway)
@@ -190,9 +194,9 @@ def test_an_optimizer_drops_a_named_codes_warmup_unless_given():
     from gradcomp.registry import steady
 
     assert steady("topk:stages=2,ratio=0.02", keep_given=True) == \
-        "topk:warmup=0,ramp=0,stages=2,ratio=0.02"
-    assert steady("topk:warmup=5", keep_given=True) == "topk:warmup=5"  # nothing left to shorten
-    assert steady("topk:warmup=5") == "topk:warmup=0,ramp=0"
+        "topk:warmup=0,ramp=0,budget=None,stages=2,ratio=0.02"
+    assert steady("topk:warmup=5", keep_given=True) == "topk:warmup=5,ramp=0,budget=None"  # the governor off
+    assert steady("topk:warmup=5") == "topk:warmup=0,ramp=0,budget=None"
     assert steady("int8") == "int8:warmup=0" and steady("quantize-channel") == "quantize-channel"
     params = [np.zeros((64, 8), np.float32)]
     comm = gc.MPICommunicator()
@@ -262,9 +266,10 @@ def test_the_guard_judges_each_stage_on_its_own():
             halved.reduce(gc.Bucket(g.copy(), 0, [(40, 100)]), comm).result()
             dgc.step([g.copy()])
     # checks at steps 9, 19, 29, 39, 49 of each, interleaved: the ramp's stages, none, DGC's ramp
-    assert seen[0::3] == [(0,), (1,), (2,), (2,), (3,)], seen
-    assert seen[1::3] == [()] * 5, seen
-    assert seen[2::3] == [(0,), (1,), (2,), (2,), (3,)], seen
+    # the governor's rung (0: the method) first, then the recipe's stage
+    assert seen[0::3] == [(0, 0), (0, 1), (0, 2), (0, 2), (0, 3)], seen
+    assert seen[1::3] == [(0,)] * 5, seen
+    assert seen[2::3] == [(0, 0), (0, 1), (0, 2), (0, 2), (0, 3)], seen
 
 
 def test_the_guard_inside_an_optimizer_advises_the_optimizer():

@@ -105,7 +105,7 @@ def rank_recipes_and_onebit_adam_settle_together():
     n = 3000
 
     def run(steps: int, resume_at: int | None = None):
-        return _reduce_steps(comm, "onebit:warmup='auto',warmup_bits=4", (n,), steps, resume_at)
+        return _reduce_steps(comm, "onebit:warmup='auto',warmup_bits=4,budget=None", (n,), steps, resume_at)
 
     recipe, outs = run(120)
     stats = recipe.stats()
@@ -144,10 +144,10 @@ def rank_recipes_and_onebit_adam_settle_together():
     assert resumed.stats()["warmup_ended_at"] == s["warmup_ended_at"]
     assert np.array_equal(copy[0], params[0]), "a resumed OneBitAdam froze elsewhere"
 
-    # DGC: the ramp's first level (25%) until the averaged update settles, then the other levels
-    # with the fixed ramp's gaps (10 steps each at ratio 0.01), then 1%
+    # DGC: 8-bit codes until the averaged update settles, then the top 1% (ungoverned here: the
+    # settling is what this checks)
     params = [np.ones(n, np.float32)]
-    dgc = gc.optim.DGC(params, lr=1e-3, warmup="auto", comm=comm)
+    dgc = gc.optim.DGC(params, lr=1e-3, warmup="auto", comm=comm, budget=None)
     phases = []
     for step in range(140):
         if step == 45:
@@ -157,11 +157,11 @@ def rank_recipes_and_onebit_adam_settle_together():
     d = dgc.stats()
     end = d["warmup_ended_at"]
     assert end is not None and 40 <= end < 100 and "settled" in d["warmup_reason"], d
-    assert set(phases[:end - 1]) == {"kept 0.25"}, phases[:end]
-    assert phases[end - 1:end + 31:10] == ["kept 0.0625", "kept 0.015625", "kept 0.01", "kept 0.01"], phases[end - 2:]
+    assert set(phases[:end - 1]) == {"8-bit warm-up"}, phases[:end]
+    assert set(phases[end - 1:]) == {"kept 0.01"}, phases[end - 2:]
     ends = comm.allgather(np.array([end], np.int64))[:, 0]
     assert (ends == end).all(), f"ranks ended DGC's first level at {ends}"
-    resumed = gc.optim.DGC(copy, lr=1e-3, warmup="auto", comm=comm)
+    resumed = gc.optim.DGC(copy, lr=1e-3, warmup="auto", comm=comm, budget=None)
     resumed.load_state_dict(saved)
     for step in range(45, 140):
         resumed.step([_gradient(comm.rank, step, n)])
@@ -184,7 +184,7 @@ def rank_powersgd_settles_then_compresses():
     shape = (60, 50)
 
     def run(steps: int, resume_at: int | None = None):
-        return _reduce_steps(comm, "powersgd:start_iter='auto'", shape, steps, resume_at)
+        return _reduce_steps(comm, "powersgd:start_iter='auto',budget=None", shape, steps, resume_at)
 
     method, outs = run(110)
     stats = method.stats()
