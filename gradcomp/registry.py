@@ -239,5 +239,9 @@ def steady(spec: str, keep_given: bool = False) -> str:
             continue
         if shortened.describe() == as_given:  # no warm-up to shorten (quantize-channel)
             return spec
+        if "budget" in items and "budget" not in given:
+            rest = {k: v for k, v in items.items() if k != "budget"}
+            if make(name, **rest).describe() == shortened.describe():
+                items = rest  # not governed without it either (powersgd's fixed start_iter)
         return name + (":" + ",".join(f"{k}={v!r}" for k, v in items.items()) if items else "")
     return spec
