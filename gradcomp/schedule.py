@@ -53,6 +53,39 @@ def from_last(stages: Sequence[Compressor], last: Mapping[str, int], keys: Itera
     return out
 
 
+def stage_states(stages: Sequence[Compressor], prefix: str) -> dict[str, Any]:
+    """Every stage's ``state_dict()`` under ``{prefix}{k}/``: what ``Schedule`` and the governor's
+    rungs save for their stages."""
+    return {f"{prefix}{k}/{key}": value for k, comp in enumerate(stages) for key, value in comp.state_dict().items()}
+
+
+def take_stage_states(stages: Sequence[Compressor], state: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
+    """Pop each stage's part of ``state`` (saved by ``stage_states``); other keys stay, for the
+    caller's own checks and ``reject_leftovers``."""
+    parts: list[dict[str, Any]] = [{} for _ in stages]
+    for key in list(state):
+        head, sep, rest = key.partition("/")
+        number = head[len(prefix):]
+        if sep and head.startswith(prefix) and number.isdigit() and int(number) < len(stages):
+            parts[int(number)][rest] = state.pop(key)
+    return parts
+
+
+def load_stage_states(stages: Sequence[Compressor], parts: Sequence[Mapping[str, Any]],
+                      shapes: Mapping[str, tuple] | None) -> None:
+    """Load each stage's part (``take_stage_states``); when one stage refuses its part, the stages
+    loaded before it are put back as they were (each checks before it assigns) and the
+    ValueError goes on."""
+    saved = [comp.state_dict() for comp in stages]
+    try:
+        for comp, sub in zip(stages, parts):
+            comp.load_state_dict(sub, shapes)
+    except ValueError:
+        for comp, old in zip(stages, saved):
+            comp.load_state_dict(old, shapes)
+        raise
+
+
 @dataclass
 class _Stage:
     step: int
@@ -204,10 +237,7 @@ class Schedule(Compressor):
         out: dict[str, Any] = {"step": self._step}
         for key, k in sorted(self._last_stage.items()):
             out[f"last_stage/{key}"] = k
-        for k, comp in enumerate(self.compressors):
-            for key, value in comp.state_dict().items():
-                out[f"stage{k}/{key}"] = value
-        return out
+        return {**out, **stage_states(self.compressors, "stage")}
 
     def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
         state = dict(state)
@@ -220,22 +250,8 @@ class Schedule(Compressor):
                 raise ValueError(f"{owner} state: {name!r} names stage {k}, but there are "
                                  f"{len(self.compressors)}")
             last[name[len("last_stage/"):]] = k
-        per_stage: list[dict[str, Any]] = [{} for _ in self.compressors]
-        for key in list(state):
-            head, sep, rest = key.partition("/")
-            number = head[len("stage"):]
-            if head.startswith("stage") and number.isdigit() and int(number) < len(self.compressors) and sep:
-                per_stage[int(number)][rest] = state.pop(key)
+        parts = take_stage_states(self.compressors, state, "stage")
         reject_leftovers(state, owner)
-        # each stage checks its part before anything changes; undo is not needed because a stage
-        # that rejects its part raises before assigning, and earlier stages are re-loaded below
-        saved = [comp.state_dict() for comp in self.compressors]
-        try:
-            for comp, sub in zip(self.compressors, per_stage):
-                comp.load_state_dict(sub, shapes)
-        except ValueError:
-            for comp, old in zip(self.compressors, saved):
-                comp.load_state_dict(old, shapes)
-            raise
+        load_stage_states(self.compressors, parts, shapes)
         self._step = step
         self._last_stage = last

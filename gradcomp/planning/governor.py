@@ -47,7 +47,7 @@ from ..compressors.feedback import ErrorFeedback
 from ..compressors.passes import Passes
 from ..compressors.quantize import QuantizedAllreduce
 from ..params import check_float, check_int
-from ..schedule import from_last, with_residuals
+from ..schedule import from_last, load_stage_states, stage_states, take_stage_states, with_residuals
 from ..state import check_array, reject_leftovers, take_int
 
 #: the default budget: compression may add at most this multiple of the exact mean's own noise
@@ -382,10 +382,7 @@ class Governed(Compressor):
             out[f"window/{first}/keys"] = "\n".join(w.keys)
             out[f"window/{first}/d"] = w.d.copy()
             out[f"window/{first}/e"] = np.array([w.e, w.steps], np.float64)
-        for i, comp in enumerate(self.levels):
-            for key, value in comp.state_dict().items():
-                out[f"level{i}/{key}"] = value
-        return out
+        return {**out, **stage_states(self.levels, "level")}
 
     def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
         state = dict(state)
@@ -410,23 +407,11 @@ class Governed(Compressor):
             d = check_array(state.pop(f"window/{first}/d", None), f"window/{first}/d", owner, dtypes=("float64",), ndim=1)
             e = check_array(state.pop(f"window/{first}/e", None), f"window/{first}/e", owner, (2,), ("float64",))
             windows[first] = _Window(keys, np.asarray(d, np.float64).copy(), float(e[0]), int(e[1]))
-        per_level: list[dict[str, Any]] = [{} for _ in range(LEVELS)]
-        for key in list(state):
-            head, sep, rest = key.partition("/")
-            if sep and head in [f"level{i}" for i in range(LEVELS)]:
-                per_level[int(head[len("level"):])][rest] = state.pop(key)
+        parts = take_stage_states(self.levels, state, "level")
         reject_leftovers(state, owner)
-        saved = [comp.state_dict() for comp in self.levels]
-        try:
-            for comp, sub in zip(self.levels, per_level):
-                comp.load_state_dict(sub, shapes)
-        except ValueError:
-            for comp, old in zip(self.levels, saved):
-                comp.load_state_dict(old, shapes)
-            raise
+        load_stage_states(self.levels, parts, shapes)
         self._step, self.audit_bytes, self._runaway_seen, self.adaptive = step, audit_bytes, runaway, adaptive
         self._tensors, self._windows = tensors, windows
-
 
     def _sample(self, bucket: Bucket) -> np.ndarray:
         """The audited coordinates of ``bucket``: evenly spaced, as many as ``SHARE`` of the
