@@ -5,13 +5,16 @@ Whether a method's residual, sparsity or rank matters depends on the workload: t
 held on one model and lost 10+ points on another (issue 57). So the governor measures, on the
 model it runs on, how far compression moves the updates against the noise the exact mean has.
 
-**What is measured.** Every ``every`` steps, each bucket runs an audit window of ``window``
-steps: on a fixed sample of its coordinates (the same on every rank, as many as cost ``SHARE``
-of the method's bytes over a period), each rank also sends its gradient exactly (a small float64
-allreduce, counted in ``bytes_sent``). Over the window it sums ``D``, the compressed mean minus
-the exact mean (error feedback delivers late what it held back, so the window sees the delay the
-optimizer's averaging sees), and ``E``, the exact mean's variance (the ranks' spread over their
-number). The cost is ``|D|^2 / E``: 1 adds as much noise again, as if each batch were halved.
+**What is measured.** Every ``every`` steps, and at once when what reduces a bucket changes
+(a warm-up's end, another rung), each bucket runs an audit window of ``window`` steps: on a fixed
+sample of its coordinates (the same on every rank, at least ``PER_TENSOR`` of each tensor, in
+all about as many as cost ``SHARE`` of the method's bytes over a period), each rank also sends
+its gradient exactly (a small float64 allreduce, counted in ``bytes_sent``). Over the window it
+sums ``D``, the compressed mean minus the exact mean (error feedback delivers late what it held
+back, so the window sees the delay the optimizer's averaging sees), and per tensor ``E``, the
+exact mean's variance (the ranks' spread over their number). A tensor's cost is ``|D|^2 / E``
+(1 adds as much noise again, as if each batch were halved); the window's is its worst tensor's,
+so a norm's gain or a bias that one scale per bucket gets wrong is not averaged away.
 
 **What is decided.** The rungs: the method, then 4-bit and 8-bit two-stage codes with error
 feedback at both stages (``int4``'s and ``int8``'s steady methods). A bucket over ``budget``
@@ -39,7 +42,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from ..arrays import Array, array_module, to_host
-from ..bucket import Bucket
+from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
 from ..comm.base import method_traffic
 from ..compressors.base import Compressor, Traffic, run_stage
@@ -65,6 +68,9 @@ EVERY, WINDOW = 50, 10
 #: the audit's bytes over a period as a share of the method's (the sample's size follows from
 #: the method's declared traffic), and the fewest coordinates sampled
 SHARE, MIN_SAMPLES = 0.02, 64
+#: the fewest coordinates of each tensor audited (all of a smaller one): the cost is judged per
+#: tensor, and a small tensor (a norm's gain, a bias) is where one scale per bucket errs most
+PER_TENSOR = 8
 #: steps a bucket that went over its budget stays a rung down before it tries the rung above
 #: again (doubled at each failure of that try)
 HOLD = 100
@@ -77,6 +83,19 @@ RUNGS = ("method", "int4", "int8")
 LEVELS = len(RUNGS)
 
 
+def window_cost(d: np.ndarray, e: np.ndarray, starts: np.ndarray) -> float:
+    """A window's cost from its sums: each audited tensor's ``|d|^2 / e`` (what compression added
+    against the exact mean's noise there; ``starts``: where each tensor's coordinates start in
+    ``d``, plus the end), the worst of them. On the zoo's tuning half the worst tensor kept the
+    methods within their quality where the whole bucket's ratio, or the tensors' mean, did not."""
+    if not e.size:
+        return 0.0
+    d2 = np.add.reduceat(d * d, starts[:-1]) if d.size else np.zeros_like(e)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        each = np.where(e > 0, d2 / np.where(e > 0, e, 1.0), np.where(d2 == 0, 0.0, np.inf))
+    return float(each.max())
+
+
 def ladder() -> list[Compressor]:
     """The rungs below a governed method: 4-bit codes on a grid that holds zero, then 8-bit codes,
     two stages with error feedback at both (``int4``'s and ``int8``'s methods after a warm-up)."""
@@ -85,13 +104,34 @@ def ladder() -> list[Compressor]:
 
 
 @dataclass
+class _Sample:
+    """A bucket's audited coordinates: ``where`` (ascending), and where each audited tensor's
+    share of them starts (``starts``, plus the end)."""
+    where: np.ndarray
+    starts: np.ndarray
+
+
+@dataclass
 class _Window:
     """One bucket's audit sums so far: ``d`` (compressed minus exact mean, on the sample) and
-    ``e`` (the exact mean's variance there), over ``steps`` steps."""
+    ``e`` (the exact mean's variance, per audited tensor), over ``steps`` steps."""
     keys: tuple[str, ...]
     d: np.ndarray
-    e: float = 0.0
+    e: np.ndarray
     steps: int = 0
+
+
+@dataclass
+class _Plan:
+    """When a bucket is audited: the next window opens at step ``opens``; ``seen`` steps of the
+    open one are audited so far (0: none open); ``regime`` is a digest of what reduced it last
+    (-1: nothing yet). A new regime (a warm-up's end, another rung) opens a window at once."""
+    opens: int
+    seen: int = 0
+    regime: int = -1
+
+    def row(self) -> np.ndarray:
+        return np.array([self.opens, self.seen, self.regime], np.int64)
 
 
 @dataclass
@@ -100,8 +140,10 @@ class _Prepared:
     level: int
     bucket: Bucket
     inner: Any
-    sample: Array | None = None  # this rank's gradient on the sample (audit steps)
-    where: np.ndarray | None = None
+    sample: Array | None = None  # this rank's gradient on the sample, then its squares per tensor
+    audited: _Sample | None = None
+    fresh: bool = False  # the first step of a window
+    decide: bool = False  # the last step of a window
 
 
 @dataclass
@@ -150,6 +192,7 @@ class Governed(Compressor):
         self._step = 0
         self._tensors: dict[str, _Tensor] = {}
         self._windows: dict[str, _Window] = {}   # first key of the bucket -> its open window
+        self._plans: dict[str, _Plan] = {}       # first key of the bucket -> when it is audited
         self.decisions: list[dict[str, Any]] = []
         self.audits: list[tuple[int, int, float]] = []  # (step, level, cost) of the latest windows
         self.audit_bytes = 0.0
@@ -158,7 +201,7 @@ class Governed(Compressor):
         #: budget holds (set by ``gradcomp.torch`` at the first step of an Adam-like optimizer)
         self.adaptive = False
         self._costs: dict[str, float] = {}  # each tensor's cost at its last audit (stats only)
-        self._samples: dict[tuple, np.ndarray] = {}  # layout -> audited coordinates
+        self._samples: dict[tuple, _Sample] = {}  # layout -> audited coordinates
 
     # -- what it declares: the method's, level 0 --------------------------------------------------
     @property
@@ -231,10 +274,6 @@ class Governed(Compressor):
         """The cost allowed now: ``budget``, or its ``ADAPTIVE_SHARE`` under an adaptive optimizer."""
         return self.budget * (ADAPTIVE_SHARE if self.adaptive else 1.0)
 
-    def auditing(self, step: int) -> bool:
-        """Whether ``step`` is in an audit window."""
-        return step % self.every >= self.every - self.window
-
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Prepared:
         step = self._step
         if bucket.is_last:
@@ -249,51 +288,76 @@ class Governed(Compressor):
             t.steps[level] += 1
         if handed:
             bucket = with_residuals(self, bucket, handed, workspace)
-        sample = where = None
-        if self.auditing(step) and not bucket.scatter and bucket.numel:
-            where = self._sample(bucket)
+        job = _Prepared(step, level, bucket, None)
+        plan = self._plan(bucket, step)
+        if plan is not None and (plan.seen or step >= plan.opens):
+            job.fresh, plan.seen = plan.seen == 0, plan.seen + 1
+            job.decide = plan.seen == self.window
+            if job.decide:
+                plan.seen, plan.opens = 0, step + 1 + self.every - self.window
+            job.audited = self._sample(bucket)
             xp = array_module(bucket.buffer)
-            sample = xp.empty(where.size + 1, xp.float64)
-            sample[:-1] = bucket.buffer[xp.asarray(where)]
-            sample[-1] = float(to_host((sample[:-1] * sample[:-1]).sum()))
-        inner = self.levels[level].prepare(bucket, comm, workspace)
-        return _Prepared(step, level, bucket, inner, sample, where)
+            values = np.asarray(to_host(bucket.buffer[xp.asarray(job.audited.where)]), np.float64)
+            squares = np.add.reduceat(values * values, job.audited.starts[:-1]) if values.size else values
+            job.sample = xp.asarray(np.concatenate([values, squares]))
+        job.inner = self.levels[level].prepare(bucket, comm, workspace)
+        if plan is not None:
+            regime = digest(repr(self.regime(job)))
+            if plan.regime not in (-1, regime):  # what reduces it changed: audit the new one now
+                plan.seen, plan.opens = 0, step + 1
+            plan.regime = regime
+        return job
+
+    def _plan(self, bucket: Bucket, step: int) -> _Plan | None:
+        """The bucket's audit plan (none for a scatter bucket, each rank holding a row of the
+        mean, or an empty one): its first window closes at the end of a period."""
+        if bucket.scatter or not bucket.numel:
+            return None
+        first = bucket.keys[0] if bucket.keys else ""
+        plan = self._plans.get(first)
+        if plan is None:
+            start = self.every - self.window
+            plan = self._plans[first] = _Plan(step + (start - step) % self.every)
+        return plan
 
     def finish(self, bucket: Bucket, comm: Communicator, prepared: _Prepared) -> Array:
         out = run_stage(self.levels[prepared.level], prepared.bucket, comm, prepared.inner)
-        if prepared.sample is not None and prepared.where is not None:
+        if prepared.sample is not None:
             self._audit(prepared, comm, out)
         return out
 
     def _audit(self, prepared: _Prepared, comm: Communicator, out: Array) -> None:
         """One audited step of a bucket: the exact mean on the sample, the window's sums, and at
         the window's end the decision."""
+        assert prepared.audited is not None
         before, _ = method_traffic(comm)
         total = comm.allreduce(prepared.sample, overwrite=True)
         after, _ = method_traffic(comm)
         self.audit_bytes += after - before
         total = np.asarray(to_host(total), np.float64)
         n = comm.size
-        exact = total[:-1] / n
-        spread = max(total[-1] / n - float(exact @ exact), 0.0)  # mean over ranks of |g_r - mean|^2
+        where, starts = prepared.audited.where, prepared.audited.starts
+        exact = total[:where.size] / n
+        own = np.add.reduceat(exact * exact, starts[:-1]) if where.size else exact
+        spread = np.maximum(total[where.size:] / n - own, 0.0)  # per tensor: mean over ranks of |g_r - mean|^2
         keys = prepared.bucket.keys
         first = keys[0] if keys else ""
         w = self._windows.get(first)
-        if w is None or w.keys != tuple(keys) or w.d.size != exact.size:
-            w = self._windows[first] = _Window(tuple(keys), np.zeros(exact.size))
-        got = np.asarray(to_host(out[array_module(out).asarray(prepared.where)]), np.float64)
+        if prepared.fresh or w is None or w.keys != tuple(keys) or w.d.size != exact.size:
+            w = self._windows[first] = _Window(tuple(keys), np.zeros(exact.size), np.zeros(spread.size))
+        got = np.asarray(to_host(out[array_module(out).asarray(where)]), np.float64)
         w.d += got - exact
         w.e += spread / n
         w.steps += 1
-        if prepared.step % self.every == self.every - 1:
+        if prepared.decide:
             del self._windows[first]
             self._decide(prepared, w)
 
     def _decide(self, prepared: _Prepared, w: _Window) -> None:
         """At a window's end: a rung over budget steps down (a failed try of the rung above goes
         back, holding twice as long); a rung within it stays, and a successful try is kept."""
-        d2 = float(w.d @ w.d)
-        cost = d2 / w.e if w.e > 0 else (0.0 if d2 == 0 else math.inf)
+        assert prepared.audited is not None
+        cost = window_cost(w.d, w.e, prepared.audited.starts)
         step, ran = prepared.step, prepared.level
         limit = self.limit
         over = cost > limit
@@ -381,7 +445,9 @@ class Governed(Compressor):
         for first, w in sorted(self._windows.items()):
             out[f"window/{first}/keys"] = "\n".join(w.keys)
             out[f"window/{first}/d"] = w.d.copy()
-            out[f"window/{first}/e"] = np.array([w.e, w.steps], np.float64)
+            out[f"window/{first}/e"] = np.concatenate([[float(w.steps)], w.e])  # steps, then per tensor
+        for first, plan in sorted(self._plans.items()):
+            out[f"plan/{first}"] = plan.row()
         return {**out, **stage_states(self.levels, "level")}
 
     def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
@@ -405,18 +471,28 @@ class Governed(Compressor):
             first = name[len("window/"):-len("/keys")]
             keys = tuple(str(np.asarray(state.pop(name))).split("\n"))
             d = check_array(state.pop(f"window/{first}/d", None), f"window/{first}/d", owner, dtypes=("float64",), ndim=1)
-            e = check_array(state.pop(f"window/{first}/e", None), f"window/{first}/e", owner, (2,), ("float64",))
-            windows[first] = _Window(keys, np.asarray(d, np.float64).copy(), float(e[0]), int(e[1]))
+            e = check_array(state.pop(f"window/{first}/e", None), f"window/{first}/e", owner, dtypes=("float64",),
+                            ndim=1)
+            if e.size < 2:
+                raise ValueError(f"{owner} state: 'window/{first}/e' holds {e.size} values: the window's steps, then "
+                                 "each audited tensor's variance")
+            windows[first] = _Window(keys, np.asarray(d, np.float64).copy(), np.asarray(e[1:], np.float64).copy(),
+                                     int(e[0]))
+        plans: dict[str, _Plan] = {}
+        for name in [k for k in state if k.startswith("plan/")]:
+            row = check_array(state.pop(name), name, owner, shape=(3,), dtypes=("int64",))
+            plans[name[len("plan/"):]] = _Plan(*(int(v) for v in row))
         parts = take_stage_states(self.levels, state, "level")
         reject_leftovers(state, owner)
         load_stage_states(self.levels, parts, shapes)
         self._step, self.audit_bytes, self._runaway_seen, self.adaptive = step, audit_bytes, runaway, adaptive
-        self._tensors, self._windows = tensors, windows
+        self._tensors, self._windows, self._plans = tensors, windows, plans
 
-    def _sample(self, bucket: Bucket) -> np.ndarray:
-        """The audited coordinates of ``bucket``: evenly spaced, as many as ``SHARE`` of the
-        method's bytes over a period pays for (float64 values, sent ``window`` times), the same
-        on every rank (a function of the layout alone). Kept per layout."""
+    def _sample(self, bucket: Bucket) -> _Sample:
+        """The audited coordinates of ``bucket``: evenly spaced within each tensor, at least
+        ``PER_TENSOR`` of each (all of a smaller one), in all about as many as ``SHARE`` of the
+        method's bytes over a period pays for (float64 values, sent ``window`` times); the same on
+        every rank (a function of the layout alone). Kept per layout."""
         key = (bucket.numel, tuple(map(tuple, bucket.shapes)))
         found = self._samples.get(key)
         if found is None:
@@ -427,6 +503,15 @@ class Governed(Compressor):
             except TypeError:  # a method that does not declare its traffic: one in a thousand
                 sent = n * 4 / 1000 * self.window / (SHARE * self.every)
             count = min(n, max(MIN_SAMPLES, int(SHARE * sent * self.every / (8 * self.window))))
-            stride = max(n // count, 1)
-            found = self._samples[key] = np.arange(stride // 2, n, stride, dtype=np.int64)[:count]
+            parts, starts = [], [0]
+            offsets = bucket.offsets()
+            for lo, hi in zip(offsets[:-1], offsets[1:]):
+                size = hi - lo
+                if not size:
+                    continue
+                take = min(size, max(PER_TENSOR, count * size // n))
+                parts.append(lo + (np.arange(take, dtype=np.int64) * size + size // 2) // take)
+                starts.append(starts[-1] + take)
+            found = self._samples[key] = _Sample(np.concatenate(parts) if parts else np.zeros(0, np.int64),
+                                                 np.array(starts, np.int64))
         return found
