@@ -71,6 +71,9 @@ SHARE, MIN_SAMPLES = 0.02, 64
 #: the fewest coordinates of each tensor audited (all of a smaller one): the cost is judged per
 #: tensor, and a small tensor (a norm's gain, a bias) is where one scale per bucket errs most
 PER_TENSOR = 8
+#: a tensor whose exact mean's noise per coordinate is under this share of its bucket's is not
+#: judged (its gradient is next to nothing: a bias that a norm right after it cancels)
+QUIET = 1e-3
 #: steps a bucket that went over its budget stays a rung down before it tries the rung above
 #: again (doubled at each failure of that try)
 HOLD = 100
@@ -83,17 +86,26 @@ RUNGS = ("method", "int4", "int8")
 LEVELS = len(RUNGS)
 
 
-def window_cost(d: np.ndarray, e: np.ndarray, starts: np.ndarray) -> float:
-    """A window's cost from its sums: each audited tensor's ``|d|^2 / e`` (what compression added
-    against the exact mean's noise there; ``starts``: where each tensor's coordinates start in
-    ``d``, plus the end), the worst of them. On the zoo's tuning half the worst tensor kept the
-    methods within their quality where the whole bucket's ratio, or the tensors' mean, did not."""
-    if not e.size:
-        return 0.0
+def tensor_costs(d: np.ndarray, e: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Each audited tensor's cost from a window's sums: ``|d|^2 / e``, what compression added
+    against the exact mean's noise there (``starts``: where each tensor's coordinates start in
+    ``d``, plus the end). A tensor whose noise per coordinate is under ``QUIET`` of the bucket's
+    has no say (0): a gradient that is nothing (a bias under a norm) moves nothing, whatever the
+    codes do to it."""
     d2 = np.add.reduceat(d * d, starts[:-1]) if d.size else np.zeros_like(e)
+    counts = np.diff(starts)
+    typical = e.sum() / max(int(counts.sum()), 1)
+    heard = e > QUIET * typical * counts
     with np.errstate(divide="ignore", invalid="ignore"):
-        each = np.where(e > 0, d2 / np.where(e > 0, e, 1.0), np.where(d2 == 0, 0.0, np.inf))
-    return float(each.max())
+        each = np.where(heard, d2 / np.where(heard, e, 1.0), np.where((d2 == 0) | (typical > 0), 0.0, np.inf))
+    return each
+
+
+def window_cost(d: np.ndarray, e: np.ndarray, starts: np.ndarray) -> float:
+    """A window's cost: its worst tensor's (``tensor_costs``). On the zoo's tuning half the worst
+    tensor kept the methods within their quality where the whole bucket's ratio, or the tensors'
+    mean, did not."""
+    return float(tensor_costs(d, e, starts).max()) if e.size else 0.0
 
 
 def ladder() -> list[Compressor]:
@@ -109,6 +121,7 @@ class _Sample:
     share of them starts (``starts``, plus the end)."""
     where: np.ndarray
     starts: np.ndarray
+    tensors: np.ndarray  # the index in the bucket of each audited tensor
 
 
 @dataclass
@@ -357,16 +370,18 @@ class Governed(Compressor):
         """At a window's end: a rung over budget steps down (a failed try of the rung above goes
         back, holding twice as long); a rung within it stays, and a successful try is kept."""
         assert prepared.audited is not None
-        cost = window_cost(w.d, w.e, prepared.audited.starts)
+        each = tensor_costs(w.d, w.e, prepared.audited.starts)
+        cost = float(each.max()) if each.size else 0.0
         step, ran = prepared.step, prepared.level
         limit = self.limit
         over = cost > limit
         why = (f"compression added {cost:.3g}x the exact mean's noise over {w.steps} steps "
                f"({'over' if over else 'within'} budget {limit:g}{' under an adaptive optimizer' if self.adaptive else ''})")
         moved = []
+        for i, c in zip(prepared.audited.tensors, each):
+            self._costs[w.keys[i]] = float(c)
         for key in w.keys:
             t = self._tensor(key)
-            self._costs[key] = float(cost)
             tried = ran < t.level  # the rung above, tried after its hold
             if over and ran < LEVELS - 1:
                 t.move(ran + 1, step, 2 * t.hold if tried else self.hold)
@@ -503,15 +518,16 @@ class Governed(Compressor):
             except TypeError:  # a method that does not declare its traffic: one in a thousand
                 sent = n * 4 / 1000 * self.window / (SHARE * self.every)
             count = min(n, max(MIN_SAMPLES, int(SHARE * sent * self.every / (8 * self.window))))
-            parts, starts = [], [0]
+            parts, starts, tensors = [], [0], []
             offsets = bucket.offsets()
-            for lo, hi in zip(offsets[:-1], offsets[1:]):
+            for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
                 size = hi - lo
                 if not size:
                     continue
                 take = min(size, max(PER_TENSOR, count * size // n))
                 parts.append(lo + (np.arange(take, dtype=np.int64) * size + size // 2) // take)
                 starts.append(starts[-1] + take)
+                tensors.append(i)
             found = self._samples[key] = _Sample(np.concatenate(parts) if parts else np.zeros(0, np.int64),
-                                                 np.array(starts, np.int64))
+                                                 np.array(starts, np.int64), np.array(tensors, np.int64))
         return found
