@@ -36,6 +36,14 @@ local progress on that fragment are dropped (the Streaming DiLoCo paper's mixing
 checkpoint taken with an exchange in flight waits for it and saves the averaged pseudo-gradient,
 to land at the same step after a resume.
 
+**Coordinated** (``coordinator=``): ranks that come and go, such as torchft's replica groups
+(``gradcomp.torch.ft``). The coordinator is asked before each outer step's pseudo-gradients are
+taken (``begin``: who takes part; a joining rank may receive the state here), starts or withholds
+each exchange (``start``), and once the means are in decides whether the step counts (``end``: a
+factor to scale the mean by, or None to discard it; the coordinator then undoes what the
+exchange changed, and the replica keeps its local progress for the next outer step). The
+construction then runs no collective: the coordinator sees to the same start.
+
 Agreement: the configuration (H, the outer optimizer, the compressor, the fragments, the overlap) and the
 step counters (inner and outer) are part of every bucket's agreement (``_Agreed``), so ranks whose
 runs or resumed states differ raise ``CollectiveError`` on every rank at the next sync, before any
@@ -46,11 +54,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
-from typing import Any, Mapping, Sequence
+from concurrent.futures import Future, wait
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from ..arrays import Array, array_module, to_host
+from ..bucket import group
 from ..comm import CollectiveError, Communicator, wire_bytes
 from ..compressors.base import Compressor
 from ..params import check_bool, check_float, check_int
@@ -63,6 +73,23 @@ from .base import Hyper, Optimizer, _Agreed
 SYNC_EVERY = 20
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.5
+
+
+class Coordinator(Protocol):
+    """Who takes part in each outer step, and whether it counts (the module docstring's
+    "Coordinated"; ``gradcomp.torch.ft`` has the torchft one). Called on the training thread."""
+
+    def begin(self, outer: DiLoCo, fragments: list[int], lands_at: int, rates: list[float]) -> None:
+        """Before the outer step of ``fragments`` takes its pseudo-gradients (landing after inner
+        step ``lands_at``, at outer rates ``rates``); may load a joining rank's state into
+        ``outer``."""
+
+    def start(self, outer: DiLoCo, reducer: GradientReducer) -> list[Future] | None:
+        """One fragment's exchange: ``reducer.start()``, or None where no collective may run."""
+
+    def end(self, outer: DiLoCo, fragments: list[int], error: BaseException | None) -> float | None:
+        """After the exchange (``error``: why it failed here, or None): the factor to scale the
+        mean by, or None to discard the outer step."""
 
 
 class DiLoCo(Optimizer):
@@ -80,7 +107,8 @@ class DiLoCo(Optimizer):
     ``lr``/``momentum``/``nesterov``: the outer optimizer (default Nesterov, lr 0.7, momentum 0.5,
     measured best on the LM; ``lr=1, momentum=0``: plain averaging).
     ``fragments``, ``overlap``: streaming, see the module docstring. ``step(lr=...)`` may override
-    the outer learning rate for one call.
+    the outer learning rate for one call. ``coordinator``: ranks that come and go (the module
+    docstring; ``gradcomp.torch.ft``).
     """
 
     runaway_advice = "sync more often (a smaller sync_every) or lower the outer learning rate"
@@ -88,8 +116,10 @@ class DiLoCo(Optimizer):
     def __init__(self, params: Sequence[Array], sync_every: int = SYNC_EVERY,
                  compressor: Compressor | str = "int8", lr: Hyper = OUTER_LR,
                  momentum: float = OUTER_MOMENTUM, nesterov: bool = True, fragments: int = 1,
-                 comm: Communicator | None = None, bucket_cap_mb: float = 25.0, overlap: int = 0):
+                 comm: Communicator | None = None, bucket_cap_mb: float = 25.0, overlap: int = 0,
+                 coordinator: Coordinator | None = None):
         super().__init__(params, lr, 0.0, comm, bucket_cap_mb)
+        self.coordinator = coordinator
         self.sync_every = check_int("sync_every", sync_every, 1)
         self.momentum = check_float("momentum", momentum, minimum=0, maximum=0.999999)
         self.nesterov = check_bool("nesterov", nesterov)
@@ -105,7 +135,8 @@ class DiLoCo(Optimizer):
         self.outer_compressor = inner
         self.outer_steps = 0
         xp = array_module(self.params[0])
-        _check_same_start(self.comm, self.params)
+        if coordinator is None:  # (a coordinator sees to the same start: no collective here)
+            _check_same_start(self.comm, self.params)
         self.synced = [p.copy() for p in self.params]
         self.buf = [xp.zeros(p.shape, p.dtype) for p in self.params] if self.momentum else []
         self._arrays = {"synced": self.synced, **({"momentum": self.buf} if self.momentum else {})}
@@ -114,13 +145,15 @@ class DiLoCo(Optimizer):
         for f, members in enumerate(self.groups):
             # one compressor per fragment: each keeps its own residuals, keyed by position in it
             code = inner if f == 0 else copy.deepcopy(inner)
-            self.reducers.append(GradientReducer([self.params[i] for i in members], _Agreed(code, self),
-                                                 self.comm, self.bucket_cap_mb, hierarchical=False))
+            arrays = [self.params[i] for i in members]
+            # coordinated: the buckets are planned here, their check left to the agreement
+            plan = None if coordinator is None else group(arrays, self.bucket_cap_mb)
+            self.reducers.append(GradientReducer(arrays, _Agreed(code, self), self.comm, self.bucket_cap_mb,
+                                                 hierarchical=False, _groups=plan))
         self.reducer = self.reducers[0]
         self.compressor = self.reducer.compressor
         self._deltas = [r.gradients for r in self.reducers]
-        total = sum(int(p.size) for p in self.params)
-        self._ddp_bytes_per_step = wire_bytes("allreduce", 4.0 * total, self.comm.size)
+        self._total = sum(int(p.size) for p in self.params)
 
     # -- configuration and agreement -------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
@@ -156,46 +189,90 @@ class DiLoCo(Optimizer):
         rates, _ = self._hyper(lr, None)
         due = self.due()
         self.steps += 1
-        landed = [f for f, (at, _, _) in sorted(self.flight.items()) if at == self.steps]
-        for f in landed:
-            self._land(f)
+        landed = self._land_due()
         if due:
-            self.outer_steps += 1
-        for f in due:
-            self._start(f, rates)
-            if not self.overlap:
-                self._land(f)
-                landed.append(f)
+            landed += self.sync(due, rates, self.steps + self.overlap)
         self.landed = landed
 
     def sync_now(self, lr: Hyper | None = None) -> None:
         """An outer step of every fragment now, off schedule (before evaluating, or at the end of
         training), after landing any exchange in flight; collective: every rank must call it at
         the same point."""
-        for f in sorted(self.flight):
-            self._land(f)
+        for at in sorted({at for at, _, _ in self.flight.values()}):
+            self._land_due(at)
         rates, _ = self._hyper(lr, None)
-        self.outer_steps += 1
-        for f in range(self.fragments):
-            self._start(f, rates, lands_at=self.steps)
-            self._land(f)
+        self.sync(list(range(self.fragments)), rates, self.steps)
 
-    def _start(self, f: int, rates: list[float], lands_at: int | None = None) -> None:
+    def sync(self, fragments: list[int], rates: list[float], lands_at: int) -> list[int]:
+        """One outer step of ``fragments``: their exchange started, landing after inner step
+        ``lands_at`` (now, or ``overlap`` steps on); the fragments landed now. ``step`` and
+        ``sync_now`` call it; a coordinator calls it for a joining rank, to take part in the outer
+        step its peers are in."""
+        if self.coordinator is not None:
+            self.coordinator.begin(self, fragments, lands_at, rates)
+        self._step_lr = rates  # (agreed on with the step: a joining rank's are its peers')
+        self.outer_steps += 1
+        for f in fragments:
+            self._start(f, rates, lands_at)
+        return self._land_due() if lands_at == self.steps else []
+
+    def _start(self, f: int, rates: list[float], lands_at: int) -> None:
         """Fragment ``f``'s pseudo-gradients, their mean started on the pipeline."""
         for d, i in zip(self._deltas[f], self.groups[f]):
             array_module(d).subtract(self.synced[i], self.params[i], out=d)
-        at = self.steps + self.overlap if lands_at is None else lands_at
-        self.flight[f] = (at, self.reducers[f].start(), rates)
+        reducer = self.reducers[f]
+        futures = reducer.start() if self.coordinator is None else self.coordinator.start(self, reducer)
+        self.flight[f] = (lands_at, [] if futures is None else futures, rates)  # []: withheld
 
-    def _land(self, f: int) -> None:
+    def _land_due(self, step: int | None = None) -> list[int]:
+        """The outer step of the fragments whose exchange lands after inner step ``step`` (default:
+        this one), one outer step together; the fragments landed (none if it was discarded)."""
+        at = self.steps if step is None else step
+        fragments = [f for f, (lands, _, _) in sorted(self.flight.items()) if lands == at]
+        if not fragments:
+            return []
+        scale: float | None = 1.0
+        if self.coordinator is None:
+            for f in fragments:
+                _, futures, _ = self.flight[f]
+                if futures is not None:
+                    self.reducers[f].finish(futures)
+        else:
+            scale = self.coordinator.end(self, fragments, self._finish_all(fragments))
+        rates = {f: self.flight.pop(f)[2] for f in fragments}
+        if scale is None:
+            return []  # discarded: the coordinator undid the exchange; the replica is left as it is
+        for f in fragments:
+            self._land(f, rates[f], scale)
+        return fragments
+
+    def _finish_all(self, fragments: list[int]) -> BaseException | None:
+        """Wait for every exchange of ``fragments`` (none left running, whatever failed) and write
+        the means; the first failure, or None."""
+        error: BaseException | None = None
+        for f in fragments:
+            _, futures, _ = self.flight[f]
+            if futures is None:
+                continue  # waited for already (a checkpoint's)
+            if not futures:
+                error = error or RuntimeError(f"fragment {f}'s exchange did not run (withheld)")
+                continue
+            wait(futures)
+            try:
+                self.reducers[f].finish(futures)
+            except Exception as exc:
+                error = error or exc
+        return error
+
+    def _land(self, f: int, rates: list[float], scale: float = 1.0) -> None:
         """Fragment ``f``'s outer step from its mean pseudo-gradient (the same bits on every rank),
-        written into the synced parameters and the replica."""
-        _, futures, rates = self.flight.pop(f)
-        if futures is not None:
-            self.reducers[f].finish(futures)
+        times ``scale`` (a coordinator's: the mean over the ranks that contributed), written into
+        the synced parameters and the replica."""
         mu = self.momentum
         for d, i in zip(self._deltas[f], self.groups[f]):
             kind = d.dtype.type
+            if scale != 1.0:
+                d *= kind(scale)
             update = d
             if mu:
                 b = self.buf[i]
@@ -218,7 +295,8 @@ class DiLoCo(Optimizer):
         ``compression_ratio``, the inner ``steps`` and ``outer_steps``."""
         parts = [r.compressor.stats() for r in self.reducers]
         sent = float(sum(s["bytes_sent"] for s in parts))
-        reference = self._ddp_bytes_per_step * self.steps
+        # (a coordinated run's ranks come and go: counted at the current size)
+        reference = wire_bytes("allreduce", 4.0 * self._total, self.comm.size) * self.steps
         return {"bytes_sent": sent, "reference_bytes": reference,
                 "compression_ratio": reference / sent if sent else 1.0,
                 "bytes_sent_per_step": sent / max(self.steps, 1), "steps": self.steps,
@@ -314,13 +392,18 @@ def split(params: Sequence[Array], fragments: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in itertools.pairwise(cuts)]
 
 
-def _check_same_start(comm: Communicator, params: Sequence[Array]) -> None:
-    """``CollectiveError`` on every rank unless every rank starts from the same parameter bits:
-    the outer step applies one averaged update to synced parameters that must be the same."""
+def parameters_digest(params: Sequence[Array]) -> int:
+    """64 bits of a SHA-256 over the parameters' bytes: equal where the bits are."""
     h = hashlib.sha256()
     for p in params:
         h.update(np.ascontiguousarray(to_host(p)).reshape(-1).view(np.uint8).data)
-    mine = np.frombuffer(h.digest()[:8], np.int64).copy()
+    return int(np.frombuffer(h.digest()[:8], np.int64)[0])
+
+
+def _check_same_start(comm: Communicator, params: Sequence[Array]) -> None:
+    """``CollectiveError`` on every rank unless every rank starts from the same parameter bits:
+    the outer step applies one averaged update to synced parameters that must be the same."""
+    mine = np.array([parameters_digest(params)], np.int64)
     table = comm.allgather(mine)
     if (table != table[0]).any():
         groups = sorted({int(v) for v in table[:, 0]})

@@ -18,6 +18,12 @@ Learning-rate schedulers and gradient clipping work on the inner optimizer as us
 momentum, the compressor's residuals, the step counters); with the model's own ``state_dict`` a
 resume is bit-exact. Under mpiexec the exchange runs over MPI, under torchrun over
 torch.distributed (``default_comm``).
+
+On torchft (``manager=``, a ``torchft.Manager`` made with ``use_async_quorum=False``), the replica
+groups may die and join: each outer step is one step of the manager (a quorum, the exchange over
+its process group, ``should_commit``); a failed one is discarded and its pseudo-gradient sent again
+at the next one; a joining group receives the outer state. ``gradcomp.torch.ft`` (``OuterSteps``)
+and docs/guides/fault-tolerance.md say how.
 """
 from __future__ import annotations
 
@@ -42,13 +48,17 @@ class DiLoCo:
     ``fragments``: streaming DiLoCo, fragments of the parameters synced on staggered steps;
     ``overlap``: their exchange runs while the next ``overlap`` inner steps compute, and lands then
     (``gradcomp.optim.DiLoCo``).
+    ``manager``: a ``torchft.Manager`` (``use_async_quorum=False``): the outer steps run over its
+    quorum, failures discard them, joining replica groups heal (``gradcomp.torch.ft``; not with
+    ``comm``). The construction then joins the job: a restarted group heals here and takes part
+    in the outer step its peers are in. Train while ``steps`` is below the run's length.
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
                  sync_every: int = core.diloco.SYNC_EVERY, compressor: Any = "int8",
                  lr: float = core.diloco.OUTER_LR, momentum: float = core.diloco.OUTER_MOMENTUM,
                  nesterov: bool = True, fragments: int = 1, comm: Communicator | None = None,
-                 bucket_cap_mb: float = 25.0, overlap: int = 0):
+                 bucket_cap_mb: float = 25.0, overlap: int = 0, manager: Any = None):
         from torch.nn.parallel import DistributedDataParallel
 
         from .communicator import default_comm
@@ -62,20 +72,38 @@ class DiLoCo:
                             f"got {type(inner_optimizer).__name__}")
         self.model = model
         self.inner = inner_optimizer
+        self.ft: Any = None  # gradcomp.torch.ft.OuterSteps, with a manager
+        if manager is not None:
+            if comm is not None:
+                raise TypeError("gradcomp.torch.DiLoCo: pass comm or manager, not both (with a manager, "
+                                "the exchange runs over its process group)")
+            from .ft import OuterSteps  # (imports torchft)
+
+            self.ft = OuterSteps(manager)
+            comm = self.ft.comm
         self.comm = comm if comm is not None else default_comm()
         self._tensors = [p for p in model.parameters() if p.requires_grad]
         for i, p in enumerate(self._tensors):
             if not p.is_contiguous():
                 raise ValueError(f"gradcomp.torch.DiLoCo: parameter {i} is not contiguous")
         self._buffers = [b for b in model.buffers() if b.is_floating_point() and b.is_contiguous()]
-        with torch.no_grad():  # no DDP to broadcast the start: the same weights everywhere
-            for t in self._tensors + self._buffers:
-                view = as_array(t)
-                view[...] = self.comm.broadcast(view)
+        if self.ft is None:
+            with torch.no_grad():  # no DDP to broadcast the start: the same weights everywhere
+                for t in self._tensors + self._buffers:
+                    view = as_array(t)
+                    view[...] = self.comm.broadcast(view)
         self.outer = core.DiLoCo([as_array(p) for p in self._tensors], sync_every=sync_every,
                                  compressor=compressor, lr=lr, momentum=momentum, nesterov=nesterov,
                                  fragments=fragments, comm=self.comm, bucket_cap_mb=bucket_cap_mb,
-                                 overlap=overlap)
+                                 overlap=overlap, coordinator=self.ft)
+        if self.ft is not None:
+            with torch.no_grad():
+                self.ft.attach(self.outer, self._buffers)  # joins the job (a heal, or its start)
+
+    @property
+    def steps(self) -> int:
+        """Inner steps so far (a healed replica group's are its source's)."""
+        return self.outer.steps
 
     @property
     def sync_every(self) -> int:
@@ -92,16 +120,20 @@ class DiLoCo:
             self.inner.step()
         self.outer.step()
         synced = bool(self.outer.landed)
-        if synced:
+        if synced and self.ft is None:  # (with a manager, sent before the commit)
             self._broadcast_buffers()
         return synced
 
     @torch.no_grad()
-    def sync_now(self) -> None:
+    def sync_now(self) -> bool:
         """An outer step now, off schedule (every rank at the same point): before an evaluation
-        or at the end of training, so every rank holds the same, averaged, model."""
+        or at the end of training, so every rank holds the same, averaged, model. Returns whether
+        it landed (with a manager, False where it was discarded)."""
         self.outer.sync_now()
-        self._broadcast_buffers()
+        if self.ft is None:
+            self._broadcast_buffers()
+            return True
+        return bool(self.ft.last.get("committed"))
 
     def _broadcast_buffers(self) -> None:
         for b in self._buffers:
@@ -113,8 +145,13 @@ class DiLoCo:
 
     def stats(self) -> dict[str, Any]:
         """``bytes_sent``, ``compression_ratio`` against DDP's fp32 allreduce of the gradients at
-        every inner step, ``steps``, ``outer_steps`` (``gradcomp.optim.DiLoCo.stats``)."""
-        return self.outer.stats()
+        every inner step, ``steps``, ``outer_steps`` (``gradcomp.optim.DiLoCo.stats``); with a
+        manager also ``outer_steps_discarded``, ``heals`` and ``failures`` (this process)."""
+        out = self.outer.stats()
+        if self.ft is not None:
+            out.update(outer_steps_discarded=self.ft.discarded, heals=self.ft.heals,
+                       failures=self.ft.comm.failures)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """``{"inner": the inner optimizer's state_dict, "outer": DiLoCo's state as tensors}``

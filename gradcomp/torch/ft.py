@@ -60,17 +60,22 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+import time
+from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import torch
 from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions,
                                                 BroadcastOptions, ReduceOp)
 from torch.nn import parallel
 
+from ..comm import CollectiveError
 from ..comm.base import default_depth
 from ..compressors import Compressor
+from ..optim.diloco import parameters_digest
 from ..registry import make
 from . import advice
+from .checkpoint import from_torch_state, to_torch_state
 from .communicator import TorchCommunicator
 from .hook import HookState, gradcomp_hook
 from .tensors import as_array
@@ -82,6 +87,8 @@ if TYPE_CHECKING:
 
 #: the key of gradcomp's part of the manager's state dict (what a healing replica receives)
 STATE_KEY = "gradcomp"
+#: DiLoCo's part (``OuterSteps``: the outer state and the outer step in progress)
+DILOCO_STATE_KEY = "gradcomp.diloco"
 #: compressor state entries that are one replica's own error memory (``ErrorFeedback``'s worker
 #: and slice-owner residuals, PowerSGD's): not sent to a healing replica (module docstring)
 _OWN_ERROR = ("residual/", "owner/")
@@ -161,41 +168,100 @@ class QuorumCommunicator(TorchCommunicator):
         self.group.broadcast([tensor], opts).wait()
 
 
-class _Exchange:
-    """What the hook needs across steps: the manager, the communicator, the hook state, and the
+def manager_group(manager: Manager, process_group: Any = None) -> Any:
+    """The torchft process group gradcomp's collectives go to (``process_group``, default the
+    manager's), after refusing the manager settings under which replicas cannot stay consistent."""
+    from torchft.manager import WorldSizeMode
+
+    # (torchft keeps both settings in private attributes; read defensively)
+    if getattr(manager, "_use_async_quorum", False):
+        raise ValueError("gradcomp.torch.ft: construct the Manager with use_async_quorum=False. Under "
+                         "the asynchronous quorum a healing replica receives gradcomp's state only "
+                         "after its step's exchange, one step behind its peers' from then on "
+                         "(see gradcomp.torch.ft's docstring)")
+    if getattr(manager, "_replica_world_size_mode", None) == WorldSizeMode.FIXED_WITH_SPARES:
+        raise ValueError("gradcomp.torch.ft: WorldSizeMode.FIXED_WITH_SPARES is not supported: a spare "
+                         "never participates, and a replica that does not participate refuses "
+                         "the exchange (every step would be discarded); use WorldSizeMode.DYNAMIC")
+    if process_group is None:
+        process_group = getattr(manager, "_pg", None)  # torchft keeps no public accessor
+        if process_group is None:
+            raise ValueError("gradcomp.torch.ft: this Manager has no process group gradcomp can "
+                             "find; pass process_group= (the group given to the Manager)")
+    return process_group
+
+
+class _Quorum:
+    """What one step on torchft needs between the manager's quorum and its commit, for the DDP hook
+    (``_Exchange``) and DiLoCo (``OuterSteps``) alike: the communicator renewed for the quorum,
+    whether this replica can take part, and the state to put back if the manager does not commit
+    the step (``keep``, ``settle``)."""
+
+    def __init__(self, manager: Manager, comm: QuorumCommunicator):
+        self.manager = manager
+        self.comm = comm
+        self.lock = threading.Lock()
+        self.quorum_error: Any = None  # this step's quorum failed on this replica
+        self.usable = True             # whether this step's process group can carry anything
+        # (the manager's step when the step began, the state then, how to put it back)
+        self.before: tuple[int, Any, Callable[[Any], None]] | None = None
+        self.rolled_back = 0  # discarded steps undone, this process
+
+    def open(self) -> None:
+        """After the quorum (with ``lock`` held): note a failed quorum, and take this rank and size
+        from the group it configured (a replica without one cannot take part)."""
+        self.quorum_error = self.manager.errored()
+        try:
+            self.comm.renew()
+            self.usable = True
+        except Exception as exc:  # no process group: this replica's quorum failed
+            self.usable = False
+            self.manager.report_error(exc)
+
+    def keep(self, state: Any, restore: Callable[[Any], None]) -> None:
+        """``restore(state)`` at ``settle`` unless the manager commits the step that begins now."""
+        self.before = (self.manager.current_step(), state, restore)
+
+    def settle(self) -> bool:
+        """Undo the step begun at ``keep`` if the manager did not commit it (its step did not
+        advance: ``should_commit`` advances it only then); whether it was undone."""
+        undone = self.before is not None and self.manager.current_step() == self.before[0]
+        if undone:
+            assert self.before is not None
+            self.before[2](self.before[1])
+            self.rolled_back += 1
+        self.before = None
+        return undone
+
+    def refusal(self) -> str | None:
+        """Why this replica cannot take part in this step's exchange, or None."""
+        if self.quorum_error is not None:
+            return f"its quorum failed ({getattr(self.quorum_error, 'original_exception', self.quorum_error)!r})"
+        if not self.manager.is_participating():
+            return ("it does not participate in this quorum (healing under torchft's asynchronous "
+                    "quorum?): use Manager(use_async_quorum=False)")
+        return None
+
+
+class _Exchange(_Quorum):
+    """What the DDP hook needs across steps: the quorum's state, the hook state, and the
     compressor's state before this step (to roll a discarded step back)."""
 
     def __init__(self, manager: Manager, comm: QuorumCommunicator, state: HookState):
-        self.manager = manager
-        self.comm = comm
+        super().__init__(manager, comm)
         self.state = state
-        self.lock = threading.Lock()
-        self.before: tuple[int, dict[str, Any]] | None = None  # (manager step, compressor state)
         self.new_step = True
-        self.quorum_error: Any = None  # this step's quorum failed on this replica (then refused)
-        self.usable = True             # whether this step's process group can carry anything
-        self.rolled_back = 0    # discarded steps undone in the compressor, this process
 
     # -- between steps ----------------------------------------------------------------------------
-    def settle(self) -> None:
-        """Undo the last step in the compressor if the manager did not commit it."""
-        if self.before is not None and self.manager.current_step() == self.before[0]:
-            self.state.compressor.load_state_dict(self.before[1], self.state.shapes or None)
-            self.rolled_back += 1
-        self.before = None
+    def restore(self, saved: dict[str, Any]) -> None:
+        self.state.compressor.load_state_dict(saved, self.state.shapes or None)
 
     def begin_step(self) -> None:
         self.manager.wait_quorum()
         with self.lock:
             self.settle()
-            self.quorum_error = self.manager.errored()
-            try:
-                self.comm.renew()
-                self.usable = True
-            except Exception as exc:  # no process group: this replica's quorum failed
-                self.usable = False
-                self.manager.report_error(exc)
-            self.before = (self.manager.current_step(), self.state.compressor.state_dict())
+            self.open()
+            self.keep(self.state.compressor.state_dict(), self.restore)
 
     # -- the manager's state dict (a healing replica's) -------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -238,15 +304,6 @@ class _Exchange:
             return gradcomp_hook(self.state, bucket).then(settled)
         return self.refuse(tensor, problem).then(settled)
 
-    def refusal(self) -> str | None:
-        """Why this replica cannot take part in this step's exchange, or None."""
-        if self.quorum_error is not None:
-            return f"its quorum failed ({getattr(self.quorum_error, 'original_exception', self.quorum_error)!r})"
-        if not self.manager.is_participating():
-            return ("it does not participate in this quorum (healing under torchft's asynchronous "
-                    "quorum?): use Manager(use_async_quorum=False)")
-        return None
-
     def refuse(self, tensor: torch.Tensor, problem: str) -> torch.futures.Future[torch.Tensor]:
         """Take part in the bucket's agreement only to refuse it: every rank then raises the same
         ``CollectiveError`` (invariant 3), and every replica discards the step."""
@@ -260,6 +317,212 @@ class _Exchange:
 
         comm.submit(lambda _p, _e: compressor.checked_run(array, comm, None, problem)).add_done_callback(answer)
         return future
+
+
+#: what each replica says before an outer step's exchange (``OuterSteps._handshake``): the kind of
+#: step it is in, whether it has a pseudo-gradient of its own, whether it refuses, a digest
+_JOIN, _OUTER = 1, 2
+
+
+class OuterSteps(_Quorum):
+    """``gradcomp.optim.DiLoCo``'s coordinator on torchft: one quorum and one commit per outer step
+    (``gradcomp.torch.DiLoCo(..., manager=)`` makes it; the module docstring's DiLoCo part says
+    what happens on failures and heals).
+
+    Per outer step, on the training thread: ``begin`` (the quorum, a heal if this replica is
+    behind, the state to put back, the handshake), ``start`` (each fragment's exchange, or none
+    where the step is already lost), ``end`` (the buffers, ``should_commit``, then the factor
+    that makes the mean one over the replicas that contributed, or None and the state put back).
+    ``last`` describes the latest outer step (``quorum_s``, ``participants``, ``contributors``,
+    ``healed``, ``committed``); ``heals`` and ``discarded`` count them in this process.
+    """
+
+    def __init__(self, manager: Manager, process_group: Any = None):
+        super().__init__(manager, QuorumCommunicator(manager, manager_group(manager, process_group)))
+        self.outer: Any = None         # the gradcomp.optim.DiLoCo
+        self.buffers: list[torch.Tensor] = []
+        self.round: dict[str, Any] = {"kind": "join"}  # the step in progress, sent to a healing replica
+        self.received: dict[str, Any] | None = None    # a healing replica's state, until applied
+        self.joined = False  # join() took the quorum of the outer step it then runs
+        self.problem: str | None = None
+        self.contributors = 0
+        self.root = 0         # the quorum rank the buffers come from (the first that contributed)
+        self.heals = 0
+        self.discarded = 0
+        self.last: dict[str, Any] = {}
+
+    def attach(self, outer: Any, buffers: list[torch.Tensor]) -> None:
+        """Coordinate ``outer`` (built with this as its coordinator): register its state with the
+        manager (key ``"gradcomp.diloco"``) and join the job (``join``)."""
+        starts = [t for t in range(1, outer.sync_every + 1) if outer.due(t)]
+        gap = min(b - a for a, b in zip(starts, starts[1:] + [starts[0] + outer.sync_every]))
+        if outer.overlap > gap:
+            raise ValueError(f"gradcomp.torch.DiLoCo: with a torchft manager, overlap={outer.overlap} must be at "
+                             f"most {gap}, the inner steps between two fragments' outer steps: torchft runs "
+                             "one quorum and one commit at a time, so an exchange must land before the "
+                             "next one starts")
+        self.outer, self.buffers = outer, buffers
+        self.manager.register_state_dict_fn(DILOCO_STATE_KEY, self._receive, self._send)
+        self.join()
+
+    # -- the state a healing replica receives -------------------------------------------------------
+    def _send(self) -> dict[str, Any]:
+        """On the source, in its quorum: the outer state (not its own residuals: the DDP case's
+        reason) and the outer step it is about to run, which the healing replica then runs too."""
+        with self.lock:
+            state = {k: v for k, v in self.outer.state_dict().items() if not _own_error(k)}
+            return {"outer": to_torch_state(state), "round": dict(self.round)}
+
+    def _receive(self, state: dict[str, Any]) -> None:
+        with self.lock:
+            self.received = state  # applied after the quorum, over whatever else it loaded
+
+    def _apply_received(self) -> dict[str, Any] | None:
+        """A healing replica: its source's state loaded, its parameters set to the synced ones (it
+        has no local progress of its own: its pseudo-gradient is zero); the source's outer step."""
+        with self.lock:
+            state, self.received = self.received, None
+        if state is None:
+            return None
+        self.outer.load_state_dict(from_torch_state(state["outer"]))
+        for p, synced in zip(self.outer.params, self.outer.synced):
+            p[...] = synced
+        self.before = None
+        self.heals += 1
+        return state["round"]
+
+    # -- joining ------------------------------------------------------------------------------------
+    def join(self) -> None:
+        """The first quorum of this replica: healed from a running one, it takes part in the outer
+        step that one is in (with no pseudo-gradient of its own); at the job's start, every
+        replica checks that it starts from the same parameters and commits this step (torchft's
+        step 0, whose ``init_sync`` heals all from one). Tried again until a step commits."""
+        while True:
+            self.round = {"kind": "join"}
+            started = time.perf_counter()
+            self.manager.start_quorum()
+            quorum_s = time.perf_counter() - started
+            joined = self._apply_received()
+            if joined is not None and joined["kind"] == "outer":
+                self.joined = True
+                self.last = {"quorum_s": quorum_s}
+                self.outer.sync([int(f) for f in joined["fragments"]], [float(r) for r in joined["rates"]],
+                                int(joined["lands_at"]))
+                return
+            with self.lock:
+                self.open()
+            table = self._handshake(_JOIN, False, parameters_digest(self.outer.synced))
+            if table is not None and (table[:, 0] == _JOIN).all() and not table[:, 2].any():
+                if (table[:, 3] != table[0, 3]).any():
+                    raise CollectiveError(
+                        "gradcomp.torch.DiLoCo: the replica groups start from different parameters "
+                        f"(digests by quorum rank: {[int(d) for d in table[:, 3]]}); initialise them from the "
+                        "same seed, or leave torchft's init_sync=True")
+            elif table is not None:
+                self.manager.report_error(RuntimeError("gradcomp.torch.DiLoCo: a replica in this quorum "
+                                                       "is not joining, or refuses"))
+            committed = self.manager.should_commit()
+            self.last = {"quorum_s": quorum_s, "participants": self.comm.size, "committed": committed}
+            if committed:
+                return
+
+    # -- an outer step (the Coordinator protocol of gradcomp.optim.diloco) --------------------------
+    def begin(self, outer: Any, fragments: list[int], lands_at: int, rates: list[float]) -> None:
+        self.round = {"kind": "outer", "fragments": [int(f) for f in fragments], "lands_at": int(lands_at),
+                      "rates": [float(r) for r in rates]}
+        if self.joined:  # join()'s quorum, in which this replica healed
+            self.joined, healed = False, True
+            quorum_s = self.last.get("quorum_s", 0.0)
+        else:
+            started = time.perf_counter()
+            self.manager.start_quorum()
+            quorum_s = time.perf_counter() - started
+            healed = self._apply_received() is not None
+        with self.lock:
+            self.open()
+            self.keep(self._outer_state(fragments), self._restore)
+        self.problem = self.refusal()
+        table = self._handshake(_OUTER, not healed, 0)
+        if table is None:
+            self.problem = self.problem or "the handshake before the exchange failed"
+        elif (table[:, 0] != _OUTER).any():
+            self.problem = f"quorum rank(s) {list(np.flatnonzero(table[:, 0] != _OUTER))} are joining, not in an outer step"
+        elif table[:, 2].any():
+            self.problem = f"quorum rank(s) {list(np.flatnonzero(table[:, 2]))} cannot take part ({self.problem or 'theirs'})"
+        elif not table[:, 1].any():
+            self.problem = "no replica in the quorum has a pseudo-gradient of its own (all are healing)"
+        else:
+            self.contributors = int(table[:, 1].sum())
+            self.root = int(np.flatnonzero(table[:, 1])[0])
+        if self.problem is not None:
+            self.manager.report_error(RuntimeError(f"gradcomp.torch.DiLoCo: outer step discarded: {self.problem}"))
+        self.last = {"quorum_s": quorum_s, "participants": self.comm.size,
+                     "contributors": self.contributors if self.problem is None else 0, "healed": healed}
+
+    def start(self, outer: Any, reducer: Any) -> list[Future] | None:
+        if self.problem is not None or not self.usable or self.comm.broken is not None:
+            return None
+        try:
+            return reducer.start()
+        except Exception as exc:  # the pipeline broke under an earlier bucket
+            self.manager.report_error(exc)
+            self.problem = f"the exchange could not start ({exc!r})"
+            return None
+
+    def end(self, outer: Any, fragments: list[int], error: BaseException | None) -> float | None:
+        if error is not None:
+            self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(repr(error)))
+        values = None
+        if error is None and self.problem is None:
+            try:  # the buffers (BatchNorm's statistics) of one replica, as gradcomp.torch.DiLoCo's
+                values = [self.comm.broadcast(as_array(b), self.root) for b in self.buffers]
+            except Exception as exc:
+                self.manager.report_error(exc)
+        self._drain()
+        committed = self.manager.should_commit()
+        self.last["committed"] = committed
+        with self.lock:
+            if self.settle():
+                self.discarded += 1
+                return None
+        for b, value in zip(self.buffers, values or []):
+            as_array(b)[...] = value
+        size = self.comm.size
+        return 1.0 if self.contributors == size else size / self.contributors
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _outer_state(self, fragments: list[int]) -> dict[str, Any]:
+        """What an outer step changes before it lands: the outer step counter, the compressor
+        state of the fragments it exchanges (the synced parameters and the momentum change only
+        when it lands, after the commit)."""
+        return {"outer_steps": self.outer.outer_steps,
+                "exchange": {f: self.outer.reducers[f].compressor.state_dict() for f in fragments}}
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        self.outer.outer_steps = saved["outer_steps"]
+        for f, state in saved["exchange"].items():
+            reducer = self.outer.reducers[f]
+            reducer.compressor.load_state_dict(state, reducer.shapes)
+
+    def _handshake(self, kind: int, contributes: bool, digest: int) -> np.ndarray | None:
+        """Every quorum rank's (kind, contributes, refuses, digest), or None where it failed (the
+        failure reported): one small allgather, so that every replica knows before any exchange
+        who refuses and how many pseudo-gradients the mean is over."""
+        if not self.usable or self.comm.broken is not None:
+            return None
+        mine = np.array([kind, int(contributes), int(self.refusal() is not None), digest], np.int64)
+        try:
+            return self.comm.allgather(mine)
+        except Exception as exc:
+            self.manager.report_error(exc)
+            return None
+
+    def _drain(self, timeout: float = 60.0) -> None:
+        """Wait until the pipeline has no job left (one submitted before a failure ended the
+        exchange's start may still run its local stage), before any state is put back."""
+        deadline = time.monotonic() + timeout
+        while self.comm.busy and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 
 def _own_error(key: str) -> bool:
@@ -317,23 +580,7 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         if not isinstance(compressor, Compressor):
             raise TypeError(f"gradcomp.torch.ft: expected a gradcomp Compressor or a registry name, "
                             f"got {type(compressor).__name__}")
-        from torchft.manager import WorldSizeMode
-
-        # (torchft keeps both settings in private attributes; read defensively)
-        if getattr(manager, "_use_async_quorum", False):
-            raise ValueError("gradcomp.torch.ft: construct the Manager with use_async_quorum=False. Under "
-                             "the asynchronous quorum a healing replica receives the compressor's state "
-                             "only after its step's exchange, one step behind its peers' from then on "
-                             "(see gradcomp.torch.ft's docstring)")
-        if getattr(manager, "_replica_world_size_mode", None) == WorldSizeMode.FIXED_WITH_SPARES:
-            raise ValueError("gradcomp.torch.ft: WorldSizeMode.FIXED_WITH_SPARES is not supported: a spare "
-                             "never participates, and a replica that does not participate refuses "
-                             "the exchange (every step would be discarded); use WorldSizeMode.DYNAMIC")
-        if process_group is None:
-            process_group = getattr(manager, "_pg", None)  # torchft keeps no public accessor
-            if process_group is None:
-                raise ValueError("gradcomp.torch.ft: this Manager has no process group gradcomp can "
-                                 "find; pass process_group= (the group given to the Manager)")
+        process_group = manager_group(manager, process_group)
         # DDP's own collectives (its initial broadcast, buffers) go to a group of one that does
         # nothing; the gradients go through the hook
         super().__init__(module, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True,
@@ -366,4 +613,5 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         return self._exchange.rolled_back
 
 
-__all__ = ["DistributedDataParallel", "QuorumCommunicator", "STATE_KEY", "gradcomp_ft_hook"]
+__all__ = ["DILOCO_STATE_KEY", "DistributedDataParallel", "OuterSteps", "QuorumCommunicator", "STATE_KEY",
+           "gradcomp_ft_hook", "manager_group"]

@@ -54,12 +54,12 @@ class Group:
 
     started = 0
 
-    def __init__(self, lighthouse: str, name: str, out: Path, *args: str):
+    def __init__(self, lighthouse: str, name: str, out: Path, *args: str, job: Path = JOB):
         Group.started += 1
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         self.name, self.out = name, out
         self.output = open(out / f"{name}-{Group.started}.out", "w")
-        self.proc = subprocess.Popen([sys.executable, str(JOB), lighthouse, name, str(out), *args],
+        self.proc = subprocess.Popen([sys.executable, str(job), lighthouse, name, str(out), *args],
                                      cwd=ROOT, env=env, stdout=self.output, stderr=subprocess.STDOUT)
 
     def wait(self, timeout: float = 100) -> int:
