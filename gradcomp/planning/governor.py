@@ -52,6 +52,7 @@ from ..compressors.quantize import QuantizedAllreduce
 from ..params import check_float, check_int
 from ..schedule import from_last, load_stage_states, stage_states, take_stage_states, with_residuals
 from ..state import check_array, reject_leftovers, take_int
+from .audit import Plan, Sample, Window, tensor_costs
 
 #: the default budget: compression may add at most this multiple of the exact mean's own noise
 #: to the updates of an audit window (chosen on the workload zoo's tuning half, BENCHMARKS.md)
@@ -68,12 +69,6 @@ EVERY, WINDOW = 50, 10
 #: the audit's bytes over a period as a share of the method's (the sample's size follows from
 #: the method's declared traffic), and the fewest coordinates sampled
 SHARE, MIN_SAMPLES = 0.02, 64
-#: the fewest coordinates of each tensor audited (all of a smaller one): the cost is judged per
-#: tensor, and a small tensor (a norm's gain, a bias) is where one scale per bucket errs most
-PER_TENSOR = 8
-#: a tensor whose exact mean's noise per coordinate is under this share of its bucket's is not
-#: judged (its gradient is next to nothing: a bias that a norm right after it cancels)
-QUIET = 1e-3
 #: steps a bucket that went over its budget stays a rung down before it tries the rung above
 #: again (doubled at each failure of that try)
 HOLD = 100
@@ -86,65 +81,11 @@ RUNGS = ("method", "int4", "int8")
 LEVELS = len(RUNGS)
 
 
-def tensor_costs(d: np.ndarray, e: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Each audited tensor's cost from a window's sums: ``|d|^2 / e``, what compression added
-    against the exact mean's noise there (``starts``: where each tensor's coordinates start in
-    ``d``, plus the end). A tensor whose noise per coordinate is under ``QUIET`` of the bucket's
-    has no say (0): a gradient that is nothing (a bias under a norm) moves nothing, whatever the
-    codes do to it."""
-    d2 = np.add.reduceat(d * d, starts[:-1]) if d.size else np.zeros_like(e)
-    counts = np.diff(starts)
-    typical = e.sum() / max(int(counts.sum()), 1)
-    heard = e > QUIET * typical * counts
-    with np.errstate(divide="ignore", invalid="ignore"):
-        each = np.where(heard, d2 / np.where(heard, e, 1.0), np.where((d2 == 0) | (typical > 0), 0.0, np.inf))
-    return each
-
-
-def window_cost(d: np.ndarray, e: np.ndarray, starts: np.ndarray) -> float:
-    """A window's cost: its worst tensor's (``tensor_costs``). On the zoo's tuning half the worst
-    tensor kept the methods within their quality where the whole bucket's ratio, or the tensors'
-    mean, did not."""
-    return float(tensor_costs(d, e, starts).max()) if e.size else 0.0
-
-
 def ladder() -> list[Compressor]:
     """The rungs below a governed method: 4-bit codes on a grid that holds zero, then 8-bit codes,
     two stages with error feedback at both (``int4``'s and ``int8``'s methods after a warm-up)."""
     return [ErrorFeedback(QuantizedAllreduce(bits=4, exact_zero=True), owner_feedback=True),
             ErrorFeedback(QuantizedAllreduce(bits=8), owner_feedback=True)]
-
-
-@dataclass
-class _Sample:
-    """A bucket's audited coordinates: ``where`` (ascending), and where each audited tensor's
-    share of them starts (``starts``, plus the end)."""
-    where: np.ndarray
-    starts: np.ndarray
-    tensors: np.ndarray  # the index in the bucket of each audited tensor
-
-
-@dataclass
-class _Window:
-    """One bucket's audit sums so far: ``d`` (compressed minus exact mean, on the sample) and
-    ``e`` (the exact mean's variance, per audited tensor), over ``steps`` steps."""
-    keys: tuple[str, ...]
-    d: np.ndarray
-    e: np.ndarray
-    steps: int = 0
-
-
-@dataclass
-class _Plan:
-    """When a bucket is audited: the next window opens at step ``opens``; ``seen`` steps of the
-    open one are audited so far (0: none open); ``regime`` is a digest of what reduced it last
-    (-1: nothing yet). A new regime (a warm-up's end, another rung) opens a window at once."""
-    opens: int
-    seen: int = 0
-    regime: int = -1
-
-    def row(self) -> np.ndarray:
-        return np.array([self.opens, self.seen, self.regime], np.int64)
 
 
 @dataclass
@@ -154,7 +95,7 @@ class _Prepared:
     bucket: Bucket
     inner: Any
     sample: Array | None = None  # this rank's gradient on the sample, then its squares per tensor
-    audited: _Sample | None = None
+    audited: Sample | None = None
     fresh: bool = False  # the first step of a window
     decide: bool = False  # the last step of a window
 
@@ -204,8 +145,8 @@ class Governed(Compressor):
         self.hold = check_int("hold", hold, 1)
         self._step = 0
         self._tensors: dict[str, _Tensor] = {}
-        self._windows: dict[str, _Window] = {}   # first key of the bucket -> its open window
-        self._plans: dict[str, _Plan] = {}       # first key of the bucket -> when it is audited
+        self._windows: dict[str, Window] = {}   # first key of the bucket -> its open window
+        self._plans: dict[str, Plan] = {}       # first key of the bucket -> when it is audited
         self.decisions: list[dict[str, Any]] = []
         self.audits: list[tuple[int, int, float]] = []  # (step, level, cost) of the latest windows
         self.audit_bytes = 0.0
@@ -214,7 +155,7 @@ class Governed(Compressor):
         #: budget holds (set by ``gradcomp.torch`` at the first step of an Adam-like optimizer)
         self.adaptive = False
         self._costs: dict[str, float] = {}  # each tensor's cost at its last audit (stats only)
-        self._samples: dict[tuple, _Sample] = {}  # layout -> audited coordinates
+        self._samples: dict[tuple, Sample] = {}  # layout -> audited coordinates
 
     # -- what it declares: the method's, level 0 --------------------------------------------------
     @property
@@ -321,7 +262,7 @@ class Governed(Compressor):
             plan.regime = regime
         return job
 
-    def _plan(self, bucket: Bucket, step: int) -> _Plan | None:
+    def _plan(self, bucket: Bucket, step: int) -> Plan | None:
         """The bucket's audit plan (none for a scatter bucket, each rank holding a row of the
         mean, or an empty one): its first window closes at the end of a period."""
         if bucket.scatter or not bucket.numel:
@@ -330,7 +271,7 @@ class Governed(Compressor):
         plan = self._plans.get(first)
         if plan is None:
             start = self.every - self.window
-            plan = self._plans[first] = _Plan(step + (start - step) % self.every)
+            plan = self._plans[first] = Plan(step + (start - step) % self.every)
         return plan
 
     def finish(self, bucket: Bucket, comm: Communicator, prepared: _Prepared) -> Array:
@@ -357,7 +298,7 @@ class Governed(Compressor):
         first = keys[0] if keys else ""
         w = self._windows.get(first)
         if prepared.fresh or w is None or w.keys != tuple(keys) or w.d.size != exact.size:
-            w = self._windows[first] = _Window(tuple(keys), np.zeros(exact.size), np.zeros(spread.size))
+            w = self._windows[first] = Window(tuple(keys), np.zeros(exact.size), np.zeros(spread.size))
         got = np.asarray(to_host(out[array_module(out).asarray(where)]), np.float64)
         w.d += got - exact
         w.e += spread / n
@@ -366,7 +307,7 @@ class Governed(Compressor):
             del self._windows[first]
             self._decide(prepared, w)
 
-    def _decide(self, prepared: _Prepared, w: _Window) -> None:
+    def _decide(self, prepared: _Prepared, w: Window) -> None:
         """At a window's end: a rung over budget steps down (a failed try of the rung above goes
         back, holding twice as long); a rung within it stays, and a successful try is kept."""
         assert prepared.audited is not None
@@ -473,7 +414,7 @@ class Governed(Compressor):
         runaway = bool(take_int(state, "runaway_seen", owner)) if "runaway_seen" in state else False
         adaptive = bool(take_int(state, "adaptive", owner)) if "adaptive" in state else False
         tensors: dict[str, _Tensor] = {}
-        windows: dict[str, _Window] = {}
+        windows: dict[str, Window] = {}
         for name in [k for k in state if k.startswith("tensor/")]:
             row = check_array(state.pop(name), name, owner, shape=(6 + LEVELS,), dtypes=("int64",))
             level, since, before, retry, hold, last = (int(v) for v in row[:6])
@@ -491,23 +432,21 @@ class Governed(Compressor):
             if e.size < 2:
                 raise ValueError(f"{owner} state: 'window/{first}/e' holds {e.size} values: the window's steps, then "
                                  "each audited tensor's variance")
-            windows[first] = _Window(keys, np.asarray(d, np.float64).copy(), np.asarray(e[1:], np.float64).copy(),
+            windows[first] = Window(keys, np.asarray(d, np.float64).copy(), np.asarray(e[1:], np.float64).copy(),
                                      int(e[0]))
-        plans: dict[str, _Plan] = {}
+        plans: dict[str, Plan] = {}
         for name in [k for k in state if k.startswith("plan/")]:
             row = check_array(state.pop(name), name, owner, shape=(3,), dtypes=("int64",))
-            plans[name[len("plan/"):]] = _Plan(*(int(v) for v in row))
+            plans[name[len("plan/"):]] = Plan(*(int(v) for v in row))
         parts = take_stage_states(self.levels, state, "level")
         reject_leftovers(state, owner)
         load_stage_states(self.levels, parts, shapes)
         self._step, self.audit_bytes, self._runaway_seen, self.adaptive = step, audit_bytes, runaway, adaptive
         self._tensors, self._windows, self._plans = tensors, windows, plans
 
-    def _sample(self, bucket: Bucket) -> _Sample:
-        """The audited coordinates of ``bucket``: evenly spaced within each tensor, at least
-        ``PER_TENSOR`` of each (all of a smaller one), in all about as many as ``SHARE`` of the
-        method's bytes over a period pays for (float64 values, sent ``window`` times); the same on
-        every rank (a function of the layout alone). Kept per layout."""
+    def _sample(self, bucket: Bucket) -> Sample:
+        """The audited coordinates of ``bucket``, as many as ``SHARE`` of the method's bytes over
+        a period pays for (float64 values, sent ``window`` times). Kept per layout."""
         key = (bucket.numel, tuple(map(tuple, bucket.shapes)))
         found = self._samples.get(key)
         if found is None:
@@ -518,16 +457,5 @@ class Governed(Compressor):
             except TypeError:  # a method that does not declare its traffic: one in a thousand
                 sent = n * 4 / 1000 * self.window / (SHARE * self.every)
             count = min(n, max(MIN_SAMPLES, int(SHARE * sent * self.every / (8 * self.window))))
-            parts, starts, tensors = [], [0], []
-            offsets = bucket.offsets()
-            for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
-                size = hi - lo
-                if not size:
-                    continue
-                take = min(size, max(PER_TENSOR, count * size // n))
-                parts.append(lo + (np.arange(take, dtype=np.int64) * size + size // 2) // take)
-                starts.append(starts[-1] + take)
-                tensors.append(i)
-            found = self._samples[key] = _Sample(np.concatenate(parts) if parts else np.zeros(0, np.int64),
-                                                 np.array(starts, np.int64), np.array(tensors, np.int64))
+            found = self._samples[key] = Sample.of(bucket, count)
         return found

@@ -188,7 +188,7 @@ def test_a_warmup_end_opens_a_window():
 def test_the_worst_tensor_sets_the_cost():
     """Each audited tensor's cost is judged on its own: a small tensor that compression gets
     wrong is not averaged away by a large one it gets right."""
-    from gradcomp.planning.governor import window_cost
+    from gradcomp.planning.audit import window_cost
 
     starts = np.array([0, 100, 108])
     d = np.concatenate([np.full(100, 0.01), np.full(8, 1.0)])
