@@ -313,10 +313,11 @@ class Governed(Compressor):
         assert prepared.audited is not None
         each = tensor_costs(w.d, w.e, prepared.audited.starts)
         cost = float(each.max()) if each.size else 0.0
+        worst = w.keys[int(prepared.audited.tensors[int(np.argmax(each))])] if each.size else ""
         step, ran = prepared.step, prepared.level
         limit = self.limit
         over = cost > limit
-        why = (f"compression added {cost:.3g}x the exact mean's noise over {w.steps} steps "
+        why = (f"compression added {cost:.3g}x the exact mean's noise to {worst!r} over {w.steps} steps "
                f"({'over' if over else 'within'} budget {limit:g}{' under an adaptive optimizer' if self.adaptive else ''})")
         moved = []
         for i, c in zip(prepared.audited.tensors, each):
