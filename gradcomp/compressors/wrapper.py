@@ -1,8 +1,9 @@
 """One base for compressors that reduce through another: what the contract declares comes from it.
 
 A wrapper changes how a bucket reaches its ``inner`` method (``Cast`` on a half copy,
-``ErrorFeedback`` with a residual, ``Hierarchical`` across hosts, the optimizers' agreed
-exchange); what the method declares is the inner method's unless the wrapper says otherwise. ``Wrapper`` forwards every public member of the ``Compressor``
+``ErrorFeedback`` with a residual, ``Hierarchical`` across hosts, the optimizers' agreed exchange,
+a ``Schedule``'s or the governor's steady method); what the method declares is the inner method's
+unless the wrapper says otherwise. ``Wrapper`` forwards every public member of the ``Compressor``
 contract to ``inner`` except the machinery each compressor runs for itself (``OWN``), so a member
 added to the contract reaches every wrapper at once. A wrapper that changes a member defines it
 itself; ``tests/compressors/test_wrapper.py`` walks the contract and every wrapper.

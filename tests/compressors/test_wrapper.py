@@ -13,7 +13,7 @@ from gradcomp.compressors.wrapper import FORWARDED, OWN, Wrapper
 
 #: the modules that hold wrappers (gradcomp.jax.kit only where JAX is installed)
 MODULES = ["gradcomp.compressors.cast", "gradcomp.compressors.feedback", "gradcomp.compressors.hierarchical",
-           "gradcomp.optim.base"]
+           "gradcomp.schedule", "gradcomp.planning.recipes", "gradcomp.planning.governor", "gradcomp.optim.base"]
 
 #: what each wrapper changes on purpose; every other contract member is its inner method's
 OVERRIDES = {
@@ -25,7 +25,16 @@ OVERRIDES = {
     "Hierarchical": {"nan_effect", "scatters", "memory_passes", "take_residual", "regime"},
     "ThroughJax": {"scatters"},
     "_Agreed": {"runaway_advice", "agreement_state"},              # the optimizer's, as well
+    # several stages: what holds for all of them, and their state; the rest is the steady method's
+    "Stages": {"nan_effect", "relative_error_limit", "scatters", "error_bound", "regime", "take_residual",
+               "residuals"},
 }
+_STAGES = OVERRIDES["Stages"] | {"agreement_state", "state_dict", "load_state_dict"}
+OVERRIDES.update({
+    "Schedule": _STAGES | {"error_feedback_on", "warmup_steps"},
+    "Recipe": _STAGES | {"error_feedback_on", "warmup_steps"},
+    "Governed": _STAGES,
+})
 
 SHAPES = [(64, 32), (100,), (7, 3)]
 KEYS = ["a", "b", "c"]
@@ -104,7 +113,7 @@ def test_the_base_forwards_every_member():
 
 def test_each_wrapper_changes_only_what_it_says():
     classes = wrapper_classes()
-    assert {"Cast", "ErrorFeedback", "Hierarchical", "_Agreed"} <= set(classes)
+    assert {"Cast", "ErrorFeedback", "Hierarchical", "_Agreed", "Schedule", "Governed"} <= set(classes)
     for name, cls in classes.items():
         assert name in OVERRIDES, f"{name} wraps a compressor: say in OVERRIDES what it changes"
         assert own_members(cls) == OVERRIDES[name], (name, sorted(own_members(cls) ^ OVERRIDES[name]))
@@ -123,9 +132,12 @@ class _Owner:
 def _instances():
     from gradcomp.compressors.hierarchical import Hierarchical
     from gradcomp.optim.base import _Agreed
+    from gradcomp.planning.governor import Governed
 
     out = [gc.FP16(gc.make("int8")), gc.BF16(gc.PowerSGD(rank=2)), gc.ErrorFeedback(gc.QuantizedAllreduce(bits=8)),
-           Hierarchical(gc.make("topk")), _Agreed(gc.make("int8"), _Owner())]
+           Hierarchical(gc.make("topk")), _Agreed(gc.make("int8"), _Owner()),
+           gc.Schedule([(0, gc.Allreduce()), (5, gc.FP16(gc.make("onebit")))]), gc.make("int4"),
+           Governed(gc.make("topk"))]
     kit = _import_kit()
     if kit is not None:
         out.append(kit.ThroughJax(gc.make("int8")))
