@@ -76,8 +76,8 @@ class Cast(Wrapper):
     def finish(self, bucket: Bucket, comm: Communicator, prepared: _Half) -> Array:
         mean = run_stage(self.inner, prepared.bucket, comm, prepared.inner)
         # a scratch bucket (a DDP bucket) takes the widened mean itself: no new array per bucket
-        # (a reduce-scatter's mean is one row: a new array)
-        in_place = bucket.scratch and not bucket.scatter
+        # (a reduce-scatter's mean is one row of it: a new array)
+        in_place = bucket.scratch and mean.shape == bucket.buffer.shape
         return cast(mean, bucket.dtype, out=bucket.buffer if in_place else None)
 
 
