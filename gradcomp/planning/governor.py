@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -45,12 +45,11 @@ from ..arrays import Array, array_module, to_host
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
 from ..comm.base import method_traffic
-from ..compressors.base import Compressor, Traffic, run_stage
+from ..compressors.base import Compressor
 from ..compressors.feedback import ErrorFeedback
-from ..compressors.passes import Passes
 from ..compressors.quantize import QuantizedAllreduce
 from ..params import check_float, check_int
-from ..schedule import from_last, load_stage_states, stage_states, take_stage_states, with_residuals
+from ..schedule import Routed, Stages, hand_over, load_stage_states, stage_states, take_stage_states
 from ..state import check_array, reject_leftovers, take_int
 from .audit import Plan, Sample, Window, tensor_costs
 
@@ -89,11 +88,8 @@ def ladder() -> list[Compressor]:
 
 
 @dataclass
-class _Prepared:
-    step: int
-    level: int
-    bucket: Bucket
-    inner: Any
+class _Prepared(Routed):
+    step: int = 0  # (its ``stage`` is the rung)
     sample: Array | None = None  # this rank's gradient on the sample, then its squares per tensor
     audited: Sample | None = None
     fresh: bool = False  # the first step of a window
@@ -129,13 +125,12 @@ class _Tensor:
                         np.int64)
 
 
-class Governed(Compressor):
+class Governed(Stages):
     """``method``, governed: see the module. ``budget``: the largest cost allowed (``BUDGET``)."""
 
     def __init__(self, method: Compressor, budget: float = BUDGET, every: int = EVERY, window: int = WINDOW,
                  hold: int = HOLD):
-        super().__init__()
-        self.method = method
+        super().__init__(method)  # what it declares where it says nothing else: the method's
         self.budget = check_float("budget", budget, above=0)
         self.below = ladder()
         self.every = check_int("every", every, 1)
@@ -157,10 +152,22 @@ class Governed(Compressor):
         self._costs: dict[str, float] = {}  # each tensor's cost at its last audit (stats only)
         self._samples: dict[tuple, Sample] = {}  # layout -> audited coordinates
 
-    # -- what it declares: the method's, level 0 --------------------------------------------------
+    # -- what it declares: the method's (``Stages``: where the rungs differ, what holds for all) ----
+    @property
+    def method(self) -> Compressor:
+        """The governed method: the first rung."""
+        return self.inner
+
     @property
     def levels(self) -> list[Compressor]:
         return [self.method, *self.below]
+
+    @property
+    def stages(self) -> list[Compressor]:
+        return self.levels
+
+    def last_stages(self) -> dict[str, int]:
+        return {k: t.last for k, t in self._tensors.items()}
 
     def config(self) -> dict[str, Any]:
         return {"method": self.method, "budget": self.budget, "every": self.every, "window": self.window,
@@ -172,32 +179,6 @@ class Governed(Compressor):
     @property
     def step(self) -> int:
         return self._step
-
-    @property
-    def error_feedback_on(self) -> bool:
-        return self.method.error_feedback_on
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.method.warmup_steps
-
-    @property
-    def relative_error_limit(self) -> float:  # type: ignore[override]
-        return max(c.relative_error_limit for c in self.levels)
-
-    @property
-    def partial_update(self) -> bool:  # type: ignore[override]
-        return self.method.partial_update
-
-    @property
-    def scatters(self) -> bool:  # type: ignore[override]
-        return all(c.scatters for c in self.levels)
-
-    def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
-        return self.method.traffic(shapes, ranks, itemsize)
-
-    def memory_passes(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Passes | None:
-        return self.method.memory_passes(shapes, ranks, itemsize)
 
     # -- one bucket -------------------------------------------------------------------------------
     def _tensor(self, key: str) -> _Tensor:
@@ -234,15 +215,11 @@ class Governed(Compressor):
             self._step += 1
         tensors = [self._tensor(k) for k in bucket.keys]
         level = max((t.at(step) for t in tensors), default=0)
-        handed: dict[str, Array] = {}
-        for key, t in zip(bucket.keys, tensors):
-            if t.last >= 0 and t.last != level:
-                handed.update(self.levels[t.last].take_residual([key]))
+        bucket = hand_over(self, self.levels, [t.last for t in tensors], level, bucket, workspace)
+        for t in tensors:
             t.last = level
             t.steps[level] += 1
-        if handed:
-            bucket = with_residuals(self, bucket, handed, workspace)
-        job = _Prepared(step, level, bucket, None)
+        job = _Prepared(level, bucket, None, step)
         plan = self._plan(bucket, step)
         if plan is not None and (plan.seen or step >= plan.opens):
             job.fresh, plan.seen = plan.seen == 0, plan.seen + 1
@@ -275,7 +252,7 @@ class Governed(Compressor):
         return plan
 
     def finish(self, bucket: Bucket, comm: Communicator, prepared: _Prepared) -> Array:
-        out = run_stage(self.levels[prepared.level], prepared.bucket, comm, prepared.inner)
+        out = super().finish(bucket, comm, prepared)
         if prepared.sample is not None:
             self._audit(prepared, comm, out)
         return out
@@ -314,7 +291,7 @@ class Governed(Compressor):
         each = tensor_costs(w.d, w.e, prepared.audited.starts)
         cost = float(each.max()) if each.size else 0.0
         worst = w.keys[int(prepared.audited.tensors[int(np.argmax(each))])] if each.size else ""
-        step, ran = prepared.step, prepared.level
+        step, ran = prepared.step, prepared.stage
         limit = self.limit
         over = cost > limit
         why = (f"compression added {cost:.3g}x the exact mean's noise to {worst!r} over {w.steps} steps "
@@ -360,21 +337,8 @@ class Governed(Compressor):
     def agreement_state(self, bucket: Bucket, prepared: _Prepared | None) -> dict[str, Any]:
         if prepared is None:
             return {"step": self._step}
-        inner = self.levels[prepared.level].agreement_state(prepared.bucket, prepared.inner)
-        return {"step": prepared.step, "level": prepared.level, "audit": prepared.sample is not None,
-                "adaptive": self.adaptive,
-                **{f"level{prepared.level}.{k}": v for k, v in inner.items()}}
-
-    def regime(self, prepared: _Prepared | None) -> tuple:
-        if prepared is None:
-            return ()
-        return (prepared.level,) + self.levels[prepared.level].regime(prepared.inner)
-
-    def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
-        return from_last(self.levels, {k: t.last for k, t in self._tensors.items()}, keys, take=True)
-
-    def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
-        return from_last(self.levels, {k: t.last for k, t in self._tensors.items()}, keys, take=False)
+        return {"step": prepared.step, "level": prepared.stage, "audit": prepared.sample is not None,
+                "adaptive": self.adaptive, **self.stage_agreement(prepared, f"level{prepared.stage}")}
 
     # -- what it says and keeps -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
