@@ -38,7 +38,8 @@ to land at the same step after a resume.
 
 **Coordinated** (``coordinator=``): ranks that come and go, such as torchft's replica groups
 (``gradcomp.torch.ft``). The coordinator is asked before each outer step's pseudo-gradients are
-taken (``begin``: who takes part; a joining rank may receive the state here), starts or withholds
+taken (``begin``: who takes part; a rank that joins or fell behind may receive its peers' state
+and outer step here), starts or withholds
 each exchange (``start``), and once the means are in decides whether the step counts (``end``: a
 factor to scale the mean by, or None to discard it; the coordinator then undoes what the
 exchange changed, and the replica keeps its local progress for the next outer step). The
@@ -79,10 +80,11 @@ class Coordinator(Protocol):
     """Who takes part in each outer step, and whether it counts (the module docstring's
     "Coordinated"; ``gradcomp.torch.ft`` has the torchft one). Called on the training thread."""
 
-    def begin(self, outer: DiLoCo, fragments: list[int], lands_at: int, rates: list[float]) -> None:
+    def begin(self, outer: DiLoCo, fragments: list[int], lands_at: int,
+              rates: list[float]) -> tuple[list[int], int, list[float]] | None:
         """Before the outer step of ``fragments`` takes its pseudo-gradients (landing after inner
-        step ``lands_at``, at outer rates ``rates``); may load a joining rank's state into
-        ``outer``."""
+        step ``lands_at``, at outer rates ``rates``). May load the state of a rank that fell
+        behind into ``outer``: it then returns the outer step its peers are in, to run instead."""
 
     def start(self, outer: DiLoCo, reducer: GradientReducer) -> list[Future] | None:
         """One fragment's exchange: ``reducer.start()``, or None where no collective may run."""
@@ -209,7 +211,9 @@ class DiLoCo(Optimizer):
         ``sync_now`` call it; a coordinator calls it for a joining rank, to take part in the outer
         step its peers are in."""
         if self.coordinator is not None:
-            self.coordinator.begin(self, fragments, lands_at, rates)
+            theirs = self.coordinator.begin(self, fragments, lands_at, rates)
+            if theirs is not None:  # this rank fell behind and took its peers' state
+                fragments, lands_at, rates = theirs
         self._step_lr = rates  # (agreed on with the step: a joining rank's are its peers')
         self.outer_steps += 1
         for f in fragments:

@@ -1,4 +1,4 @@
-"""Compressed gradients on torchft: a replica group that dies or joins does not stop the job.
+"""Compressed gradients and DiLoCo on torchft: a replica group that dies or joins does not stop the job.
 
     from torchft import Manager, Optimizer, ProcessGroupGloo
     import gradcomp.torch.ft as gft
@@ -52,6 +52,34 @@ whose ``HookState`` and hook it reuses), and why:
   (``WorldSizeMode.FIXED_WITH_SPARES``), which never participate, are refused at construction.
 * **Buckets are never rebuilt** (``find_unused_parameters=True``, as torchft's own wrapper does):
   a restarted replica's first buckets are then laid out as the survivors' later ones.
+
+**DiLoCo on torchft** (``gradcomp.torch.DiLoCo(model, inner, ..., manager=manager)``, coordinated
+by ``OuterSteps``): every outer step is one step of the manager (quorum, exchange, commit); inner
+steps need none. So a group killed between outer steps costs its peers only the wait for the
+lighthouse's heartbeat timeout at their next outer step. The rest, and why:
+
+* **A failed outer step is discarded and its pseudo-gradient sent again at the next one** (not
+  skipped). Nothing of the outer state changes before ``should_commit``: the synced parameters
+  and the outer momentum change only when the step lands, after the commit; the outer step
+  counter and the compressor's state (residuals, counters) are put back. Each replica keeps its
+  inner steps, so its next pseudo-gradient (synced parameters minus now) carries them all, 2H
+  steps' worth; skipping, as torchft's own DiLoCo does (back to the synced parameters), would
+  throw away H inner steps of every survivor's work for one lost exchange.
+* **The mean is over the groups that contributed.** A healing group takes part in the exchange
+  (the quorum's process group includes it) with a zero pseudo-gradient, and the mean is scaled
+  by (quorum size / contributors), the same arithmetic on every rank, so every replica still
+  holds the same bits. One small allgather before the exchange (the handshake) tells every group
+  who contributes, and who refuses (a failed quorum: then every group discards the step at once).
+* **A joining group heals inside the outer step its peers are in** (key ``"gradcomp.diloco"``):
+  the synced parameters (which become its parameters), the outer momentum, the step counters,
+  the compressor's state (not its residuals, as above) and the outer step in progress (which
+  fragments, where it lands, the outer rates), which it then runs with them. The manager's own
+  ``state_dict`` needs only the inner optimizer's state. At the job's start (torchft's step 0,
+  whose ``init_sync`` heals every group from one) the groups check that they start from the
+  same parameters and commit a step with no exchange.
+* **Streaming**: each fragment's outer step is a step of the manager. torchft runs one quorum and
+  one commit at a time, so ``overlap`` may be at most the inner steps between two fragments'
+  outer steps (refused otherwise, with that reason).
 
 The process group is the manager's (``process_group=`` to name it explicitly). Tested with torchft
 0.2.0 on ``ProcessGroupGloo``.
@@ -427,20 +455,29 @@ class OuterSteps(_Quorum):
                 return
 
     # -- an outer step (the Coordinator protocol of gradcomp.optim.diloco) --------------------------
-    def begin(self, outer: Any, fragments: list[int], lands_at: int, rates: list[float]) -> None:
+    def begin(self, outer: Any, fragments: list[int], lands_at: int,
+              rates: list[float]) -> tuple[list[int], int, list[float]] | None:
         self.round = {"kind": "outer", "fragments": [int(f) for f in fragments], "lands_at": int(lands_at),
                       "rates": [float(r) for r in rates]}
-        if self.joined:  # join()'s quorum, in which this replica healed
+        theirs = None
+        if self.joined:  # join()'s quorum, in which this replica healed (join() runs their step)
             self.joined, healed = False, True
             quorum_s = self.last.get("quorum_s", 0.0)
         else:
             started = time.perf_counter()
             self.manager.start_quorum()
             quorum_s = time.perf_counter() - started
-            healed = self._apply_received() is not None
+            received = self._apply_received()
+            healed = received is not None
+            if received is not None and received["kind"] == "outer":
+                # this replica fell behind (left out of an outer step, or it failed here alone):
+                # it runs the outer step its peers are in, from their state
+                self.round = dict(received)
+                theirs = ([int(f) for f in received["fragments"]], int(received["lands_at"]),
+                          [float(r) for r in received["rates"]])
         with self.lock:
             self.open()
-            self.keep(self._outer_state(fragments), self._restore)
+            self.keep(self._outer_state(self.round["fragments"]), self._restore)
         self.problem = self.refusal()
         table = self._handshake(_OUTER, not healed, 0)
         if table is None:
@@ -458,6 +495,7 @@ class OuterSteps(_Quorum):
             self.manager.report_error(RuntimeError(f"gradcomp.torch.DiLoCo: outer step discarded: {self.problem}"))
         self.last = {"quorum_s": quorum_s, "participants": self.comm.size,
                      "contributors": self.contributors if self.problem is None else 0, "healed": healed}
+        return theirs
 
     def start(self, outer: Any, reducer: Any) -> list[Future] | None:
         if self.problem is not None or not self.usable or self.comm.broken is not None:

@@ -184,12 +184,17 @@ def test_refuses_what_it_cannot_keep_consistent():
             gft.DistributedDataParallel(manager, net, "int8")
 
 
-def test_example_trains_one_group(lighthouse, tmp_path):
-    """``examples/torch_ft.py`` as one replica group (its ``--demo`` kills and restarts one of two,
-    which takes a minute: run by hand)."""
+@pytest.mark.parametrize("local_steps", [(), ("--diloco", "5")], ids=["ddp", "diloco"])
+def test_example_trains_one_group(lighthouse, tmp_path, local_steps):
+    """``examples/torch_ft.py`` as one replica group, with DDP and with DiLoCo (its ``--demo`` kills
+    and restarts one of two, which takes a minute: run by hand)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCHFT_LIGHTHOUSE=lighthouse)
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_ft.py"), "--steps", "20"],
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_ft.py"), "--steps", "20", *local_steps],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    assert result["step"] == 20 and result["steps_rolled_back"] == 0, result  # (alone: nothing to compress)
+    assert result["step"] == 20, result
+    if local_steps:
+        assert result["outer_steps"] == 4 and result["outer_steps_discarded"] == 0, result
+    else:
+        assert result["steps_rolled_back"] == 0, result  # (alone: nothing to compress)

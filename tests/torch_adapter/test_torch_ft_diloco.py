@@ -50,15 +50,15 @@ def first_outer_step(log: list[dict], after: float) -> tuple[dict, dict]:
     return mine[0], landed
 
 
-def check_end(out, groups: list[Group], rounds: int) -> tuple[list[dict], list[dict]]:
-    """Both groups ended cleanly with ``rounds`` committed outer steps (and the join) and the
-    same bits, agreed after every outer step both committed, and advanced their counters once
-    per committed outer step; the logs of a and b."""
+def check_end(out, groups: list[Group], rounds: int, names: str = "ab") -> list[list[dict]]:
+    """Every group ended cleanly with ``rounds`` committed outer steps (and the join) and the
+    same bits, agreed after every outer step they committed, and advanced their counters once
+    per committed outer step; the logs of ``names``."""
     for g in groups:
         assert g.wait() == 0, g.tail()
-    a, b = records(out, "a"), records(out, "b")
+    logs = [records(out, name) for name in names]
     synced = {}
-    for log in (a, b):
+    for log in logs:
         done = log[-1]
         assert done["event"] == "done" and done["manager_step"] == rounds + 1, log[-3:]
         assert done["exchange_compression_ratio"] > 1.2, done  # int8 codes (and their scales)
@@ -69,8 +69,9 @@ def check_end(out, groups: list[Group], rounds: int) -> tuple[list[dict], list[d
                 assert r["outer_steps"] == r["manager_step"] - 1, r
                 assert synced.setdefault(r["manager_step"], r["synced"]) == r["synced"], r
         assert done["digest"] == log[-2]["synced"], log[-2:]  # the replica holds the synced bits
-    assert (out / "a.params").read_bytes() == (out / "b.params").read_bytes(), "the groups' bits differ"
-    return a, b
+    params = {(out / f"{name}.params").read_bytes() for name in names}
+    assert len(params) == 1, "the groups' bits differ"
+    return logs
 
 
 @pytest.mark.parametrize("fragments, overlap", [(1, 0), (2, 1)])
@@ -135,6 +136,29 @@ def test_crash_inside_an_outer_exchange(lighthouse, tmp_path):
     assert joined["step"] >= 20, joined
     report("crash inside an outer exchange", discarded_outer_step_s=third[0]["seconds"],
            stall_after_discard_s=after[0]["quorum_s"], heal_outer_step_s=joined["seconds"])
+
+
+def test_a_straggler_heals_in_its_own_outer_step(lighthouse, tmp_path):
+    """Three groups; c sleeps before inner step 8, past the lighthouse's join timeout, so a and b
+    take the outer step at 8 without it. c, one outer step behind, heals from them in its own
+    outer step (at its inner step 8) and takes part in theirs (at 12) instead, with no
+    pseudo-gradient of its own; nothing is discarded."""
+    steps = 32
+    common = ("--steps", str(steps), "--groups", "3", "--step-sleep", "0.15")
+    groups = [Group(lighthouse, name, tmp_path, *common, *extra, job=JOB)
+              for name, extra in (("a", ()), ("b", ()), ("c", ("--stall-before", "8", "--stall-s", "2.5")))]
+    try:
+        a, b, c = check_end(tmp_path, groups, steps // H, names="abc")
+    finally:
+        for g in groups:
+            g.stop()
+    eighth = [r for r in outer_records(a) if r["step"] == 8]
+    assert eighth[0]["committed"] and eighth[0]["participants"] == 2, eighth  # without c
+    caught_up = [r for r in outer_records(c) if r.get("healed")]
+    assert len(caught_up) == 1 and caught_up[0]["committed"] and caught_up[0]["step"] > 8, caught_up
+    theirs = [r for r in outer_records(a) if r["step"] == caught_up[0]["step"]]
+    assert theirs[0]["participants"] == 3 and theirs[0]["contributors"] == 2, theirs  # c not counted
+    assert all(log[-1]["discarded"] == 0 for log in (a, b, c)), [log[-1] for log in (a, b, c)]
 
 
 def test_refuses_what_it_cannot_keep_consistent():

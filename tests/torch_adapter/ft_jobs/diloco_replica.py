@@ -21,6 +21,8 @@ step S, wait until another group waits at the lighthouse for a quorum (the resta
 read from the lighthouse's status page), so that a survivor's next quorum takes it in (torchft
 forms a quorum of the previous one's members at once, without waiting for new ones). Every group
 joins once ``--groups`` (2) groups send heartbeats to the lighthouse: the job starts with all.
+``--step-sleep T``: sleep T s every inner step; ``--stall-before S --stall-s T``: sleep T s before
+inner step S (a straggler, late for the outer step after it).
 """
 from __future__ import annotations
 
@@ -85,6 +87,9 @@ def main() -> None:
     p.add_argument("--crash-at", type=int, default=None)
     p.add_argument("--wait-for-joiner", type=int, default=None)
     p.add_argument("--groups", type=int, default=2)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--stall-before", type=int, default=None)
+    p.add_argument("--stall-s", type=float, default=0.0)
     args = p.parse_args()
     torch.set_num_threads(1)
     index = sum(args.name.encode())  # this replica's data stream
@@ -137,6 +142,10 @@ def main() -> None:
     while diloco.steps < args.steps:
         if diloco.steps == args.wait_for_joiner:
             wait_for_joiner(args.lighthouse)
+        if diloco.steps + 1 == args.stall_before:
+            time.sleep(args.stall_s)  # late for the outer step at inner step stall_before
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         g = torch.Generator().manual_seed(diloco.steps * 1000 + index)
         x = torch.randn(8, 16, generator=g)
         y = torch.randn(8, 4, generator=g)
