@@ -220,7 +220,7 @@ class Governed(Stages):
             t.last = level
             t.steps[level] += 1
         job = _Prepared(level, bucket, None, step)
-        plan = self._plan(bucket, step)
+        plan = self._plan(bucket, step) if comm.size > 1 else None
         if plan is not None and (plan.seen or step >= plan.opens):
             job.fresh, plan.seen = plan.seen == 0, plan.seen + 1
             job.decide = plan.seen == self.window
@@ -241,7 +241,8 @@ class Governed(Stages):
 
     def _plan(self, bucket: Bucket, step: int) -> Plan | None:
         """The bucket's audit plan (none for a scatter bucket, each rank holding a row of the
-        mean, or an empty one): its first window closes at the end of a period."""
+        mean, or an empty one; the caller asks for none on one rank, where the exact mean has no
+        spread to weigh compression against): its first window closes at the end of a period."""
         if bucket.scatter or not bucket.numel:
             return None
         first = bucket.keys[0] if bucket.keys else ""
