@@ -6,6 +6,10 @@ is exact averaging for steps 0-499, float16 for 500-1999, PowerSGD from 2000 on:
 of communication hooks asked for in the review of PyTorch PR #50973. A Schedule is a compressor,
 so it nests inside wrappers (``FP16(Schedule(...))``), inside other schedules and inside the
 PyTorch adapter.
+
+``Stages`` is what it shares with the governor's rungs (``planning.governor``): a wrapper that sends
+each bucket to one of several methods, hands residuals over when a tensor's method changes
+(``hand_over``, which ``auto`` uses too) and checkpoints every method's state under a prefix.
 """
 from __future__ import annotations
 
@@ -15,11 +19,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .arrays import Array, cast
+from .arrays import Array, DTypeLike, cast
 from .bucket import Bucket
 from .comm import Communicator, Workspace
-from .compressors.base import Compressor, Traffic, run_stage
-from .compressors.passes import Passes
+from .compressors.base import Compressor, run_stage
+from .compressors.wrapper import Wrapper
 from .state import reject_leftovers, take_int
 
 
@@ -39,11 +43,25 @@ def with_residuals(owner: Compressor, bucket: Bucket, residuals: dict[str, Array
     return bucket
 
 
+def hand_over(owner: Compressor, stages: Sequence[Compressor], previous: Sequence[int], k: int,
+              bucket: Bucket, workspace: Workspace) -> Bucket:
+    """``bucket`` as stage ``k`` of ``stages`` takes it: with the residuals that the stage which last
+    reduced each of its tensors (``previous``, one stage index per key, -1 for none yet) kept for
+    it, taken out of that stage (``with_residuals``). A compressor object listed as two stages is
+    one stage for the hand-over. What ``Schedule``, the governor's rungs and ``auto`` do when a
+    tensor's method changes."""
+    handed: dict[str, Array] = {}
+    for key, before in zip(bucket.keys, previous):
+        if before >= 0 and stages[before] is not stages[k]:
+            handed.update(stages[before].take_residual([key]))
+    return with_residuals(owner, bucket, handed, workspace) if handed else bucket
+
+
 def from_last(stages: Sequence[Compressor], last: Mapping[str, int], keys: Iterable[str],
               take: bool) -> dict[str, Array]:
     """The residuals that the stage which last reduced each of ``keys`` (``last``: key -> stage
     index, -1 or missing for none yet) keeps for it, taken out of it where ``take`` (a hand-over)
-    or as live views: what ``Schedule`` and the governor's rungs answer for their stages."""
+    or as live views: what ``Stages`` and ``auto`` answer for their methods."""
     out: dict[str, Array] = {}
     for key in keys:
         k = last.get(key, -1)
@@ -87,14 +105,74 @@ def load_stage_states(stages: Sequence[Compressor], parts: Sequence[Mapping[str,
 
 
 @dataclass
-class _Stage:
-    step: int
+class Routed:
+    """A bucket's local stage in ``Stages``: the stage that reduces it, the bucket (with residuals
+    handed over) and that stage's own local-stage result."""
     stage: int
     bucket: Bucket
     inner: Any
 
 
-class Schedule(Compressor):
+@dataclass
+class _Stage(Routed):
+    step: int
+
+
+class Stages(Wrapper):
+    """A wrapper that reduces each bucket through one of several methods (``stages``): a
+    ``Schedule``'s stages by step, the governor's rungs by measured cost. ``inner``, whose
+    declarations it takes where it says nothing else (traffic and passes over memory), is the
+    method it settles on. Its local stage is a ``Routed``; subclasses say which stage last reduced
+    each tensor (``last_stages``) and hand residuals over when that changes (``hand_over``).
+    """
+
+    #: the stages' NaN effects may differ: not declared
+    nan_effect: str | None = None
+
+    @property
+    def stages(self) -> Sequence[Compressor]:
+        raise NotImplementedError
+
+    def last_stages(self) -> Mapping[str, int]:
+        """The stage (an index of ``stages``) that last reduced each tensor, by key."""
+        raise NotImplementedError
+
+    @property
+    def relative_error_limit(self) -> float:  # type: ignore[override]
+        """The loosest of the stages' (the kit may check any of them)."""
+        return max(c.relative_error_limit for c in self.stages)
+
+    @property
+    def scatters(self) -> bool:  # type: ignore[override]
+        return all(c.scatters for c in self.stages)
+
+    def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray | None:
+        """None: a hand-over adds another stage's residual to a step."""
+        return None
+
+    def finish(self, bucket: Bucket, comm: Communicator, prepared: Any) -> Array:
+        return run_stage(self.stages[prepared.stage], prepared.bucket, comm, prepared.inner)
+
+    def stage_agreement(self, prepared: Routed, prefix: str) -> dict[str, Any]:
+        """The agreement state of the stage that reduces ``prepared``'s bucket, its keys prefixed."""
+        inner = self.stages[prepared.stage].agreement_state(prepared.bucket, prepared.inner)
+        return {f"{prefix}.{k}": v for k, v in inner.items()}
+
+    def regime(self, prepared: Routed | None) -> tuple:
+        if prepared is None:
+            return ()
+        return (prepared.stage,) + self.stages[prepared.stage].regime(prepared.inner)
+
+    def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
+        """What the stages that last reduced ``keys`` kept for them (a hand-over to an outer one)."""
+        return from_last(self.stages, self.last_stages(), keys, take=True)
+
+    def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
+        """The residuals of the stages that last reduced ``keys``."""
+        return from_last(self.stages, self.last_stages(), keys, take=False)
+
+
+class Schedule(Stages):
     """Pick the compressor by training step.
 
     ``stages``: ``(first_step, compressor)`` pairs; the first must start at step 0 and the steps
@@ -115,7 +193,6 @@ class Schedule(Compressor):
     """
 
     def __init__(self, stages: Sequence[tuple[int, Compressor]]):
-        super().__init__()
         stages = list(stages)
         if not stages:
             raise ValueError("Schedule needs at least one (first_step, compressor) stage")
@@ -133,6 +210,7 @@ class Schedule(Compressor):
                              "something has to reduce the first steps")
         if any(b <= a for a, b in zip(starts, starts[1:])):
             raise ValueError(f"Schedule stage steps must strictly increase, got {starts}")
+        super().__init__(stages[-1][1])  # the steady state: its traffic, its passes over memory
         self.starts = starts
         self._planned = list(starts)  # as constructed: what start_later_stages moves from
         self.compressors = [c for _, c in stages]
@@ -143,9 +221,11 @@ class Schedule(Compressor):
         return {"stages": [(s, c) for s, c in zip(self.starts, self.compressors)]}
 
     @property
-    def relative_error_limit(self) -> float:  # type: ignore[override]
-        """The loosest of the stages' (the kit may check any of them)."""
-        return max(c.relative_error_limit for c in self.compressors)
+    def stages(self) -> list[Compressor]:
+        return self.compressors
+
+    def last_stages(self) -> dict[str, int]:
+        return self._last_stage
 
     def describe(self) -> str:
         inner = ", ".join(f"({s}, {c.describe()})" for s, c in zip(self.starts, self.compressors))
@@ -158,10 +238,6 @@ class Schedule(Compressor):
     @property
     def error_feedback_on(self) -> bool:
         return any(c.error_feedback_on for c in self.compressors)
-
-    @property
-    def scatters(self) -> bool:  # type: ignore[override]
-        return all(c.scatters for c in self.compressors)
 
     @property
     def warmup_steps(self) -> int:
@@ -186,45 +262,16 @@ class Schedule(Compressor):
         if bucket.is_last:
             self._step += 1
         k = self.stage_at(step)
-        stage = self.compressors[k]
-        handed: dict[str, Array] = {}
-        for key in bucket.keys:
-            before = self._last_stage.get(key)
-            if before is not None and self.compressors[before] is not stage:
-                handed.update(self.compressors[before].take_residual([key]))
-            self._last_stage[key] = k
-        if handed:
-            bucket = with_residuals(self, bucket, handed, workspace)
-        return _Stage(step, k, bucket, stage.prepare(bucket, comm, workspace))
-
-    def finish(self, bucket: Bucket, comm: Communicator, prepared: _Stage) -> Array:
-        return run_stage(self.compressors[prepared.stage], prepared.bucket, comm, prepared.inner)
-
-    def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
-        return self.compressors[-1].traffic(shapes, ranks, itemsize)  # the steady state
-
-    def memory_passes(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Passes | None:
-        return self.compressors[-1].memory_passes(shapes, ranks, itemsize)  # the steady state
+        bucket = hand_over(self, self.compressors, [self._last_stage.get(key, -1) for key in bucket.keys], k,
+                           bucket, workspace)
+        self._last_stage.update(dict.fromkeys(bucket.keys, k))
+        return _Stage(k, bucket, self.compressors[k].prepare(bucket, comm, workspace), step)
 
     def agreement_state(self, bucket: Bucket, prepared: _Stage | None) -> dict[str, Any]:
         if prepared is None:
             return {"step": self._step}
-        inner = self.compressors[prepared.stage].agreement_state(prepared.bucket, prepared.inner)
         return {"step": prepared.step, "stage": prepared.stage,
-                **{f"stage{prepared.stage}.{k}": v for k, v in inner.items()}}
-
-    def regime(self, prepared: _Stage | None) -> tuple:
-        if prepared is None:
-            return ()
-        return (prepared.stage,) + self.compressors[prepared.stage].regime(prepared.inner)
-
-    def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
-        """What the stages that last reduced ``keys`` kept for them (a Schedule in a Schedule)."""
-        return from_last(self.compressors, self._last_stage, keys, take=True)
-
-    def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
-        """The residuals of the stages that last reduced ``keys``."""
-        return from_last(self.compressors, self._last_stage, keys, take=False)
+                **self.stage_agreement(prepared, f"stage{prepared.stage}")}
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()

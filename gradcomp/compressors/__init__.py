@@ -17,8 +17,9 @@ from .feedback import ErrorFeedback
 from .pieces import set_two_stage_pieces
 from .quantize import OneBit, QuantizedAllreduce, QuantizePerChannel, QuantizePerTensor
 from .sparse import RandomK, ReducedTopK, TopK
+from .wrapper import Wrapper
 
 
 __all__ = ["Compressor", "Codec", "ErrorFeedback", "Allreduce", "Allgather", "Cast", "FP16", "BF16",
            "QuantizePerTensor", "QuantizePerChannel", "QuantizedAllreduce", "OneBit", "TopK", "ReducedTopK",
-           "RandomK", "set_two_stage_pieces"]
+           "RandomK", "Wrapper", "set_two_stage_pieces"]

@@ -195,8 +195,14 @@ class Compressor:
     def checked_run(self, bucket: Bucket | Array, comm: Communicator, prepared: Any = None,
                     problem: str | None = None) -> Array:
         """``agree``, then ``run``, recording traffic and watching residuals (on the wire thread)."""
-        if problem is None and isinstance(bucket, Bucket) and bucket.scatter:
-            problem = scatter_problem(self, bucket, comm)
+        # the exact collective the caller would have run: an allreduce, or FSDP's reduce-scatter of
+        # a ``scatter`` bucket, the one path to a method's reduce-scatter form: where it has none
+        # (``scatters``), every rank refuses the bucket in the agreement
+        reference = "allreduce"
+        if isinstance(bucket, Bucket) and bucket.scatter:
+            reference = "reduce_scatter"
+            if problem is None:
+                problem = scatter_problem(self, bucket, comm)
         guard = getattr(self, "_guard", None)
         if guard is None and self.error_feedback_on and getattr(self, "watched", True):
             guard = self._new_guard()
@@ -218,8 +224,6 @@ class Compressor:
         after_bytes, after_calls = method_traffic(comm)
         s["bytes_sent"] += after_bytes - before_bytes
         s["rounds"] += after_calls - before_calls
-        # the exact collective the caller would have run: an allreduce, or (FSDP) a reduce-scatter
-        reference = "reduce_scatter" if bucket.scatter else "allreduce"
         s["reference_bytes"] += wire_bytes(reference, bucket.buffer.nbytes, comm.size)
         return out
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -14,6 +14,7 @@ from .allreduce import Allreduce
 from .base import Compressor, Traffic, run_stage
 from .passes import Passes, numel
 from .passes import cast as cast_passes
+from .wrapper import Wrapper
 
 
 @dataclass
@@ -22,7 +23,7 @@ class _Half:
     inner: Any         # the inner compressor's prepared stage
 
 
-class Cast(Compressor):
+class Cast(Wrapper):
     """Cast the bucket to a half dtype, let ``inner`` reduce it, cast the mean back.
 
     The inner compressor sees a bucket with the same keys and layout, so its per-tensor state
@@ -39,33 +40,10 @@ class Cast(Compressor):
     half = "float16"
 
     def __init__(self, inner: Compressor | None = None):
-        super().__init__()
-        if inner is None:
-            inner = Allreduce()
-        if not isinstance(inner, Compressor):
-            raise TypeError(f"{type(self).__name__} wraps a gradcomp Compressor, e.g. "
-                            f"{type(self).__name__}(gradcomp.Allreduce()); got {type(inner).__name__}")
-        self.inner = inner
+        super().__init__(Allreduce() if inner is None else inner)
 
-    @property
-    def nan_effect(self) -> str | None:  # type: ignore[override]
-        return self.inner.nan_effect
-
-    @property
-    def relative_error_limit(self) -> float:  # type: ignore[override]
-        return self.inner.relative_error_limit
-
-    @property
-    def error_feedback_on(self) -> bool:
-        return self.inner.error_feedback_on
-
-    @property
-    def scatters(self) -> bool:  # type: ignore[override]
-        return self.inner.scatters
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.inner.warmup_steps
+    def inner_stage(self, prepared: _Half | None) -> Any:
+        return prepared.inner if prepared is not None else None
 
     def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
         return self.inner.traffic(shapes, ranks, 2)  # its inner method sees half-precision values
@@ -98,28 +76,9 @@ class Cast(Compressor):
     def finish(self, bucket: Bucket, comm: Communicator, prepared: _Half) -> Array:
         mean = run_stage(self.inner, prepared.bucket, comm, prepared.inner)
         # a scratch bucket (a DDP bucket) takes the widened mean itself: no new array per bucket
-        # (a reduce-scatter's mean is one row: a new array)
-        in_place = bucket.scratch and not bucket.scatter
+        # (a reduce-scatter's mean is one row of it: a new array)
+        in_place = bucket.scratch and mean.shape == bucket.buffer.shape
         return cast(mean, bucket.dtype, out=bucket.buffer if in_place else None)
-
-    def agreement_state(self, bucket: Bucket, prepared: _Half | None) -> dict[str, Any]:
-        inner = prepared.inner if prepared is not None else None
-        return self.inner.agreement_state(bucket, inner)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
-        self.inner.load_state_dict(state, shapes)
-
-    def regime(self, prepared: _Half | None) -> tuple:
-        return self.inner.regime(prepared.inner if prepared is not None else None)
-
-    def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
-        return self.inner.take_residual(keys)
-
-    def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
-        return self.inner.residuals(keys)
 
 
 class FP16(Cast):

@@ -26,46 +26,33 @@ from ..comm import Communicator, Workspace
 from ..params import check_bool
 from ..state import (ClaimCheck, TensorStore, pop_shapes, reject_leftovers, shape_entries, take_config,
                      tensor_arrays)
-from .base import Compressor, Traffic
 from .codec import Codec, Prepared
 from .passes import Passes, Residuals
+from .wrapper import Wrapper
 
 
-class ErrorFeedback(Compressor):
+class ErrorFeedback(Wrapper):
     """Wrap a codec with error feedback (see the module docstring)."""
 
+    inner: Codec
+
     def __init__(self, inner: Codec, owner_feedback: bool = True):
-        super().__init__()
         if not isinstance(inner, Codec):
             raise TypeError(f"ErrorFeedback wraps a gradcomp Codec (a single-collective method), got "
                             f"{type(inner).__name__}; PowerSGD has error feedback built in")
-        self.inner = inner
+        super().__init__(inner)
         self.owner_feedback = check_bool("owner_feedback", owner_feedback)
         self.store = TensorStore()
         self.owner_residuals = TensorStore()
         self._claims = ClaimCheck()
 
     @property
-    def nan_effect(self) -> str | None:  # type: ignore[override]
-        return self.inner.nan_effect
-
-    @property
-    def scatters(self) -> bool:  # type: ignore[override]
-        return self.inner.scatters
-
-    @property
     def error_feedback_on(self) -> bool:
         return True  # the accumulated error is what is bounded (see the conformance kit)
 
-    @property
-    def relative_error_limit(self) -> float:  # type: ignore[override]
-        return self.inner.relative_error_limit
-
-    def agreement_state(self, bucket: Bucket, prepared: Any) -> dict[str, Any]:
-        return self.inner.agreement_state(bucket, prepared)
-
-    def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
-        return self.inner.traffic(shapes, ranks, itemsize)
+    def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray | None:
+        """None: a step sends its residual too, so its error is not the codec's on ``inputs``."""
+        return None
 
     def memory_passes(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Passes | None:
         """The codec's passes with the residuals kept here: the worker's, and the owner's where

@@ -26,14 +26,16 @@ its host. A bucket whose one tensor is larger than the others together goes to o
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from ..arrays import Array, array_module, cast, divide, dtype_name
 from ..bucket import Bucket
 from ..comm import Communicator
-from .base import Compressor, Traffic
+from .base import Compressor
+from .passes import Passes
+from .wrapper import Wrapper
 
 
 def wrap(compressor: Compressor, comm: Communicator, hierarchical: bool | None) -> Compressor:
@@ -81,7 +83,7 @@ def groups(bucket: Bucket, parts: int) -> list[tuple[int, int]]:
     return [(cuts[p], cuts[p + 1]) for p in range(parts)]
 
 
-class Hierarchical(Compressor):
+class Hierarchical(Wrapper):
     """Exact inside each host, ``inner`` across hosts (see the module docstring).
 
     ``inner``: any gradcomp compressor (a registry name's recipe, ``PowerSGD``, ...), used on the
@@ -91,13 +93,18 @@ class Hierarchical(Compressor):
     """
 
     def __init__(self, inner: Compressor):
-        super().__init__()
-        if not isinstance(inner, Compressor):
-            raise TypeError(f"Hierarchical wraps a gradcomp Compressor, got {type(inner).__name__}")
-        self.inner = inner
+        super().__init__(inner)
         inner.watched = False  # the guard watches here, where every rank sees every rank's flag
         self._levels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._local_bytes = 0.0
+
+    # what it declares is the inner method's (``Wrapper``: its traffic is what crosses the hosts,
+    # its step state is agreed by every rank here and again on each cross-host exchange), but:
+    #: a group of whole tensors is no row of the bucket: no reduce-scatter form
+    scatters = False
+
+    def inner_stage(self, prepared: Any) -> None:
+        return None  # no local stage: the inner method's stages run inside ``run``, on a group
 
     @property
     def nan_effect(self) -> str | None:  # type: ignore[override]
@@ -106,28 +113,9 @@ class Hierarchical(Compressor):
         effect = self.inner.nan_effect
         return "bucket" if effect == "chunk" else effect
 
-    @property
-    def error_feedback_on(self) -> bool:
-        return self.inner.error_feedback_on
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.inner.warmup_steps
-
-    @property
-    def relative_error_limit(self) -> float:  # type: ignore[override]
-        return self.inner.relative_error_limit
-
-    def error_bound(self, inputs: np.ndarray, dtype: Any) -> np.ndarray | None:
-        return self.inner.error_bound(inputs, dtype)
-
-    def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
-        return self.inner.traffic(shapes, ranks, itemsize)  # what crosses the hosts
-
-    def agreement_state(self, bucket: Bucket, prepared: Any) -> dict[str, Any]:
-        # the inner method's step state, agreed by every rank here (its cross-host exchanges agree
-        # again, among their own ranks): a rank a step ahead fails on every rank, never on some
-        return self.inner.agreement_state(bucket, None)
+    def memory_passes(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Passes | None:
+        """None: the passes of the exact stages inside the host are not declared."""
+        return None
 
     def levels(self, comm: Communicator) -> tuple[Communicator, Communicator] | None:
         """``(inside the host, across hosts)`` communicators of ``comm``, made on first use (a
@@ -199,15 +187,6 @@ class Hierarchical(Compressor):
     def regime(self, prepared: Any) -> tuple:
         """The inner method's, for the bucket it just reduced across hosts (``run`` waits for it)."""
         return getattr(self.inner, "last_regime", ())
-
-    def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
-        return self.inner.residuals(keys)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
-        self.inner.load_state_dict(state, shapes)
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()

@@ -16,51 +16,34 @@ would otherwise hold as float32.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..arrays import Array, DTypeLike
+from ..arrays import Array
 from ..bucket import Bucket
 from ..comm import Communicator
 from ..compressors.base import Compressor
+from ..compressors.wrapper import Wrapper
 from ..registry import make
 from .tree import OutputPool, host_view
 
 jax.config.update("jax_enable_x64", True)
 
 
-class ThroughJax(Compressor):
+class ThroughJax(Wrapper):
     """``inner``, with each bucket's tensors handed over as JAX arrays and its means returned as
     JAX arrays (then copied into the kit's NumPy output). Configuration, state and promises are
-    ``inner``'s."""
+    ``inner``'s (``Wrapper``), but for the reduce-scatter form, which the per-tensor round trip
+    does not have."""
+
+    scatters = False
 
     def __init__(self, inner: Compressor):
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self._pools: dict[tuple, OutputPool] = {}
-
-    # declared behaviour: the inner method's
-    @property
-    def nan_effect(self) -> str | None:  # type: ignore[override]
-        return self.inner.nan_effect
-
-    @property
-    def relative_error_limit(self) -> float:  # type: ignore[override]
-        return self.inner.relative_error_limit
-
-    @property
-    def error_feedback_on(self) -> bool:
-        return self.inner.error_feedback_on
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.inner.warmup_steps
-
-    def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray | None:
-        return self.inner.error_bound(inputs, dtype)
 
     def run(self, bucket: Bucket, comm: Communicator, prepared: Any = None) -> Array:
         leaves = [jnp.asarray(v) for v in bucket.views()]          # what jax.grad would hand over
@@ -76,22 +59,6 @@ class ThroughJax(Compressor):
         for view, m in zip(bucket.views(out), means):
             view[...] = host_view(m)
         return out
-
-    # state: the inner method's
-    def agreement_state(self, bucket: Bucket, prepared: Any) -> dict[str, Any]:
-        return self.inner.agreement_state(bucket, prepared)
-
-    def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
-        return self.inner.take_residual(keys)
-
-    def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
-        return self.inner.residuals(keys)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
-        self.inner.load_state_dict(state, shapes)
 
 
 def __getattr__(spec: str) -> Callable[[], ThroughJax]:

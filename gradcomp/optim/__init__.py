@@ -25,6 +25,7 @@ checkpoints of plain arrays. ``gradcomp.torch.OneBitAdam`` / ``gradcomp.torch.DG
 steps, and an outer optimizer steps the synced parameters (``gradcomp.torch.DiLoCo``,
 ``gradcomp.jax.diloco``; docs/guides/local-steps.md).
 """
+from .adam import BUDGET as ONEBITADAM_BUDGET
 from .adam import WARMUP_COMPRESSOR, OneBitAdam
 from .base import Optimizer
 from .dgc import DGC

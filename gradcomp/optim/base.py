@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from ..arrays import FLOAT_DTYPES, Array, array_module, dtype_name, sum_of_squar
 from ..bucket import Bucket, buffer_problem, digest
 from ..comm import Communicator, Workspace, default_communicator
 from ..compressors.base import Compressor, run_stage
+from ..compressors.wrapper import Wrapper
 from ..params import check_float
 from ..reducer import GradientReducer
 from ..settling import Settling, take_settling, with_settling
@@ -31,12 +32,11 @@ from ..state import check_array, reject_leftovers, take_config, take_int
 Hyper = float | Sequence[float]
 
 
-class _Agreed(Compressor):
+class _Agreed(Wrapper):
     """``inner``, with its owner optimizer's configuration and step state agreed on as well."""
 
     def __init__(self, inner: Compressor, owner: Optimizer):
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self._owner = owner
         # the owner's state when each bucket was submitted: the agreement runs on the pipeline,
         # by when an overlapped exchange's owner (DiLoCo(overlap=...)) has stepped on
@@ -45,18 +45,6 @@ class _Agreed(Compressor):
     def reduce(self, bucket: Bucket | Array, comm: Communicator | None = None) -> Future[Array]:
         self._submitted[id(bucket)] = self._owner.agreement_state()
         return super().reduce(bucket, comm)
-
-    @property
-    def nan_effect(self) -> str | None:  # type: ignore[override]
-        return self.inner.nan_effect
-
-    @property
-    def error_feedback_on(self) -> bool:
-        return self.inner.error_feedback_on
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.inner.warmup_steps
 
     @property
     def runaway_advice(self) -> str:  # type: ignore[override]
@@ -77,21 +65,6 @@ class _Agreed(Compressor):
     def agreement_state(self, bucket: Bucket, prepared: Any) -> dict[str, Any]:
         owner = self._submitted.pop(id(bucket), None) or self._owner.agreement_state()
         return {**owner, **self.inner.agreement_state(bucket, prepared)}
-
-    def regime(self, prepared: Any) -> tuple:
-        return self.inner.regime(prepared)
-
-    def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
-        return self.inner.take_residual(keys)
-
-    def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
-        return self.inner.residuals(keys)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
-        self.inner.load_state_dict(state, shapes)
 
 
 def check_params(params: Sequence[Array], owner: str) -> list[Array]:

@@ -43,6 +43,7 @@ from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
 from ..compressors.base import Compressor, run_stage, sends_part
 from ..compressors.hierarchical import Hierarchical
+from ..schedule import from_last, hand_over, load_stage_states, stage_states, take_stage_states
 from ..state import reject_leftovers
 from . import cost
 from .measurements import PROBE_SIZES, Measurements, measure, topology
@@ -237,18 +238,10 @@ class Auto(Compressor):
         return self._route(k, bucket, comm, workspace)
 
     def _route(self, k: int, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Routed:
-        chosen = self._options[k]
-        handed: dict[str, Array] = {}
-        for key in bucket.keys:
-            before = self._last.get(key)
-            if before is not None and before != k:
-                handed.update(self._options[before].take_residual([key]))
-            self._last[key] = k
-        if handed:
-            from ..schedule import with_residuals
-
-            bucket = with_residuals(self, bucket, handed, workspace)
-        return _Routed(k, bucket, chosen.prepare(bucket, comm, workspace))
+        bucket = hand_over(self, self._options, [self._last.get(key, -1) for key in bucket.keys], k, bucket,
+                           workspace)
+        self._last.update(dict.fromkeys(bucket.keys, k))
+        return _Routed(k, bucket, self._options[k].prepare(bucket, comm, workspace))
 
     def finish(self, bucket: Bucket, comm: Communicator, prepared: _Routed) -> Array:
         if prepared.choice < 0:
@@ -270,20 +263,10 @@ class Auto(Compressor):
         return (prepared.choice,) + self._options[prepared.choice].regime(prepared.inner)
 
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
-        out: dict[str, Array] = {}
-        for key in keys:
-            k = self._last.get(key)
-            if k is not None:
-                out.update(self._options[k].take_residual([key]))
-        return out
+        return from_last(self._options, self._last, keys, take=True)
 
     def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
-        out: dict[str, Array] = {}
-        for key in keys:
-            k = self._last.get(key)
-            if k is not None:
-                out.update(self._options[k].residuals([key]))
-        return out
+        return from_last(self._options, self._last, keys, take=False)
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()
@@ -303,10 +286,7 @@ class Auto(Compressor):
             out[f"choice/{key}"] = k
         for key, k in sorted(self._last.items()):
             out[f"last/{key}"] = k
-        for k, comp in enumerate(self._options):
-            for name, value in comp.state_dict().items():
-                out[f"cand{k}/{name}"] = value
-        return out
+        return {**out, **stage_states(self._options, "cand")}
 
     def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
         from ..state import take_int
@@ -321,20 +301,8 @@ class Auto(Compressor):
                 raise ValueError(f"{owner} state: {name!r} names option {k}, but there are {len(self._options)} "
                                  f"({len(self.candidates)} candidates, flat and hierarchical)")
             (choices if name.startswith("choice/") else last)[name.partition("/")[2]] = k
-        parts: list[dict[str, Any]] = [{} for _ in self._options]
-        for key in list(state):
-            head, sep, rest = key.partition("/")
-            number = head[len("cand"):]
-            if head.startswith("cand") and number.isdigit() and int(number) < len(self._options) and sep:
-                parts[int(number)][rest] = state.pop(key)
+        parts = take_stage_states(self._options, state, "cand")
         reject_leftovers(state, owner)
-        saved = [c.state_dict() for c in self._options]
-        try:
-            for comp, part in zip(self._options, parts):
-                comp.load_state_dict(part, shapes)
-        except ValueError:
-            for comp, old in zip(self._options, saved):
-                comp.load_state_dict(old, shapes)
-            raise
+        load_stage_states(self._options, parts, shapes)
         self._choices, self._last = choices, last
         self._why = {}

@@ -5,13 +5,16 @@ Whether a method's residual, sparsity or rank matters depends on the workload: t
 held on one model and lost 10+ points on another (issue 57). So the governor measures, on the
 model it runs on, how far compression moves the updates against the noise the exact mean has.
 
-**What is measured.** Every ``every`` steps, each bucket runs an audit window of ``window``
-steps: on a fixed sample of its coordinates (the same on every rank, as many as cost ``SHARE``
-of the method's bytes over a period), each rank also sends its gradient exactly (a small float64
-allreduce, counted in ``bytes_sent``). Over the window it sums ``D``, the compressed mean minus
-the exact mean (error feedback delivers late what it held back, so the window sees the delay the
-optimizer's averaging sees), and ``E``, the exact mean's variance (the ranks' spread over their
-number). The cost is ``|D|^2 / E``: 1 adds as much noise again, as if each batch were halved.
+**What is measured.** Every ``every`` steps, and at once when what reduces a bucket changes
+(a warm-up's end, another rung), each bucket runs an audit window of ``window`` steps: on a fixed
+sample of its coordinates (the same on every rank, at least ``PER_TENSOR`` of each tensor, in
+all about as many as cost ``SHARE`` of the method's bytes over a period), each rank also sends
+its gradient exactly (a small float64 allreduce, counted in ``bytes_sent``). Over the window it
+sums ``D``, the compressed mean minus the exact mean (error feedback delivers late what it held
+back, so the window sees the delay the optimizer's averaging sees), and per tensor ``E``, the
+exact mean's variance (the ranks' spread over their number). A tensor's cost is ``|D|^2 / E``
+(1 adds as much noise again, as if each batch were halved); the window's is its worst tensor's,
+so a norm's gain or a bias that one scale per bucket gets wrong is not averaged away.
 
 **What is decided.** The rungs: the method, then 4-bit and 8-bit two-stage codes with error
 feedback at both stages (``int4``'s and ``int8``'s steady methods). A bucket over ``budget``
@@ -34,21 +37,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from ..arrays import Array, array_module, to_host
-from ..bucket import Bucket
+from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
 from ..comm.base import method_traffic
-from ..compressors.base import Compressor, Traffic, run_stage
+from ..compressors.base import Compressor
 from ..compressors.feedback import ErrorFeedback
-from ..compressors.passes import Passes
 from ..compressors.quantize import QuantizedAllreduce
 from ..params import check_float, check_int
-from ..schedule import from_last, load_stage_states, stage_states, take_stage_states, with_residuals
+from ..schedule import Routed, Stages, hand_over, load_stage_states, stage_states, take_stage_states
 from ..state import check_array, reject_leftovers, take_int
+from .audit import Plan, Sample, Window, tensor_costs
 
 #: the default budget: compression may add at most this multiple of the exact mean's own noise
 #: to the updates of an audit window (chosen on the workload zoo's tuning half, BENCHMARKS.md)
@@ -85,23 +88,12 @@ def ladder() -> list[Compressor]:
 
 
 @dataclass
-class _Window:
-    """One bucket's audit sums so far: ``d`` (compressed minus exact mean, on the sample) and
-    ``e`` (the exact mean's variance there), over ``steps`` steps."""
-    keys: tuple[str, ...]
-    d: np.ndarray
-    e: float = 0.0
-    steps: int = 0
-
-
-@dataclass
-class _Prepared:
-    step: int
-    level: int
-    bucket: Bucket
-    inner: Any
-    sample: Array | None = None  # this rank's gradient on the sample (audit steps)
-    where: np.ndarray | None = None
+class _Prepared(Routed):
+    step: int = 0  # (its ``stage`` is the rung)
+    sample: Array | None = None  # this rank's gradient on the sample, then its squares per tensor
+    audited: Sample | None = None
+    fresh: bool = False  # the first step of a window
+    decide: bool = False  # the last step of a window
 
 
 @dataclass
@@ -133,13 +125,12 @@ class _Tensor:
                         np.int64)
 
 
-class Governed(Compressor):
+class Governed(Stages):
     """``method``, governed: see the module. ``budget``: the largest cost allowed (``BUDGET``)."""
 
     def __init__(self, method: Compressor, budget: float = BUDGET, every: int = EVERY, window: int = WINDOW,
                  hold: int = HOLD):
-        super().__init__()
-        self.method = method
+        super().__init__(method)  # what it declares where it says nothing else: the method's
         self.budget = check_float("budget", budget, above=0)
         self.below = ladder()
         self.every = check_int("every", every, 1)
@@ -149,7 +140,8 @@ class Governed(Compressor):
         self.hold = check_int("hold", hold, 1)
         self._step = 0
         self._tensors: dict[str, _Tensor] = {}
-        self._windows: dict[str, _Window] = {}   # first key of the bucket -> its open window
+        self._windows: dict[str, Window] = {}   # first key of the bucket -> its open window
+        self._plans: dict[str, Plan] = {}       # first key of the bucket -> when it is audited
         self.decisions: list[dict[str, Any]] = []
         self.audits: list[tuple[int, int, float]] = []  # (step, level, cost) of the latest windows
         self.audit_bytes = 0.0
@@ -158,12 +150,24 @@ class Governed(Compressor):
         #: budget holds (set by ``gradcomp.torch`` at the first step of an Adam-like optimizer)
         self.adaptive = False
         self._costs: dict[str, float] = {}  # each tensor's cost at its last audit (stats only)
-        self._samples: dict[tuple, np.ndarray] = {}  # layout -> audited coordinates
+        self._samples: dict[tuple, Sample] = {}  # layout -> audited coordinates
 
-    # -- what it declares: the method's, level 0 --------------------------------------------------
+    # -- what it declares: the method's (``Stages``: where the rungs differ, what holds for all) ----
+    @property
+    def method(self) -> Compressor:
+        """The governed method: the first rung."""
+        return self.inner
+
     @property
     def levels(self) -> list[Compressor]:
         return [self.method, *self.below]
+
+    @property
+    def stages(self) -> list[Compressor]:
+        return self.levels
+
+    def last_stages(self) -> dict[str, int]:
+        return {k: t.last for k, t in self._tensors.items()}
 
     def config(self) -> dict[str, Any]:
         return {"method": self.method, "budget": self.budget, "every": self.every, "window": self.window,
@@ -175,32 +179,6 @@ class Governed(Compressor):
     @property
     def step(self) -> int:
         return self._step
-
-    @property
-    def error_feedback_on(self) -> bool:
-        return self.method.error_feedback_on
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.method.warmup_steps
-
-    @property
-    def relative_error_limit(self) -> float:  # type: ignore[override]
-        return max(c.relative_error_limit for c in self.levels)
-
-    @property
-    def partial_update(self) -> bool:  # type: ignore[override]
-        return self.method.partial_update
-
-    @property
-    def scatters(self) -> bool:  # type: ignore[override]
-        return all(c.scatters for c in self.levels)
-
-    def traffic(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Traffic:
-        return self.method.traffic(shapes, ranks, itemsize)
-
-    def memory_passes(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Passes | None:
-        return self.method.memory_passes(shapes, ranks, itemsize)
 
     # -- one bucket -------------------------------------------------------------------------------
     def _tensor(self, key: str) -> _Tensor:
@@ -231,78 +209,98 @@ class Governed(Compressor):
         """The cost allowed now: ``budget``, or its ``ADAPTIVE_SHARE`` under an adaptive optimizer."""
         return self.budget * (ADAPTIVE_SHARE if self.adaptive else 1.0)
 
-    def auditing(self, step: int) -> bool:
-        """Whether ``step`` is in an audit window."""
-        return step % self.every >= self.every - self.window
-
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Prepared:
         step = self._step
         if bucket.is_last:
             self._step += 1
         tensors = [self._tensor(k) for k in bucket.keys]
         level = max((t.at(step) for t in tensors), default=0)
-        handed: dict[str, Array] = {}
-        for key, t in zip(bucket.keys, tensors):
-            if t.last >= 0 and t.last != level:
-                handed.update(self.levels[t.last].take_residual([key]))
+        bucket = hand_over(self, self.levels, [t.last for t in tensors], level, bucket, workspace)
+        for t in tensors:
             t.last = level
             t.steps[level] += 1
-        if handed:
-            bucket = with_residuals(self, bucket, handed, workspace)
-        sample = where = None
-        if self.auditing(step) and not bucket.scatter and bucket.numel:
-            where = self._sample(bucket)
+        job = _Prepared(level, bucket, None, step)
+        plan = self._plan(bucket, step)
+        if plan is not None and (plan.seen or step >= plan.opens):
+            job.fresh, plan.seen = plan.seen == 0, plan.seen + 1
+            job.decide = plan.seen == self.window
+            if job.decide:
+                plan.seen, plan.opens = 0, step + 1 + self.every - self.window
+            job.audited = self._sample(bucket)
             xp = array_module(bucket.buffer)
-            sample = xp.empty(where.size + 1, xp.float64)
-            sample[:-1] = bucket.buffer[xp.asarray(where)]
-            sample[-1] = float(to_host((sample[:-1] * sample[:-1]).sum()))
-        inner = self.levels[level].prepare(bucket, comm, workspace)
-        return _Prepared(step, level, bucket, inner, sample, where)
+            values = np.asarray(to_host(bucket.buffer[xp.asarray(job.audited.where)]), np.float64)
+            squares = np.add.reduceat(values * values, job.audited.starts[:-1]) if values.size else values
+            job.sample = xp.asarray(np.concatenate([values, squares]))
+        job.inner = self.levels[level].prepare(bucket, comm, workspace)
+        if plan is not None:
+            regime = digest(repr(self.regime(job)))
+            if plan.regime not in (-1, regime):  # what reduces it changed: audit the new one now
+                plan.seen, plan.opens = 0, step + 1
+            plan.regime = regime
+        return job
+
+    def _plan(self, bucket: Bucket, step: int) -> Plan | None:
+        """The bucket's audit plan (none for a scatter bucket, each rank holding a row of the
+        mean, or an empty one): its first window closes at the end of a period."""
+        if bucket.scatter or not bucket.numel:
+            return None
+        first = bucket.keys[0] if bucket.keys else ""
+        plan = self._plans.get(first)
+        if plan is None:
+            start = self.every - self.window
+            plan = self._plans[first] = Plan(step + (start - step) % self.every)
+        return plan
 
     def finish(self, bucket: Bucket, comm: Communicator, prepared: _Prepared) -> Array:
-        out = run_stage(self.levels[prepared.level], prepared.bucket, comm, prepared.inner)
-        if prepared.sample is not None and prepared.where is not None:
+        out = super().finish(bucket, comm, prepared)
+        if prepared.sample is not None:
             self._audit(prepared, comm, out)
         return out
 
     def _audit(self, prepared: _Prepared, comm: Communicator, out: Array) -> None:
         """One audited step of a bucket: the exact mean on the sample, the window's sums, and at
         the window's end the decision."""
+        assert prepared.audited is not None
         before, _ = method_traffic(comm)
         total = comm.allreduce(prepared.sample, overwrite=True)
         after, _ = method_traffic(comm)
         self.audit_bytes += after - before
         total = np.asarray(to_host(total), np.float64)
         n = comm.size
-        exact = total[:-1] / n
-        spread = max(total[-1] / n - float(exact @ exact), 0.0)  # mean over ranks of |g_r - mean|^2
+        where, starts = prepared.audited.where, prepared.audited.starts
+        exact = total[:where.size] / n
+        own = np.add.reduceat(exact * exact, starts[:-1]) if where.size else exact
+        spread = np.maximum(total[where.size:] / n - own, 0.0)  # per tensor: mean over ranks of |g_r - mean|^2
         keys = prepared.bucket.keys
         first = keys[0] if keys else ""
         w = self._windows.get(first)
-        if w is None or w.keys != tuple(keys) or w.d.size != exact.size:
-            w = self._windows[first] = _Window(tuple(keys), np.zeros(exact.size))
-        got = np.asarray(to_host(out[array_module(out).asarray(prepared.where)]), np.float64)
+        if prepared.fresh or w is None or w.keys != tuple(keys) or w.d.size != exact.size:
+            w = self._windows[first] = Window(tuple(keys), np.zeros(exact.size), np.zeros(spread.size))
+        got = np.asarray(to_host(out[array_module(out).asarray(where)]), np.float64)
         w.d += got - exact
         w.e += spread / n
         w.steps += 1
-        if prepared.step % self.every == self.every - 1:
+        if prepared.decide:
             del self._windows[first]
             self._decide(prepared, w)
 
-    def _decide(self, prepared: _Prepared, w: _Window) -> None:
+    def _decide(self, prepared: _Prepared, w: Window) -> None:
         """At a window's end: a rung over budget steps down (a failed try of the rung above goes
         back, holding twice as long); a rung within it stays, and a successful try is kept."""
-        d2 = float(w.d @ w.d)
-        cost = d2 / w.e if w.e > 0 else (0.0 if d2 == 0 else math.inf)
-        step, ran = prepared.step, prepared.level
+        assert prepared.audited is not None
+        each = tensor_costs(w.d, w.e, prepared.audited.starts)
+        cost = float(each.max()) if each.size else 0.0
+        worst = w.keys[int(prepared.audited.tensors[int(np.argmax(each))])] if each.size else ""
+        step, ran = prepared.step, prepared.stage
         limit = self.limit
         over = cost > limit
-        why = (f"compression added {cost:.3g}x the exact mean's noise over {w.steps} steps "
+        why = (f"compression added {cost:.3g}x the exact mean's noise to {worst!r} over {w.steps} steps "
                f"({'over' if over else 'within'} budget {limit:g}{' under an adaptive optimizer' if self.adaptive else ''})")
         moved = []
+        for i, c in zip(prepared.audited.tensors, each):
+            self._costs[w.keys[i]] = float(c)
         for key in w.keys:
             t = self._tensor(key)
-            self._costs[key] = float(cost)
             tried = ran < t.level  # the rung above, tried after its hold
             if over and ran < LEVELS - 1:
                 t.move(ran + 1, step, 2 * t.hold if tried else self.hold)
@@ -339,21 +337,8 @@ class Governed(Compressor):
     def agreement_state(self, bucket: Bucket, prepared: _Prepared | None) -> dict[str, Any]:
         if prepared is None:
             return {"step": self._step}
-        inner = self.levels[prepared.level].agreement_state(prepared.bucket, prepared.inner)
-        return {"step": prepared.step, "level": prepared.level, "audit": prepared.sample is not None,
-                "adaptive": self.adaptive,
-                **{f"level{prepared.level}.{k}": v for k, v in inner.items()}}
-
-    def regime(self, prepared: _Prepared | None) -> tuple:
-        if prepared is None:
-            return ()
-        return (prepared.level,) + self.levels[prepared.level].regime(prepared.inner)
-
-    def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
-        return from_last(self.levels, {k: t.last for k, t in self._tensors.items()}, keys, take=True)
-
-    def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
-        return from_last(self.levels, {k: t.last for k, t in self._tensors.items()}, keys, take=False)
+        return {"step": prepared.step, "level": prepared.stage, "audit": prepared.sample is not None,
+                "adaptive": self.adaptive, **self.stage_agreement(prepared, f"level{prepared.stage}")}
 
     # -- what it says and keeps -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -381,7 +366,9 @@ class Governed(Compressor):
         for first, w in sorted(self._windows.items()):
             out[f"window/{first}/keys"] = "\n".join(w.keys)
             out[f"window/{first}/d"] = w.d.copy()
-            out[f"window/{first}/e"] = np.array([w.e, w.steps], np.float64)
+            out[f"window/{first}/e"] = np.concatenate([[float(w.steps)], w.e])  # steps, then per tensor
+        for first, plan in sorted(self._plans.items()):
+            out[f"plan/{first}"] = plan.row()
         return {**out, **stage_states(self.levels, "level")}
 
     def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
@@ -392,7 +379,7 @@ class Governed(Compressor):
         runaway = bool(take_int(state, "runaway_seen", owner)) if "runaway_seen" in state else False
         adaptive = bool(take_int(state, "adaptive", owner)) if "adaptive" in state else False
         tensors: dict[str, _Tensor] = {}
-        windows: dict[str, _Window] = {}
+        windows: dict[str, Window] = {}
         for name in [k for k in state if k.startswith("tensor/")]:
             row = check_array(state.pop(name), name, owner, shape=(6 + LEVELS,), dtypes=("int64",))
             level, since, before, retry, hold, last = (int(v) for v in row[:6])
@@ -405,18 +392,26 @@ class Governed(Compressor):
             first = name[len("window/"):-len("/keys")]
             keys = tuple(str(np.asarray(state.pop(name))).split("\n"))
             d = check_array(state.pop(f"window/{first}/d", None), f"window/{first}/d", owner, dtypes=("float64",), ndim=1)
-            e = check_array(state.pop(f"window/{first}/e", None), f"window/{first}/e", owner, (2,), ("float64",))
-            windows[first] = _Window(keys, np.asarray(d, np.float64).copy(), float(e[0]), int(e[1]))
+            e = check_array(state.pop(f"window/{first}/e", None), f"window/{first}/e", owner, dtypes=("float64",),
+                            ndim=1)
+            if e.size < 2:
+                raise ValueError(f"{owner} state: 'window/{first}/e' holds {e.size} values: the window's steps, then "
+                                 "each audited tensor's variance")
+            windows[first] = Window(keys, np.asarray(d, np.float64).copy(), np.asarray(e[1:], np.float64).copy(),
+                                     int(e[0]))
+        plans: dict[str, Plan] = {}
+        for name in [k for k in state if k.startswith("plan/")]:
+            row = check_array(state.pop(name), name, owner, shape=(3,), dtypes=("int64",))
+            plans[name[len("plan/"):]] = Plan(*(int(v) for v in row))
         parts = take_stage_states(self.levels, state, "level")
         reject_leftovers(state, owner)
         load_stage_states(self.levels, parts, shapes)
         self._step, self.audit_bytes, self._runaway_seen, self.adaptive = step, audit_bytes, runaway, adaptive
-        self._tensors, self._windows = tensors, windows
+        self._tensors, self._windows, self._plans = tensors, windows, plans
 
-    def _sample(self, bucket: Bucket) -> np.ndarray:
-        """The audited coordinates of ``bucket``: evenly spaced, as many as ``SHARE`` of the
-        method's bytes over a period pays for (float64 values, sent ``window`` times), the same
-        on every rank (a function of the layout alone). Kept per layout."""
+    def _sample(self, bucket: Bucket) -> Sample:
+        """The audited coordinates of ``bucket``, as many as ``SHARE`` of the method's bytes over
+        a period pays for (float64 values, sent ``window`` times). Kept per layout."""
         key = (bucket.numel, tuple(map(tuple, bucket.shapes)))
         found = self._samples.get(key)
         if found is None:
@@ -427,6 +422,5 @@ class Governed(Compressor):
             except TypeError:  # a method that does not declare its traffic: one in a thousand
                 sent = n * 4 / 1000 * self.window / (SHARE * self.every)
             count = min(n, max(MIN_SAMPLES, int(SHARE * sent * self.every / (8 * self.window))))
-            stride = max(n // count, 1)
-            found = self._samples[key] = np.arange(stride // 2, n, stride, dtype=np.int64)[:count]
+            found = self._samples[key] = Sample.of(bucket, count)
         return found

@@ -153,7 +153,8 @@ class OneBitAdam(_Wrapped):
                  eps: float = 1e-8, weight_decay: float = 0.0, warmup: int | str = "auto",
                  compressor: Any = None, preconditioned: bool = True, floor: float = 0.01,
                  local_momentum: bool = False, warmup_compressor: Any = core.WARMUP_COMPRESSOR, model: Any = None,
-                 comm: Communicator | None = None, bucket_cap_mb: float = 25.0, budget: float | None = None):
+                 comm: Communicator | None = None, bucket_cap_mb: float = 25.0,
+                 budget: float | None = core.ONEBITADAM_BUDGET):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay), model, comm, bucket_cap_mb,
                          betas=betas, eps=eps, warmup=warmup, compressor=compressor,
                          preconditioned=preconditioned, floor=floor, local_momentum=local_momentum,

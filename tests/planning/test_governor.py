@@ -162,3 +162,36 @@ def rank_adaptive_starts_a_rung_down():
 
 def test_adaptive_starts_a_rung_down():
     run_ranks(1, "tests.planning.test_governor:rank_adaptive_starts_a_rung_down")
+
+
+def rank_a_warmup_end_opens_a_window():
+    """When what reduces a bucket changes (here the end of a 20-step warm-up) an audit window
+    opens at the next step, not at the end of the period: a method over budget is caught ten
+    steps after it starts."""
+    import gradcomp as gc
+
+    comm = gc.MPICommunicator()
+    comp = gc.make("topk:warmup=20,budget=0.05")
+    grads = [np.zeros(s, np.float32) for s in SHAPES]
+    reducer = gc.GradientReducer(grads, comp, comm)
+    _run(reducer, reducer.gradients, comm.rank, range(40), 1.0, [])
+    first = comp.stats()["governor"]["decisions"][0]
+    assert first["step"] == 30 and first["to"] == "int4", first
+    print(f"rank {comm.rank}: ok {first}", flush=True)
+    comm.close()
+
+
+def test_a_warmup_end_opens_a_window():
+    run_ranks(2, "tests.planning.test_governor:rank_a_warmup_end_opens_a_window")
+
+
+def test_the_worst_tensor_sets_the_cost():
+    """Each audited tensor's cost is judged on its own: a small tensor that compression gets
+    wrong is not averaged away by a large one it gets right."""
+    from gradcomp.planning.audit import window_cost
+
+    starts = np.array([0, 100, 108])
+    d = np.concatenate([np.full(100, 0.01), np.full(8, 1.0)])
+    e = np.array([1.0, 1.0])
+    assert window_cost(d, e, starts) == pytest.approx(8.0)  # the small tensor: 8 x 1.0^2 / 1.0
+    assert window_cost(np.zeros(108), e, starts) == 0.0
