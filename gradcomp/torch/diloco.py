@@ -22,7 +22,7 @@ torch.distributed (``default_comm``).
 On torchft (``manager=``, a ``torchft.Manager`` made with ``use_async_quorum=False``), the replica
 groups may die and join: each outer step is one step of the manager (a quorum, the exchange over
 its process group, ``should_commit``); a failed one is discarded and its pseudo-gradient sent again
-at the next one; a joining group receives the outer state. ``gradcomp.torch.ft`` (``OuterSteps``)
+at the next one; a joining group receives the outer state. ``gradcomp.torch.ft_diloco`` (``OuterSteps``)
 and docs/guides/fault-tolerance.md say how.
 """
 from __future__ import annotations
@@ -72,12 +72,12 @@ class DiLoCo:
                             f"got {type(inner_optimizer).__name__}")
         self.model = model
         self.inner = inner_optimizer
-        self.ft: Any = None  # gradcomp.torch.ft.OuterSteps, with a manager
+        self.ft: Any = None  # gradcomp.torch.ft_diloco.OuterSteps, with a manager
         if manager is not None:
             if comm is not None:
                 raise TypeError("gradcomp.torch.DiLoCo: pass comm or manager, not both (with a manager, "
                                 "the exchange runs over its process group)")
-            from .ft import OuterSteps  # (imports torchft)
+            from .ft_diloco import OuterSteps  # (imports torchft)
 
             self.ft = OuterSteps(manager)
             comm = self.ft.comm
