@@ -26,15 +26,14 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
 T0 = time.perf_counter()
 
 import torch  # noqa: E402
-from torch.distributed import TCPStore  # noqa: E402
-from torchft import Manager, Optimizer, ProcessGroupGloo  # noqa: E402
+from torchft import Optimizer  # noqa: E402
 
 import gradcomp.torch.ft as gft  # noqa: E402
+from tests.torch_adapter.ft_jobs import parts  # noqa: E402
 
 
 def main() -> None:
@@ -50,23 +49,11 @@ def main() -> None:
     p.add_argument("--alone-from", type=int, default=0)
     p.add_argument("--alone-to", type=int, default=0)
     args = p.parse_args()
-    torch.set_num_threads(1)
-    index = sum(args.name.encode())  # this replica's data stream
-
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    inner = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-
-    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+    index, net, inner = parts.model_and_optimizer(args.name)
+    manager = parts.manager(
+        args.name, args.lighthouse, quorum_timeout_s=30,
         load_state_dict=lambda s: (net.load_state_dict(s["model"]), inner.load_state_dict(s["optim"])),
-        state_dict=lambda: {"model": net.state_dict(), "optim": inner.state_dict()},
-        min_replica_size=1, use_async_quorum=False,
-        replica_id=args.name, lighthouse_addr=args.lighthouse, hostname="localhost",
-        store_addr="localhost", store_port=store.port, rank=0, world_size=1,
-        timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=30),
-        connect_timeout=timedelta(seconds=10))
+        state_dict=lambda: {"model": net.state_dict(), "optim": inner.state_dict()})
     model = gft.DistributedDataParallel(manager, net, args.compressor)
     optimizer = Optimizer(manager, inner)
 
