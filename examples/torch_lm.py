@@ -51,11 +51,7 @@ def parse_args(argv=None):
                         "themselves: --compressor none)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=25)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--d-model", type=int, default=96)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
+    model_arguments(p)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3 suits AdamW; momentum "
                    "SGD and DGC want about 100x more)")
     p.add_argument("--weight-decay", type=float, help="on matrices; default 0.1 for the Adam family "
@@ -68,6 +64,23 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write a summary here (rank 0)")
     return p.parse_args(argv)
+
+
+def model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model's size and the batch (shared with the LM benchmark scripts)."""
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--d-model", type=int, default=96)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
+
+
+def rate_factor(step: int, warmup: int, steps: int) -> float:
+    """The learning rate's share of its peak at ``step``: linear warm-up, then cosine decay to a
+    tenth of the peak at ``steps``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(step - warmup, steps - warmup) / max(steps - warmup, 1)))
 
 
 def stdlib_corpus(train_bytes: float, val_every: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,10 +219,7 @@ def train(args) -> dict:
     decay_rate = args.weight_decay if args.weight_decay is not None else (1e-4 if sgd_like else 0.1)
     groups = [{"params": decay, "weight_decay": decay_rate}, {"params": other, "weight_decay": 0.0}]
     opt = make_optimizer(args.optimizer, groups, args.lr, model)
-    # linear warm-up, then cosine decay to a tenth of the peak
-    schedule = lambda s: (s + 1) / args.warmup if s < args.warmup else \
-        0.1 + 0.45 * (1 + math.cos(math.pi * (s - args.warmup) / max(args.steps - args.warmup, 1)))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: rate_factor(s, args.warmup, args.steps))
 
     def evaluate(step):
         trained = time.perf_counter() - start - eval_seconds  # training seconds so far

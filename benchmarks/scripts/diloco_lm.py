@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))  # exampl
 
 import gradcomp
 import gradcomp.torch as gt
-from examples.torch_lm import TinyLM, stdlib_corpus, weights_digest, windows
+from examples.torch_lm import TinyLM, model_arguments, rate_factor, stdlib_corpus, weights_digest, windows
 from gradcomp.torch.tensors import as_array
 
 
@@ -49,11 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--decay-steps", type=int, help="the steps the cosine decays over (default: --steps); "
                    "longer leaves the rate higher at the end")
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--d-model", type=int, default=96)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=16)
+    model_arguments(p)
     p.add_argument("--val-windows", type=int, default=256)
     p.add_argument("--corpus-mb", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
@@ -86,10 +81,7 @@ def main(argv=None) -> None:
     other = [p for p in model.parameters() if p.dim() != 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
-    horizon = max((args.decay_steps or args.steps) - args.warmup, 1)
-    schedule = lambda s: (s + 1) / args.warmup if s < args.warmup else \
-        0.1 + 0.45 * (1 + math.cos(math.pi * min(s - args.warmup, horizon) / horizon))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: rate_factor(s, args.warmup, args.decay_steps or args.steps))
     if args.mode == "diloco":
         spec = args.compressor
         outer = gt.DiLoCo(model, opt, sync_every=args.sync_every, compressor=spec, lr=args.outer_lr,

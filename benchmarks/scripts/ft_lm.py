@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import re
 import signal
@@ -45,6 +44,8 @@ sys.path.insert(0, str(ROOT))  # examples/ (the checkout)
 
 
 def parse_args(argv=None):
+    from examples.torch_lm import model_arguments
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=("ddp", "diloco"), default="ddp")
     p.add_argument("--compressor", default="int8")
@@ -54,11 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--sync-every", type=int, default=20)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--d-model", type=int, default=96)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=16)
+    model_arguments(p)
     p.add_argument("--val-windows", type=int, default=256)
     p.add_argument("--corpus-mb", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
@@ -93,7 +90,7 @@ def worker(args) -> None:
 
     import gradcomp.torch as gt
     import gradcomp.torch.ft as gft
-    from examples.torch_lm import TinyLM, stdlib_corpus, windows
+    from examples.torch_lm import TinyLM, rate_factor, stdlib_corpus, windows
 
     torch.set_num_threads(1)
     train_text, val_text = stdlib_corpus(args.corpus_mb * 1e6)
@@ -104,10 +101,8 @@ def worker(args) -> None:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
 
-    def rate(step: int) -> float:  # torch_lm.py's: linear warm-up, then cosine to a tenth
-        if step < args.warmup:
-            return args.lr * (step + 1) / args.warmup
-        return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * (step - args.warmup) / max(args.steps - args.warmup, 1))))
+    def rate(step: int) -> float:  # torch_lm.py's schedule
+        return args.lr * rate_factor(step, args.warmup, args.steps)
 
     ddp = args.mode == "ddp"
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
