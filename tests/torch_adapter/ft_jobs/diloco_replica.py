@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import re
-import sys
 import time
 import urllib.request
 
@@ -162,10 +161,7 @@ def main() -> None:
           failures=stats["failures"], exchange_compression_ratio=stats["exchange_compression_ratio"],
           bytes_sent=stats["bytes_sent"], since_start=time.perf_counter() - T0, time=time.time())
     log.close()
-    manager.shutdown(wait=False)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # torchft's servers and threads need no orderly teardown here
+    parts.leave(manager)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 T0 = time.perf_counter()
@@ -102,10 +101,7 @@ def main() -> None:
           failures=model.comm.failures, compression_ratio=stats["compression_ratio"],
           bytes_sent=stats["bytes_sent"], since_start=time.perf_counter() - T0, time=time.time())
     log.close()
-    manager.shutdown(wait=False)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # torchft's servers and threads need no orderly teardown here
+    parts.leave(manager)
 
 
 if __name__ == "__main__":
