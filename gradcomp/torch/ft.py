@@ -98,7 +98,7 @@ from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceOptio
 from torch.nn import parallel
 
 from ..comm import CollectiveError
-from ..comm.base import default_depth
+from ..comm.protocol import default_depth
 from ..compressors import Compressor
 from ..optim.diloco import parameters_digest
 from ..registry import make
