@@ -19,7 +19,7 @@ from .arrays import Array, ArrayModule, dtype_name
 from .bucket import Bucket, digest, group
 from .comm import CollectiveError, Communicator, default_communicator
 from .compressors.agreement import gather_texts
-from .compressors.base import Compressor
+from .compressors.contract import Compressor
 from .compressors.hierarchical import scheduled
 
 

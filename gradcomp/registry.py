@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from .compressors.base import Compressor
+from .compressors.contract import Compressor
 
 if TYPE_CHECKING:
     from _collections_abc import dict_items, dict_keys, dict_values

@@ -22,7 +22,7 @@ import numpy as np
 from .arrays import Array, DTypeLike, cast
 from .bucket import Bucket
 from .comm import Communicator, Workspace
-from .compressors.base import Compressor, run_stage
+from .compressors.contract import Compressor, run_stage
 from .compressors.wrapper import Wrapper
 from .state import reject_leftovers, take_int
 

@@ -68,7 +68,7 @@ def test_wrappers_delegate_and_undeclared_say_none():
         assert ("owner residual" in [p.name for p in fed.passes]) == owner
     inner = gc.ErrorFeedback(gc.TopK(0.01))
     half = gc.FP16(inner).memory_passes(shapes, 4, 4)  # the inner method on the half copy
-    assert half == passes.cast(n, 4, 2, inner.memory_passes(shapes, 4, 2))
+    assert half == passes.half_cast(n, 4, 2, inner.memory_passes(shapes, 4, 2))
     assert gc.BF16(gc.PowerSGD(rank=2, batched=True)).memory_passes(shapes, 4, 4) is None
     assert Hierarchical(gc.Allreduce()).memory_passes(shapes, 4, 4) is None
     assert floors.floor(Hierarchical(gc.Allreduce()), N) is None

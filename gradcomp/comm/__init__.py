@@ -2,7 +2,7 @@
 
 * ``pipeline``: the two ordered threads every communicator runs its work on (local compression
   stage, then the collectives), workspaces for reused temporaries, the errors.
-* ``base``: the protocol, the traffic model (``wire_bytes``), what implementations share.
+* ``protocol``: the protocol, the traffic model (``wire_bytes``), what implementations share.
 * ``mpi``: ``MPICommunicator`` (bandwidth-optimal allreduce, half-precision sums, CUDA-aware or
   host-staged device buffers).
 * ``exits``: how the job ends when a rank fails or leaves.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 
-from .base import (Communicator, OrderedCommunicator, launched_by_mpi, partition, pin_blas_threads,
+from .protocol import (Communicator, OrderedCommunicator, launched_by_mpi, partition, pin_blas_threads,
                    torchrun_world, wire_bytes)
 from .mpi import LARGE_ALLREDUCE_BYTES, MPICommunicator, detect_cuda_aware
 from .pipeline import CollectiveError, CommunicatorBroken, Pipeline, Workspace

@@ -23,7 +23,12 @@ import numpy as np
 
 from ..arrays import add_into, array_module, dtype_name, is_device_array, synchronize
 from . import exits
-from .base import OrderedCommunicator, default_depth, pin_blas_threads, torchrun_world
+from .protocol import (
+    OrderedCommunicator,
+    default_depth,
+    pin_blas_threads,
+    torchrun_world,
+)
 
 LARGE_ALLREDUCE_BYTES = 256 * 1024
 

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from ..bucket import digest
-from .base import launched_by_mpi
 from .pipeline import CollectiveError
+from .protocol import launched_by_mpi
 
 
 @dataclass(frozen=True)

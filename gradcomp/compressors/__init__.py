@@ -1,7 +1,7 @@
 """Compressors, and the names they are registered under.
 
 A single-collective method is a codec (``codec``: one short module, see ``allgather``); a
-multi-round one implements the two stages of ``base.Compressor`` (``gradcomp.powersgd``).
+multi-round one implements the two stages of ``contract.Compressor`` (``gradcomp.powersgd``).
 Registering a name (``gradcomp.register``) makes it available to ``gradcomp.make``, the examples'
 ``--compressor`` options, the benchmarks and the conformance suite, with no other edit; the
 built-in names are recipes (``gradcomp.planning``).
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from .allgather import Allgather
 from .allreduce import Allreduce
-from .base import Compressor
-from .cast import BF16, FP16, Cast
+from .contract import Compressor
+from .half_precision import BF16, FP16, Cast
 from .codec import Codec
 from .feedback import ErrorFeedback
 from .pieces import set_two_stage_pieces
 from .quantize import OneBit, QuantizedAllreduce, QuantizePerChannel, QuantizePerTensor
-from .sparse import RandomK, ReducedTopK, TopK
+from .sparsifiers import RandomK, ReducedTopK, TopK
 from .wrapper import Wrapper
 
 

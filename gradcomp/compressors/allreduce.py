@@ -10,7 +10,7 @@ from ..arrays import Array, DTypeLike, divide
 from ..bucket import Bucket
 from ..comm import Communicator
 from .allgather import exact_bound
-from .base import Compressor, Traffic
+from .contract import Compressor, Traffic
 from .passes import Passes, allreduce, numel
 
 

@@ -48,7 +48,7 @@ from ..bucket import Bucket
 from ..comm import Communicator, Workspace
 from . import passes
 from . import pieces as piece_layout
-from .base import Compressor, Traffic
+from .contract import Compressor, Traffic
 
 
 class Feedback(Protocol):

@@ -33,7 +33,7 @@ import numpy as np
 from ..arrays import Array, array_module, cast, divide, dtype_name
 from ..bucket import Bucket
 from ..comm import Communicator
-from .base import Compressor
+from .contract import Compressor
 from .passes import Passes
 from .wrapper import Wrapper
 

@@ -103,7 +103,7 @@ def allreduce(n: int, itemsize: int, ranks: int) -> Passes:
             + one("allgather of the sums", block, steps * block))
 
 
-def cast(n: int, itemsize: int, half_itemsize: int, inner: Passes) -> Passes:
+def half_cast(n: int, itemsize: int, half_itemsize: int, inner: Passes) -> Passes:
     """A half copy in, the inner method on it, the mean widened back into the bucket."""
     b, h = n * itemsize, n * half_itemsize
     return one("cast to half", b, h) + inner + one("cast back", h, b)
@@ -140,7 +140,7 @@ def allgathered(n: int, itemsize: int, message: int, ranks: int) -> Passes:
             + one("decode the ranks' messages, average", ranks * message, b))
 
 
-# -- the sparsifiers (compressors.sparse) ------------------------------------------------------------
+# -- the sparsifiers (compressors.sparsifiers) -----------------------------------------------------
 def _select(b: float, n: int, k: int, feedback: bool, sample: int) -> Passes:
     """top-k's selection of ``k`` of ``n`` values (``b`` bytes): the threshold's strided sample
     (each value its own line), one pass over the gradient (and the residual, added and zeroed

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..bucket import Bucket
-from .base import Compressor
+from .contract import Compressor
 
 #: the members of ``Compressor`` that every compressor answers for itself: the stages and the
 #: machinery that runs them, its own configuration and traffic counters, whether the guard

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from ..comm import Communicator, default_communicator
-from ..compressors.base import Compressor
+from ..compressors.contract import Compressor
 from ..optim import diloco as core
 from .transform import _agree_values, traced
 from .tree import agree_structure, describe_leaves, host_view

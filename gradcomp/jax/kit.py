@@ -25,7 +25,7 @@ import numpy as np
 from ..arrays import Array
 from ..bucket import Bucket
 from ..comm import Communicator
-from ..compressors.base import Compressor
+from ..compressors.contract import Compressor
 from ..compressors.wrapper import Wrapper
 from ..registry import make
 from .tree import OutputPool, host_view

@@ -37,7 +37,7 @@ import optax
 from jax.experimental import io_callback
 
 from ..comm import Communicator
-from ..compressors.base import Compressor
+from ..compressors.contract import Compressor
 from ..optim import DGC_WARMUP
 from .tree import OutputPool, TreeReducer, host_view
 

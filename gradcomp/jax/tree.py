@@ -36,7 +36,7 @@ import numpy as np
 from ..arrays import dtype_name
 from ..comm import CollectiveError, Communicator, default_communicator
 from ..compressors.agreement import texts_if_different
-from ..compressors.base import Compressor
+from ..compressors.contract import Compressor
 from ..reducer import GradientReducer
 from ..registry import make
 

@@ -13,13 +13,13 @@ half casts        ``halfcast``                ``half`` (``encode``, ``decode``)
 element-wise      ``elementwise``             ``half`` (``add_into``, ``divide_in_place``)
 quantization      ``affine``                  ``quantize``, ``quantize64``, ``chunks``
 signs (1-bit)     ``signcodes``               ``onebit``, ``signs``
-sparse            ``selection``               ``sparse``
+sparse            ``selection``               ``fused_selection``
 low rank          ``products``                ``lowrank``
 ================  ==========================  ===========================================
 
-Shared by the compiled forms: ``base`` (the compile policy, ``kernel``/``inline``, and the LLVM
-intrinsics: half-precision conversion, float bits, int32 min/max, bit counts, streamed stores)
-and ``check`` (the self-check behind ``available()``).
+Shared by the compiled forms: ``primitives`` (the compile policy, ``kernel``/``inline``, and the
+LLVM intrinsics: half-precision conversion, float bits, int32 min/max, bit counts, streamed
+stores) and ``check`` (the self-check behind ``available()``).
 
 numba is imported only under this package, and only once ``available()`` has been asked (it
 takes a good fraction of a second to import: processes that never need a kernel do not pay it).
@@ -58,7 +58,7 @@ def array_module(array: Any) -> ModuleType:
 
 
 def stream(out) -> bool:
-    """Whether a kernel writing all of ``out`` should do it with ``base._stream`` (``STREAM_BYTES``)."""
+    """Whether a kernel writing all of ``out`` should do it with ``primitives._stream`` (``STREAM_BYTES``)."""
     return out.nbytes >= STREAM_BYTES
 
 

@@ -10,7 +10,7 @@ from numba.core import config
 
 def target_has_f16c() -> bool:
     """Whether the CPU numba compiles for (``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``, else this
-    host) converts halves in hardware. Without F16C, LLVM lowers ``base._f16_encode`` to a
+    host) converts halves in hardware. Without F16C, LLVM lowers ``primitives._f16_encode`` to a
     runtime helper that numba does not link, and the first call jumps to nowhere (a crash, not an
     exception the check below could catch): so the answer must come before anything compiles.
     ``NUMBA_CPU_NAME=generic`` (plain x86-64) is such a target."""

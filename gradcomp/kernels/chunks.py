@@ -12,7 +12,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .base import _f32_from_bits, _max32, _min32, inline, kernel
+from .primitives import _f32_from_bits, _max32, _min32, inline, kernel
 
 _INF_KEY = np.int32(0x7F800000)  # order key (below) of +inf
 _NEG_INF_KEY = np.int32(-0x7F800001)  # and of -inf

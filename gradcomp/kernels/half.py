@@ -20,7 +20,14 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from .base import _f16_decode, _f16_encode, _f32_bits, _f32_from_bits, inline, kernel
+from .primitives import (
+    _f16_decode,
+    _f16_encode,
+    _f32_bits,
+    _f32_from_bits,
+    inline,
+    kernel,
+)
 
 
 @inline

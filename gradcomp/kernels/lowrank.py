@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import inline, kernel, summing, summing_inline
+from .primitives import inline, kernel, summing, summing_inline
 
 #: a row of Q^T larger than this (bytes) is shared by four rows of M (see the module docstring)
 _WIDE_BYTES = 8192

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import _popcount64, _store_fence, _stream, inline, kernel
 from .chunks import _mean_and_residual
 from .half import _values, _wide
+from .primitives import _popcount64, _store_fence, _stream, inline, kernel
 from .signs import (
     TOTALS_AT_ONCE,
     _abs_lane_total,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import _store_fence, _stream, inline, kernel
 from .chunks import (
     _decode_into,
     _decode_rows,
@@ -26,6 +25,7 @@ from .chunks import (
     _unpack4,
 )
 from .half import _wide
+from .primitives import _store_fence, _stream, inline, kernel
 
 
 @kernel

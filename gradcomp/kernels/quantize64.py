@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 
 from . import ROUND_MAGIC
-from .base import _f32_bits, _f64_from_bits, inline, kernel
 from .chunks import (
     REDO_BAD,
     REDO_ROUNDING,
@@ -23,6 +22,7 @@ from .chunks import (
     _rows_finite,
     _zero_grid32,
 )
+from .primitives import _f32_bits, _f64_from_bits, inline, kernel
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Sparse: the sparsifiers' selection kernels (top-k's candidates, random-k's draws and gather,
 the scatter of sent values). The NumPy references, and the one dispatch (``compiled``) to their
-compiled form (``gradcomp.kernels.sparse``); the codecs themselves are
-``gradcomp.compressors.sparse``.
+compiled form (``gradcomp.kernels.fused_selection``); the codecs themselves are
+``gradcomp.compressors.sparsifiers``.
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ BLOCK = 2048  # values per block of the compiled one-pass kernels (in the L1 cac
 
 
 def compiled(*arrays: Any) -> Any:
-    """``gradcomp.kernels.sparse`` where its kernels take ``arrays`` (contiguous NumPy arrays; the
+    """``gradcomp.kernels.fused_selection`` where its kernels take ``arrays`` (contiguous NumPy arrays; the
     float ones, if any, float32 or float64 of one dtype; index arrays beside them) and run here,
     else None: the one place the sparsifiers choose compiled or NumPy."""
     floats = [a for a in arrays if a.dtype.kind == "f"]
     if floats and (floats[0].dtype not in (np.float32, np.float64) or any(a.dtype != floats[0].dtype for a in floats)):
         return None
-    return load("sparse", *arrays)
+    return load("fused_selection", *arrays)
 
 
 def sum_is_finite(top_bits: int, n: int, dtype: np.dtype) -> bool | None:

@@ -27,7 +27,7 @@ steps, and an outer optimizer steps the synced parameters (``gradcomp.torch.DiLo
 """
 from .adam import BUDGET as ONEBITADAM_BUDGET
 from .adam import WARMUP_COMPRESSOR, OneBitAdam
-from .base import Optimizer
+from .optimizer import Optimizer
 from .dgc import DGC
 from .dgc import WARMUP as DGC_WARMUP
 from .diloco import DiLoCo

@@ -48,14 +48,14 @@ import numpy as np
 from ..arrays import Array, array_module
 from ..comm import Communicator
 from ..compressors.allreduce import Allreduce
-from ..compressors.base import Compressor
+from ..compressors.contract import Compressor
 from ..compressors.feedback import ErrorFeedback
 from ..compressors.quantize import OneBit
 from ..params import check_bool, check_float, check_int
 from ..registry import make, steady
 from ..schedule import Schedule
 from ..settling import Settling
-from .base import Hyper, Optimizer
+from .optimizer import Hyper, Optimizer
 
 
 #: the warm-up's exchange: 8-bit codes from the first step (a quarter of fp32's bytes; ``int8``'s

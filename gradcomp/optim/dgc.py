@@ -43,13 +43,13 @@ from typing import Any, Sequence
 from ..arrays import Array, array_module
 from ..comm import Communicator
 from ..compressors.feedback import ErrorFeedback
-from ..compressors.sparse import ReducedTopK, TopK
+from ..compressors.sparsifiers import ReducedTopK, TopK
 from ..params import check_choice, check_float, check_int
 from ..planning.governor import BUDGET
 from ..planning.recipes import WARMUP_BITS, sparsity_ramp, warmup_codes
 from ..schedule import Schedule
 from ..settling import Settling
-from .base import Hyper, Optimizer, global_norm
+from .optimizer import Hyper, Optimizer, global_norm
 
 #: the forms of momentum (the module docstring)
 MOMENTUM_FORMS = ("global", "local")

@@ -63,12 +63,12 @@ import numpy as np
 from ..arrays import Array, array_module, to_host
 from ..bucket import group
 from ..comm import CollectiveError, Communicator, wire_bytes
-from ..compressors.base import Compressor
+from ..compressors.contract import Compressor
 from ..params import check_bool, check_float, check_int
 from ..reducer import GradientReducer
 from ..registry import make, steady
 from ..state import reject_leftovers, take_config, take_int
-from .base import Hyper, Optimizer, _Agreed
+from .optimizer import Hyper, Optimizer, _Agreed
 
 #: the defaults, measured on examples/torch_lm.py's TinyLM (docs/guides/local-steps.md)
 SYNC_EVERY = 20

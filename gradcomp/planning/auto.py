@@ -41,7 +41,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from ..arrays import Array
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
-from ..compressors.base import Compressor, run_stage, sends_part
+from ..compressors.contract import Compressor, run_stage, sends_part
 from ..compressors.hierarchical import Hierarchical
 from ..schedule import from_last, hand_over, load_stage_states, stage_states, take_stage_states
 from ..state import reject_leftovers

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..compressors.base import Traffic
+from ..compressors.contract import Traffic
 
 KINDS = ("allreduce", "allgather", "two-stage")
 

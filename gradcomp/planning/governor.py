@@ -44,8 +44,8 @@ import numpy as np
 from ..arrays import Array, array_module, to_host
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
-from ..comm.base import method_traffic
-from ..compressors.base import Compressor
+from ..comm.protocol import method_traffic
+from ..compressors.contract import Compressor
 from ..compressors.feedback import ErrorFeedback
 from ..compressors.quantize import QuantizedAllreduce
 from ..params import check_float, check_int

@@ -31,8 +31,8 @@ import numpy as np
 
 from ..bucket import Bucket, digest
 from ..comm import Communicator
-from ..comm.base import note_probe
-from ..compressors.base import run_stage
+from ..comm.protocol import note_probe
+from ..compressors.contract import run_stage
 from . import cost
 
 #: message sizes of the link probe (float32 values) and its repeats

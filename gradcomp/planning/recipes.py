@@ -26,7 +26,7 @@ from ..bucket import Bucket
 from ..comm import Communicator
 from ..compressors.allreduce import Allreduce
 from ..compressors.quantize import QuantizedAllreduce
-from ..compressors.base import Compressor
+from ..compressors.contract import Compressor
 from ..compressors.codec import Codec
 from ..compressors.feedback import ErrorFeedback
 from ..params import check_choice, check_float, check_int

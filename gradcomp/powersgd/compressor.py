@@ -7,7 +7,7 @@ approximation misses is kept locally and added to the next step's gradient (erro
 nothing is lost for good, only delayed.
 
 The semantics follow PyTorch's ``powerSGD_hook``; the differences are deliberate and listed in
-``PowerSGD``'s docstring. The work is split in two stages (``gradcomp.compressors.base``): the
+``PowerSGD``'s docstring. The work is split in two stages (``gradcomp.compressors.contract``): the
 local stage adds the residual and computes the first factor, overlapping the previous bucket's
 transfer (``local_stage``); the ordered stage sends it, computes the second factor, sends that and
 reconstructs (``ordered_stage``). This module holds what decides and records a step: the
@@ -26,7 +26,7 @@ from ..bucket import Bucket
 from ..comm import Communicator, Workspace
 from ..compressors import passes
 from ..compressors.allreduce import mean_allreduce
-from ..compressors.base import Compressor, Traffic
+from ..compressors.contract import Compressor, Traffic
 from ..compressors.quantize import QuantizedAllreduce
 from ..params import check_bool, check_choice, check_float, check_int
 from ..state import ClaimCheck, TensorStore

@@ -1,6 +1,6 @@
 """PowerSGD's local stage: the residual added, the starting factor, the first message.
 
-Runs on the compute thread, overlapping the previous bucket's transfer (``gradcomp.compressors.base``);
+Runs on the compute thread, overlapping the previous bucket's transfer (``gradcomp.compressors.contract``);
 no collectives. ``PowerSGD.prepare`` decides whether a bucket is compressed and calls ``_local``;
 its ``Work`` goes to the ordered stage (``ordered_stage``).
 """

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..compressors.base import parts, sends_part
+from ..compressors.contract import parts, sends_part
 from ..planning.auto import Auto
 from ..planning.governor import Governed
 

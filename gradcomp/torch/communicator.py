@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..arrays import Array, ArrayModule, DTypeLike, add_into, array_module, synchronize
 from ..comm import Communicator, OrderedCommunicator, launched_by_mpi
-from ..comm.base import default_depth
+from ..comm.protocol import default_depth
 from ..comm.exits import end_job
 from .tensors import as_array, as_tensor
 

@@ -49,7 +49,7 @@ from ..bucket import Bucket
 from ..comm import CollectiveError, Communicator
 from ..compressors import Compressor
 from ..compressors.agreement import texts_if_different
-from ..compressors.base import parts, sends_part
+from ..compressors.contract import parts, sends_part
 from ..registry import REGISTRY, make
 from .checkpoint import from_torch_state, to_torch_state
 from .communicator import default_comm

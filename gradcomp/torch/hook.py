@@ -19,7 +19,7 @@ What DDP's hook contract asks for, and how it is met here (so users never meet i
   step's buckets are cut back into them (``_replay_parts``), which makes the resumed run equal the
   uninterrupted one bit for bit.
 * Sparse gradients (``nn.Embedding(sparse=True)``) arrive as a bucket of their own; ``Allreduce``
-  and ``Allgather`` average them as PyTorch's allreduce does (``sparse``), other compressors
+  and ``Allgather`` average them as PyTorch's allreduce does (``sparse_grads``), other compressors
   raise an error that says so on every rank.
 
 Errors: if the compressor raises on one rank, the torch Future fails and ``loss.backward()`` raises
@@ -45,7 +45,7 @@ from ..registry import make
 from . import advice
 from .checkpoint import from_torch_state, to_torch_state
 from .communicator import default_comm
-from .sparse import reduce_sparse
+from .sparse_grads import reduce_sparse
 from .tensors import as_array, wait_for_torch
 
 if TYPE_CHECKING:
@@ -361,7 +361,7 @@ def plain_ddp_stats(ddp_model: DistributedDataParallel, steps: int) -> dict[str,
     averages; what an ``allreduce`` hook counts for the same model, so the two compare. (DDP's
     broadcast of buffers, off in ``broadcast_buffers=False``, is not counted: nor is it by a
     hook.)"""
-    from ..comm.base import wire_bytes
+    from ..comm.protocol import wire_bytes
 
     group = getattr(ddp_model, "process_group", None)
     size = dist.get_world_size(group) if dist.is_initialized() else 1

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions,
                                                 BroadcastOptions, ReduceOp)
 
-from ..comm.base import default_depth
+from ..comm.protocol import default_depth
 from .communicator import TorchCommunicator
 
 if TYPE_CHECKING:

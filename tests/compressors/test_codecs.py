@@ -237,7 +237,7 @@ def test_topk_selection_on_large_buckets(case):
     positions as a full argpartition where magnitudes are distinct, NaN counted as largest, and
     falls back to the full sort where the estimate fails (ties, NaN)."""
     from gradcomp.comm import Workspace
-    from gradcomp.compressors.sparse import TopK, kept
+    from gradcomp.compressors.sparsifiers import TopK, kept
 
     rng = np.random.default_rng(7)
     n = 700_001 if case != "small" else 5_000

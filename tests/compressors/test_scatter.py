@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import gradcomp as gc
-from gradcomp.compressors.base import parts
+from gradcomp.compressors.contract import parts
 from tests.mpi_launch import run_ranks
 
 #: registered names with a reduce-scatter form, and the largest relative error of one step's row

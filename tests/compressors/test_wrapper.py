@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 import gradcomp as gc
-from gradcomp.compressors.base import Compressor
+from gradcomp.compressors.contract import Compressor
 from gradcomp.compressors.wrapper import FORWARDED, OWN, Wrapper
 
 #: the modules that hold wrappers (gradcomp.jax.kit only where JAX is installed)
-MODULES = ["gradcomp.compressors.cast", "gradcomp.compressors.feedback", "gradcomp.compressors.hierarchical",
-           "gradcomp.schedule", "gradcomp.planning.recipes", "gradcomp.planning.governor", "gradcomp.optim.base"]
+MODULES = ["gradcomp.compressors.half_precision", "gradcomp.compressors.feedback", "gradcomp.compressors.hierarchical",
+           "gradcomp.schedule", "gradcomp.planning.recipes", "gradcomp.planning.governor", "gradcomp.optim.optimizer"]
 
 #: what each wrapper changes on purpose; every other contract member is its inner method's
 OVERRIDES = {
@@ -131,7 +131,7 @@ class _Owner:
 
 def _instances():
     from gradcomp.compressors.hierarchical import Hierarchical
-    from gradcomp.optim.base import _Agreed
+    from gradcomp.optim.optimizer import _Agreed
     from gradcomp.planning.governor import Governed
 
     out = [gc.FP16(gc.make("int8")), gc.BF16(gc.PowerSGD(rank=2)), gc.ErrorFeedback(gc.QuantizedAllreduce(bits=8)),

@@ -1,6 +1,6 @@
 """Top-k's and random-k's compiled output paths against NumPy, bit for bit: the streamed scatter
-(``kernels.sparse.scatter_into_streamed``, a large output written around the caches) and the picked
-candidates' hand-over (``kernels.sparse.topk_take``)."""
+(``kernels.fused_selection.scatter_into_streamed``, a large output written around the caches) and the picked
+candidates' hand-over (``kernels.fused_selection.topk_take``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +10,7 @@ from gradcomp import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="numba kernels unavailable")
 if kernels.available():
-    from gradcomp.kernels import sparse as jit
+    from gradcomp.kernels import fused_selection as jit
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

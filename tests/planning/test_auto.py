@@ -17,7 +17,7 @@ SHAPES = [(256, 200), (200,), (4000,), (128, 128)]
 
 def rank_auto(table: str | None, predict: bool = False):
     import gradcomp as gc
-    from gradcomp.comm.base import probe_traffic
+    from gradcomp.comm.protocol import probe_traffic
     from gradcomp.planning.auto import Auto
 
     comm = gc.MPICommunicator()

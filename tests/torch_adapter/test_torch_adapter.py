@@ -565,7 +565,7 @@ def _check_adam_advice(e):
     governors = []
 
     def steps(method, make_opt, n=2):
-        from gradcomp.compressors.base import parts
+        from gradcomp.compressors.contract import parts
         from gradcomp.planning.governor import Governed
 
         model = torch.nn.parallel.DistributedDataParallel(e.fresh_model(), bucket_cap_mb=BUCKET_CAP_MB)

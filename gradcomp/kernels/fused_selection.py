@@ -1,7 +1,7 @@
 """The sparsifiers' one-pass kernels (``topk_*``, ``randomk_*``, ``scatter_into``, Floyd's
 sampling): they fold top-k's and random-k's passes over the bucket into one: the residual added,
 the selection, the NaN check and the gather in one read, the output written once
-(``compressors.sparse`` and ``selection`` say what each replaces, with the same bits).
+(``compressors.sparsifiers`` and ``selection`` say what each replaces, with the same bits).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .base import _abs_bits32, _ctz64, _f64_bits, _max32, _popcount64, _prefetch, _store_fence, _stream, inline, kernel
+from .primitives import _abs_bits32, _ctz64, _f64_bits, _max32, _popcount64, _prefetch, _store_fence, _stream, inline, kernel
 
 _ABS64 = np.int64(0x7FFFFFFFFFFFFFFF)
 

@@ -22,7 +22,7 @@ import numpy as np
 from ..arrays import FLOAT_DTYPES, Array, array_module, dtype_name, sum_of_squares
 from ..bucket import Bucket, buffer_problem, digest
 from ..comm import Communicator, Workspace, default_communicator
-from ..compressors.base import Compressor, run_stage
+from ..compressors.contract import Compressor, run_stage
 from ..compressors.wrapper import Wrapper
 from ..params import check_float
 from ..reducer import GradientReducer

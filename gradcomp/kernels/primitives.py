@@ -43,11 +43,11 @@ def _f16_decode(typingctx, u):
 def _bitcast(source, target):
     """An intrinsic: a ``source`` value's bits read as a ``target`` of the same width (no
     instruction: LLVM's bitcast)."""
-    def cast(typingctx, x):
+    def reinterpret(typingctx, x):
         def codegen(context, builder, signature, args):
             return builder.bitcast(args[0], context.get_value_type(target))
         return target(source), codegen
-    return intrinsic(cast)
+    return intrinsic(reinterpret)
 
 
 _f32_bits = _bitcast(types.float32, types.uint32)

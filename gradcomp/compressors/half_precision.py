@@ -11,9 +11,8 @@ from ..arrays import Array, DTypeLike, array_module, cast, half_dtype
 from ..bucket import Bucket
 from ..comm import Communicator, Workspace
 from .allreduce import Allreduce
-from .base import Compressor, Traffic, run_stage
-from .passes import Passes, numel
-from .passes import cast as cast_passes
+from .contract import Compressor, Traffic, run_stage
+from .passes import Passes, half_cast, numel
 from .wrapper import Wrapper
 
 
@@ -51,7 +50,7 @@ class Cast(Wrapper):
     def memory_passes(self, shapes: Sequence[Sequence[int]], ranks: int = 1, itemsize: int = 4) -> Passes | None:
         """The inner method's passes over the half copy, between the casts in and out."""
         inner = self.inner.memory_passes(shapes, ranks, 2)
-        return None if inner is None else cast_passes(numel(shapes), itemsize, 2, inner)
+        return None if inner is None else half_cast(numel(shapes), itemsize, 2, inner)
 
     def error_bound(self, inputs: np.ndarray, dtype: DTypeLike) -> np.ndarray | None:
         """The inner method's bound on half-precision inputs, plus the two casts."""

@@ -31,7 +31,7 @@ import numpy as np
 from ..arrays import FLOAT_DTYPES, Array, DTypeLike, is_device_array, synchronize
 from ..bucket import Bucket, buffer_problem
 from ..comm import Communicator, Workspace, default_communicator, wire_bytes
-from ..comm.base import method_traffic
+from ..comm.protocol import method_traffic
 from .agreement import agree
 from .guard import ADVICE, Guard
 from .passes import Passes
