@@ -101,7 +101,9 @@ def rank_guard_sees_the_inner_stage():
     from tests.planning.test_recipes import regimes_judged
 
     comm = gc.MPICommunicator()
-    comp = Hierarchical(gc.make("topk:warmup=0,ramp=40"))  # stages from 0, 13, 26, 40
+    # stages from 0, 13, 26, 40; a budget the audits never exceed (each new stage opens an audit
+    # window, and top-k of pure noise would step down a rung)
+    comp = Hierarchical(gc.make("topk:warmup=0,ramp=40,budget=1e9"))
     rng = np.random.default_rng(comm.rank)
     n = sum(int(np.prod(s)) for s in SHAPES)
     with regimes_judged() as seen:
