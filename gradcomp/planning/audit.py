@@ -35,11 +35,14 @@ def tensor_costs(d: np.ndarray, e: np.ndarray, starts: np.ndarray) -> np.ndarray
     return each
 
 
-def window_cost(d: np.ndarray, e: np.ndarray, starts: np.ndarray) -> float:
-    """A window's cost: its worst tensor's (``tensor_costs``). On the zoo's tuning half the worst
-    tensor kept the methods within their quality where the whole bucket's ratio, or the tensors'
-    mean, did not."""
-    return float(tensor_costs(d, e, starts).max()) if e.size else 0.0
+def window_cost(each: np.ndarray) -> tuple[float, int]:
+    """A window's cost from its tensors' (``tensor_costs``): the worst one's, and which it is (-1:
+    none audited). On the zoo's tuning half the worst tensor kept the methods within their
+    quality where the whole bucket's ratio, or the tensors' mean, did not."""
+    if not each.size:
+        return 0.0, -1
+    worst = int(np.argmax(each))
+    return float(each[worst]), worst
 
 
 @dataclass

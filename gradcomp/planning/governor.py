@@ -51,7 +51,7 @@ from ..compressors.quantize import QuantizedAllreduce
 from ..params import check_float, check_int
 from ..schedule import Routed, Stages, hand_over, load_stage_states, stage_states, take_stage_states
 from ..state import check_array, reject_leftovers, take_int
-from .audit import Plan, Sample, Window, tensor_costs
+from .audit import Plan, Sample, Window, tensor_costs, window_cost
 
 #: the default budget: compression may add at most this multiple of the exact mean's own noise
 #: to the updates of an audit window (chosen on the workload zoo's tuning half, BENCHMARKS.md)
@@ -290,8 +290,8 @@ class Governed(Stages):
         back, holding twice as long); a rung within it stays, and a successful try is kept."""
         assert prepared.audited is not None
         each = tensor_costs(w.d, w.e, prepared.audited.starts)
-        cost = float(each.max()) if each.size else 0.0
-        worst = w.keys[int(prepared.audited.tensors[int(np.argmax(each))])] if each.size else ""
+        cost, at = window_cost(each)
+        worst = w.keys[int(prepared.audited.tensors[at])] if at >= 0 else ""
         step, ran = prepared.step, prepared.stage
         limit = self.limit
         over = cost > limit
