@@ -66,6 +66,8 @@ from ..comm import CollectiveError, Communicator, wire_bytes
 from ..compressors.contract import Compressor
 from ..params import check_bool, check_float, check_int
 from ..reducer import GradientReducer
+from ..planning.governor import BUDGET as GOVERNOR_BUDGET
+from ..planning.governor import Governed, has_safer_rungs
 from ..registry import make, steady
 from ..state import reject_leftovers, take_config, take_int
 from .optimizer import Hyper, Optimizer, _Agreed
@@ -74,6 +76,11 @@ from .optimizer import Hyper, Optimizer, _Agreed
 SYNC_EVERY = 20
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.5
+#: the exchange's governor (``budget``), counted in outer steps, of which a run has few: an audit
+#: window of one outer step at every outer step; the exchange starts on rung ``GOVERNOR_START``
+#: (8-bit codes) and climbs a rung after each ``GOVERNOR_HOLD`` outer steps within budget (chosen
+#: on the workload zoo's tuning half, BENCHMARKS.md)
+GOVERNOR_EVERY, GOVERNOR_WINDOW, GOVERNOR_HOLD, GOVERNOR_START = 1, 1, 5, 2
 
 
 class Coordinator(Protocol):
@@ -110,7 +117,12 @@ class DiLoCo(Optimizer):
     measured best on the LM; ``lr=1, momentum=0``: plain averaging).
     ``fragments``, ``overlap``: streaming, see the module docstring. ``step(lr=...)`` may override
     the outer learning rate for one call. ``coordinator``: ranks that come and go (the module
-    docstring; ``gradcomp.torch.ft``).
+    docstring; ``gradcomp.torch.ft``). ``budget``: the exchange's governor
+    (``gradcomp.planning.governor``, audits counted in outer steps: ``GOVERNOR_EVERY``,
+    ``GOVERNOR_WINDOW``, ``GOVERNOR_HOLD``) for a compressor that sends fewer bytes than 8-bit
+    codes (``"onebit"``, ``"topk"``, ``"int4"``, ``"powersgd"``): where its error costs more than
+    ``budget`` times the replicas' own spread, the exchange steps down to 4-bit, then 8-bit codes;
+    None: not governed. ``"int8"``, the exact mean and a compressor already governed run as given.
     """
 
     runaway_advice = "sync more often (a smaller sync_every) or lower the outer learning rate"
@@ -119,7 +131,7 @@ class DiLoCo(Optimizer):
                  compressor: Compressor | str = "int8", lr: Hyper = OUTER_LR,
                  momentum: float = OUTER_MOMENTUM, nesterov: bool = True, fragments: int = 1,
                  comm: Communicator | None = None, bucket_cap_mb: float = 25.0, overlap: int = 0,
-                 coordinator: Coordinator | None = None):
+                 coordinator: Coordinator | None = None, budget: float | None = GOVERNOR_BUDGET):
         super().__init__(params, lr, 0.0, comm, bucket_cap_mb)
         self.coordinator = coordinator
         self.sync_every = check_int("sync_every", sync_every, 1)
@@ -134,6 +146,10 @@ class DiLoCo(Optimizer):
         inner = make(steady(compressor, keep_given=True)) if isinstance(compressor, str) else compressor
         if not isinstance(inner, Compressor):
             raise TypeError(f"compressor must be a gradcomp Compressor or a registry name, got {compressor!r}")
+        self.budget = None if budget is None else check_float("budget", budget, above=0)
+        if self.budget is not None and not isinstance(inner, Governed) and has_safer_rungs(inner):
+            inner = Governed(inner, budget=self.budget, every=GOVERNOR_EVERY, window=GOVERNOR_WINDOW,
+                             hold=GOVERNOR_HOLD, start=GOVERNOR_START)
         self.outer_compressor = inner
         self.outer_steps = 0
         xp = array_module(self.params[0])
@@ -305,7 +321,8 @@ class DiLoCo(Optimizer):
                 "compression_ratio": reference / sent if sent else 1.0,
                 "bytes_sent_per_step": sent / max(self.steps, 1), "steps": self.steps,
                 "outer_steps": self.outer_steps, "optimizer_step": self.steps, "phase": self.phase(),
-                "exchange_compression_ratio": (sum(s["reference_bytes"] for s in parts) / sent) if sent else 1.0}
+                "exchange_compression_ratio": (sum(s["reference_bytes"] for s in parts) / sent) if sent else 1.0,
+                **_governors(self.reducers)}
 
     def state_dict(self) -> dict[str, Any]:
         """The inner step, the outer step, the synced parameters, the outer momentum, each
@@ -377,6 +394,18 @@ class DiLoCo(Optimizer):
                 means.append(mean)
             flight[f] = (at, [float(r) for r in rates], means)
         return flight
+
+
+def _governors(reducers: Sequence[GradientReducer]) -> dict[str, Any]:
+    """The exchange's governor in ``stats()``: its levels, decisions and audits, the audits' share
+    of the bytes sent (a list, one per fragment, streaming); nothing where it is not governed."""
+    found = []
+    for r in reducers:
+        inner = r.compressor.inner  # (the agreement wrapper counts the traffic around it)
+        if isinstance(inner, Governed):
+            governor, sent = inner.stats()["governor"], r.compressor.stats()["bytes_sent"]
+            found.append({**governor, "audit_share": governor["audit_bytes"] / sent if sent else 0.0})
+    return {"governor": found[0] if len(found) == 1 else found} if found else {}
 
 
 def split(params: Sequence[Array], fragments: int) -> list[list[int]]:

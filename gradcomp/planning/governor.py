@@ -87,6 +87,20 @@ def ladder() -> list[Compressor]:
             ErrorFeedback(QuantizedAllreduce(bits=8), owner_feedback=True)]
 
 
+def has_safer_rungs(method: Compressor) -> bool:
+    """Whether ``method`` sends fewer bytes than the last rung (8-bit codes), as it declares its
+    traffic: a method that sends as many (``int8``, ``fp16``, the exact mean) has nowhere safer to
+    step down to, and is not governed. A method that does not declare its traffic is."""
+    from .cost import rank_bytes, traffic
+
+    shapes, ranks = [(1024, 1024)], 4  # (a matrix: PowerSGD sends a vector exactly)
+    try:
+        mine = rank_bytes(traffic(method, shapes, ranks), ranks)
+    except TypeError:
+        return True
+    return mine < rank_bytes(traffic(ladder()[-1], shapes, ranks), ranks)
+
+
 @dataclass
 class _Prepared(Routed):
     step: int = 0  # (its ``stage`` is the rung)
@@ -126,10 +140,13 @@ class _Tensor:
 
 
 class Governed(Stages):
-    """``method``, governed: see the module. ``budget``: the largest cost allowed (``BUDGET``)."""
+    """``method``, governed: see the module. ``budget``: the largest cost allowed (``BUDGET``).
+    ``start``: the rung a tensor starts at (0: the method), climbing a rung after each ``hold``
+    steps within budget (DiLoCo's exchange starts on 8-bit codes: its first outer steps carry its
+    largest updates)."""
 
     def __init__(self, method: Compressor, budget: float = BUDGET, every: int = EVERY, window: int = WINDOW,
-                 hold: int = HOLD):
+                 hold: int = HOLD, start: int = 0):
         super().__init__(method)  # what it declares where it says nothing else: the method's
         self.budget = check_float("budget", budget, above=0)
         self.below = ladder()
@@ -138,6 +155,7 @@ class Governed(Stages):
         if self.window > self.every:
             raise ValueError(f"governor window ({self.window} steps) is longer than its period ({self.every})")
         self.hold = check_int("hold", hold, 1)
+        self.start = check_int("start", start, 0, LEVELS - 1)
         self._step = 0
         self._tensors: dict[str, _Tensor] = {}
         self._windows: dict[str, Window] = {}   # first key of the bucket -> its open window
@@ -171,7 +189,7 @@ class Governed(Stages):
 
     def config(self) -> dict[str, Any]:
         return {"method": self.method, "budget": self.budget, "every": self.every, "window": self.window,
-                "hold": self.hold}
+                "hold": self.hold, **({"start": self.start} if self.start else {})}
 
     def describe(self) -> str:
         return f"{self.method.describe()} governed (budget {self.budget:g})"
@@ -185,7 +203,10 @@ class Governed(Stages):
         t = self._tensors.get(key)
         if t is None:
             t = self._tensors[key] = _Tensor(hold=self.hold)
-            if self.adaptive:  # a tensor first seen under an adaptive optimizer starts a rung down
+            if self.start:
+                t.level = t.before = self.start
+                t.retry = self._step + self.hold
+            elif self.adaptive:  # a tensor first seen under an adaptive optimizer starts a rung down
                 t.level = t.before = 1
                 t.hold, t.retry = ADAPTIVE_HOLD, self._step + ADAPTIVE_HOLD
         return t
@@ -302,6 +323,8 @@ class Governed(Stages):
             self._costs[w.keys[i]] = float(c)
         for key in w.keys:
             t = self._tensor(key)
+            if t.since > step:  # a decision already taken applies after this window (a short one)
+                continue
             tried = ran < t.level  # the rung above, tried after its hold
             if over and ran < LEVELS - 1:
                 t.move(ran + 1, step, 2 * t.hold if tried else self.hold)

@@ -42,6 +42,8 @@ class DiLoCo:
 
     ``compressor``: the pseudo-gradients' exchange, a gradcomp compressor or registry name
     (``"int8"``: 8-bit codes with error feedback kept across outer steps; ``"allreduce"``: exact).
+    ``budget``: the exchange's governor, for a compressor that sends fewer bytes than ``"int8"``
+    (``gradcomp.optim.DiLoCo``; None: off).
     ``lr``, ``momentum``, ``nesterov``: the outer optimizer (default Nesterov with lr 0.7 and
     momentum 0.5; ``lr=1, momentum=0`` averages the replicas; docs/guides/local-steps.md has the
     measurements behind the defaults).
@@ -58,7 +60,8 @@ class DiLoCo:
                  sync_every: int = core.diloco.SYNC_EVERY, compressor: Any = "int8",
                  lr: float = core.diloco.OUTER_LR, momentum: float = core.diloco.OUTER_MOMENTUM,
                  nesterov: bool = True, fragments: int = 1, comm: Communicator | None = None,
-                 bucket_cap_mb: float = 25.0, overlap: int = 0, manager: Any = None):
+                 bucket_cap_mb: float = 25.0, overlap: int = 0, manager: Any = None,
+                 budget: float | None = core.diloco.GOVERNOR_BUDGET):
         from torch.nn.parallel import DistributedDataParallel
 
         from .communicator import default_comm
@@ -95,7 +98,7 @@ class DiLoCo:
         self.outer = core.DiLoCo([as_array(p) for p in self._tensors], sync_every=sync_every,
                                  compressor=compressor, lr=lr, momentum=momentum, nesterov=nesterov,
                                  fragments=fragments, comm=self.comm, bucket_cap_mb=bucket_cap_mb,
-                                 overlap=overlap, coordinator=self.ft)
+                                 overlap=overlap, coordinator=self.ft, budget=budget)
         if self.ft is not None:
             with torch.no_grad():
                 self.ft.attach(self.outer, self._buffers)  # joins the job (a heal, or its start)

@@ -220,6 +220,70 @@ def test_resume_is_bit_exact():
     run_ranks(2, "tests.optim.test_diloco:rank_resume_is_bit_exact")
 
 
+def rank_governed_exchange():
+    """A compressor that sends fewer bytes than 8-bit codes is governed in outer steps: it starts on
+    8-bit codes and tries the rung above after its hold. Where the replicas hardly differ, any
+    compression error is large against their spread, so it stays on 8-bit codes and ends far
+    closer to the exact exchange than the same compressor ungoverned. Its decisions are the same
+    on every rank, its audits are counted, it resumes bit for bit, and a rank with another budget
+    gets a CollectiveError on every rank."""
+    import gradcomp as gc
+    from gradcomp.comm import CollectiveError
+    from gradcomp.optim.diloco import GOVERNOR_HOLD
+    from gradcomp.planning.governor import Governed
+
+    comm = gc.MPICommunicator()
+    assert "governed" in gc.optim.DiLoCo(_start(), compressor="onebit", comm=comm).outer_compressor.describe()
+    for spec, budget in (("int8", 1.0), ("allreduce", 1.0), ("onebit", None)):
+        plain = gc.optim.DiLoCo(_start(), compressor=spec, budget=budget, comm=comm)
+        assert not isinstance(plain.outer_compressor, Governed), spec
+    given = Governed(gc.make("int4"), budget=3.0)
+    assert gc.optim.DiLoCo(_start(), compressor=given, comm=comm).outer_compressor is given
+    runs, stats = {}, {}
+    for spec, budget in (("allreduce", None), ("onebit", None), ("onebit", 1.0)):
+        params = _start()
+        outer = gc.optim.DiLoCo(params, sync_every=2, compressor=spec, budget=budget, comm=comm)
+        common = [np.random.default_rng(i).standard_t(3, s).astype(np.float32) * 1e-2
+                  for i, s in enumerate(SHAPES)]
+        for step in range(40):
+            for i, (p, d) in enumerate(zip(params, common)):  # the same drift, a little noise
+                p -= d * np.float32(1 + 0.5 * np.sin(step)) + np.random.default_rng(
+                    [comm.rank, step, i]).standard_normal(p.shape).astype(np.float32) * 1e-6
+            outer.step()
+        assert _same_everywhere(comm, params), spec
+        runs[spec, budget] = np.concatenate([p.reshape(-1) for p in params]).astype(np.float64)
+        stats[spec, budget] = outer.stats()
+    governor = stats["onebit", 1.0]["governor"]
+    assert governor["tensor_steps"]["method"] == 0 and governor["tensor_steps"]["int8"] > 0, governor["tensor_steps"]
+    assert set(governor["levels"].values()) == {"int8"}, governor["levels"]
+    assert any(d["to"] == "int8" for d in governor["decisions"]), governor["decisions"]  # a try that failed
+    assert governor["audit_bytes"] > 0 and governor["audit_share"] > 0, governor  # (75 values: all audited)
+    table = comm.allgather(np.array([len(governor["decisions"]), governor["audit_bytes"]], np.float64))
+    assert (table == table[0]).all(), table
+    exact = runs["allreduce", None]
+    governed, ungoverned = (np.abs(runs["onebit", b] - exact).max() for b in (1.0, None))
+    assert governed * 10 < ungoverned, (governed, ungoverned)
+    assert "governor" not in stats["onebit", None]
+
+    def build(params):
+        return gc.optim.DiLoCo(params, sync_every=2, compressor="topk", comm=comm)
+
+    final, saved, again, params2 = _resumed(comm, build, last=4 * GOVERNOR_HOLD + 3, save_at=2 * GOVERNOR_HOLD + 1)
+    assert any("/tensor/" in k for k in saved), sorted(saved)
+    assert _digest(params2) == final, "the resumed governed run differs from the uninterrupted one"
+    params = _start()
+    other = gc.optim.DiLoCo(params, sync_every=2, compressor="onebit", budget=1.0 + comm.rank, comm=comm)
+    with pytest.raises(CollectiveError, match="budget"):
+        for step in range(1, 3):
+            _inner(params, comm.rank, step)
+            other.step()
+    print(f"rank {comm.rank}: governed {governed:.2e}, ungoverned {ungoverned:.2e}", flush=True)
+
+
+def test_governed_exchange():
+    run_ranks(2, "tests.optim.test_diloco:rank_governed_exchange")
+
+
 def rank_overlapped_exchange():
     """overlap=2: the exchange starts at the sync step and lands 2 steps later, overwriting the
     replica with the new synced parameters (plain averaging: the ranks' mean at the sync step),
