@@ -110,17 +110,20 @@ def test_sigkill_between_outer_steps(lighthouse, tmp_path, fragments, overlap):
            restart_to_first_commit_s=landed["time"] - restarted)
 
 
-def test_crash_inside_an_outer_exchange(lighthouse, tmp_path):
+@pytest.mark.parametrize("compressor", ["int8", "int4"])
+def test_crash_inside_an_outer_exchange(lighthouse, tmp_path, compressor):
     """b exits in its 3rd outer step (inner step 12) once the exchange has started; a's outer step
     is discarded and undone; a goes on alone, waits before inner step 20 for the restarted b,
-    which heals at a's next outer step; both to inner step 32."""
+    which heals at a's next outer step; both to inner step 32. ``int4``'s exchange is governed:
+    its rungs and audit windows are undone and healed as well."""
     steps = 32
-    groups = [Group(lighthouse, "a", tmp_path, "--steps", str(steps), "--wait-for-joiner", "20", job=JOB),
-              Group(lighthouse, "b", tmp_path, "--steps", str(steps), "--crash-at", "3", job=JOB)]
+    common = ("--steps", str(steps), "--compressor", compressor)
+    groups = [Group(lighthouse, "a", tmp_path, *common, "--wait-for-joiner", "20", job=JOB),
+              Group(lighthouse, "b", tmp_path, *common, "--crash-at", "3", job=JOB)]
     try:
         assert groups[1].wait(timeout=90) == 3, groups[1].tail()
         crashed = time.time()
-        groups.append(Group(lighthouse, "b", tmp_path, "--steps", str(steps), job=JOB))
+        groups.append(Group(lighthouse, "b", tmp_path, *common, job=JOB))
         a, b = check_end(tmp_path, [groups[0], groups[2]], steps // H - 1)  # one outer step discarded
     finally:
         for g in groups:
@@ -134,7 +137,7 @@ def test_crash_inside_an_outer_exchange(lighthouse, tmp_path):
     assert a[-1]["discarded"] == 1 and a[-1]["rolled_back"] == 1 and a[-1]["failures"] >= 1, a[-1]
     joined, _ = first_outer_step(b, crashed)
     assert joined["step"] >= 20, joined
-    report("crash inside an outer exchange", discarded_outer_step_s=third[0]["seconds"],
+    report(f"crash inside an outer exchange ({compressor})", discarded_outer_step_s=third[0]["seconds"],
            stall_after_discard_s=after[0]["quorum_s"], heal_outer_step_s=joined["seconds"])
 
 
