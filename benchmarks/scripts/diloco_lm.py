@@ -42,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--fragments", type=int, default=1)
     p.add_argument("--overlap", type=int, default=0, help="inner steps an outer exchange runs behind")
     p.add_argument("--compressor", default="int8")
+    p.add_argument("--budget", type=lambda v: None if v == "none" else float(v),
+                   default=gradcomp.optim.GOVERNOR_BUDGET,
+                   help="the exchange's governor (none: off; int8 and exact exchanges are never governed)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -86,7 +89,7 @@ def main(argv=None) -> None:
         spec = args.compressor
         outer = gt.DiLoCo(model, opt, sync_every=args.sync_every, compressor=spec, lr=args.outer_lr,
                           momentum=args.outer_momentum, nesterov=bool(args.nesterov),
-                          fragments=args.fragments, overlap=args.overlap, comm=comm)
+                          fragments=args.fragments, overlap=args.overlap, comm=comm, budget=args.budget)
     else:
         grads = [torch.zeros_like(p) for p in model.parameters()]
         reducer = gradcomp.GradientReducer([as_array(g) for g in grads], gradcomp.Allreduce(), comm)
@@ -132,7 +135,10 @@ def main(argv=None) -> None:
                   weights_identical=bool((digests == digests[0]).all()), ranks=comm.size,
                   seconds=time.perf_counter() - start)
     if args.mode == "diloco":
-        result["stats"] = {k: v for k, v in outer.stats().items() if isinstance(v, (int, float, str))}
+        stats = outer.stats()
+        result["stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
+        if "governor" in stats:
+            result["governor"] = {k: stats["governor"][k] for k in ("tensor_steps", "decisions", "audit_share")}
     if comm.rank == 0:
         print(json.dumps({k: v for k, v in result.items() if k != "val_curve"}), flush=True)
         if args.json:

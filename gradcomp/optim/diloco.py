@@ -149,7 +149,7 @@ class DiLoCo(Optimizer):
         self.budget = None if budget is None else check_float("budget", budget, above=0)
         if self.budget is not None and not isinstance(inner, Governed) and has_safer_rungs(inner):
             inner = Governed(inner, budget=self.budget, every=GOVERNOR_EVERY, window=GOVERNOR_WINDOW,
-                             hold=GOVERNOR_HOLD, start=GOVERNOR_START)
+                             hold=GOVERNOR_HOLD, start=GOVERNOR_START, delay=1)
         self.outer_compressor = inner
         self.outer_steps = 0
         xp = array_module(self.params[0])

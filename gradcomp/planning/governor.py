@@ -27,7 +27,7 @@ bucket rebuild); a bucket runs at the lowest rung of its tensors.
 
 **Agreement.** The audit's sums come from allreduced values, the same bits on every rank, so
 every rank decides alike; each bucket's rung is agreed state (DESIGN invariant 3). A decision
-taken at step ``s`` applies from ``s + 2``, past any job of ``s + 1`` the pipeline prepared
+taken at step ``s`` applies from ``s + DELAY``, past any job of ``s + 1`` the pipeline prepared
 ahead. Rungs, holds, open windows and every rung's state are checkpointed: a resume continues
 bit for bit. ``stats()["governor"]`` has each tensor's rung, the steps per rung and each
 decision with its cost and why. FSDP's ``scatter`` buckets run at their rung, never audited
@@ -52,6 +52,7 @@ from ..params import check_float, check_int
 from ..schedule import Routed, Stages, hand_over, load_stage_states, stage_states, take_stage_states
 from ..state import check_array, reject_leftovers, take_int
 from .audit import Plan, Sample, Window, tensor_costs, window_cost
+from .cost import rank_bytes, traffic
 
 #: the default budget: compression may add at most this multiple of the exact mean's own noise
 #: to the updates of an audit window (chosen on the workload zoo's tuning half, BENCHMARKS.md)
@@ -71,7 +72,8 @@ SHARE, MIN_SAMPLES = 0.02, 64
 #: steps a bucket that went over its budget stays a rung down before it tries the rung above
 #: again (doubled at each failure of that try)
 HOLD = 100
-#: a decision applies this many steps after the step that took it (see the module)
+#: a decision applies this many steps after the step that took it (see the module; 1 where no
+#: job of the next step is prepared before this one's ends: DiLoCo's outer steps)
 DELAY = 2
 #: the decisions kept for ``stats()``
 KEPT = 50
@@ -88,16 +90,13 @@ def ladder() -> list[Compressor]:
 
 
 def has_safer_rungs(method: Compressor) -> bool:
-    """Whether ``method`` sends fewer bytes than the last rung (8-bit codes), as it declares its
-    traffic: a method that sends as many (``int8``, ``fp16``, the exact mean) has nowhere safer to
-    step down to, and is not governed. A method that does not declare its traffic is."""
-    from .cost import rank_bytes, traffic
-
+    """Whether ``method`` sends fewer bytes than the last rung (8-bit codes), as it declares: one
+    that sends as many (``int8``, ``fp16``, the exact mean) has nowhere safer to step down to."""
     shapes, ranks = [(1024, 1024)], 4  # (a matrix: PowerSGD sends a vector exactly)
     try:
         mine = rank_bytes(traffic(method, shapes, ranks), ranks)
-    except TypeError:
-        return True
+    except TypeError:  # (undeclared: a user's own method, left as given)
+        return False
     return mine < rank_bytes(traffic(ladder()[-1], shapes, ranks), ranks)
 
 
@@ -129,9 +128,9 @@ class _Tensor:
             return self.level - 1
         return self.level
 
-    def move(self, to: int, step: int, hold: int) -> None:
-        """To rung ``to`` from step ``step + DELAY`` on, trying the rung above after ``hold``."""
-        self.before, self.level, self.since, self.hold = self.at(step), to, step + DELAY, hold
+    def move(self, to: int, step: int, hold: int, delay: int = DELAY) -> None:
+        """To rung ``to`` from step ``step + delay`` on, trying the rung above after ``hold``."""
+        self.before, self.level, self.since, self.hold = self.at(step), to, step + delay, hold
         self.retry = self.since + hold if to > 0 else -1
 
     def row(self) -> np.ndarray:
@@ -143,10 +142,10 @@ class Governed(Stages):
     """``method``, governed: see the module. ``budget``: the largest cost allowed (``BUDGET``).
     ``start``: the rung a tensor starts at (0: the method), climbing a rung after each ``hold``
     steps within budget (DiLoCo's exchange starts on 8-bit codes: its first outer steps carry its
-    largest updates)."""
+    largest updates). ``delay``: ``DELAY``'s."""
 
     def __init__(self, method: Compressor, budget: float = BUDGET, every: int = EVERY, window: int = WINDOW,
-                 hold: int = HOLD, start: int = 0):
+                 hold: int = HOLD, start: int = 0, delay: int = DELAY):
         super().__init__(method)  # what it declares where it says nothing else: the method's
         self.budget = check_float("budget", budget, above=0)
         self.below = ladder()
@@ -154,7 +153,7 @@ class Governed(Stages):
         self.window = check_int("window", window, 1)
         if self.window > self.every:
             raise ValueError(f"governor window ({self.window} steps) is longer than its period ({self.every})")
-        self.hold = check_int("hold", hold, 1)
+        self.hold, self.delay = check_int("hold", hold, 1), check_int("delay", delay, 1)
         self.start = check_int("start", start, 0, LEVELS - 1)
         self._step = 0
         self._tensors: dict[str, _Tensor] = {}
@@ -189,7 +188,8 @@ class Governed(Stages):
 
     def config(self) -> dict[str, Any]:
         return {"method": self.method, "budget": self.budget, "every": self.every, "window": self.window,
-                "hold": self.hold, **({"start": self.start} if self.start else {})}
+                "hold": self.hold, **({"start": self.start} if self.start else {}),
+                **({"delay": self.delay} if self.delay != DELAY else {})}
 
     def describe(self) -> str:
         return f"{self.method.describe()} governed (budget {self.budget:g})"
@@ -221,7 +221,7 @@ class Governed(Stages):
         self.adaptive = True
         for t in self._tensors.values():
             if t.at(self._step) == 0:
-                t.move(1, self._step, ADAPTIVE_HOLD)
+                t.move(1, self._step, ADAPTIVE_HOLD, self.delay)
         self._note(self._step, list(self._tensors), RUNGS[1], math.nan,
                    "an adaptive optimizer (Adam-like) steps these tensors: the method must earn its rung")
 
@@ -327,10 +327,10 @@ class Governed(Stages):
                 continue
             tried = ran < t.level  # the rung above, tried after its hold
             if over and ran < LEVELS - 1:
-                t.move(ran + 1, step, 2 * t.hold if tried else self.hold)
+                t.move(ran + 1, step, 2 * t.hold if tried else self.hold, self.delay)
                 moved.append(key)
             elif not over and tried:
-                t.move(ran, step, self.hold)
+                t.move(ran, step, self.hold, self.delay)
                 moved.append(key)
         if moved:
             self._note(step, moved, RUNGS[self._tensor(moved[0]).level], cost, why)
@@ -340,7 +340,7 @@ class Governed(Stages):
     def _step_down_all(self, step: int, why: str) -> None:
         for key, t in self._tensors.items():
             if t.at(step) < LEVELS - 1:
-                t.move(t.at(step) + 1, step, self.hold)
+                t.move(t.at(step) + 1, step, self.hold, self.delay)
         self._note(step, list(self._tensors), "one rung down", math.nan, why)
 
     def _note(self, step: int, keys: Sequence[str], to: str, cost: float, why: str) -> None:
