@@ -42,7 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--fragments", type=int, default=1)
     p.add_argument("--overlap", type=int, default=0, help="inner steps an outer exchange runs behind")
     p.add_argument("--compressor", default="int8")
-    p.add_argument("--budget", type=lambda v: None if v == "none" else float(v),
+    p.add_argument("--budget", type=lambda v: None if v.lower() == "none" else float(v),
                    default=gradcomp.optim.GOVERNOR_BUDGET,
                    help="the exchange's governor (none: off; int8 and exact exchanges are never governed)")
     p.add_argument("--steps", type=int, default=300)

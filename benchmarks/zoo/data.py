@@ -234,6 +234,8 @@ def sklearn_source(context: int = 64, train_mb: float = 1.5) -> Data:
 
 def package_metadata(context: int = 64, train_mb: float = 1.0) -> Data:
     """Bytes of the environment's ``*.dist-info/METADATA`` files (sorted by distribution): mostly
-    English prose and Markdown, the descriptions that PyPI shows."""
-    files = sorted(_site_packages().glob("*.dist-info/METADATA"), key=lambda p: p.parent.name.lower())
+    English prose and Markdown, the descriptions that PyPI shows. gradcomp's own is left out: it
+    holds this repository's README, which would change the corpus at every edit."""
+    files = sorted((p for p in _site_packages().glob("*.dist-info/METADATA")
+                    if not p.parent.name.lower().startswith("gradcomp-")), key=lambda p: p.parent.name.lower())
     return text_bytes(files, train_mb * 1e6, context, source="site-packages/*.dist-info/METADATA")
