@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--kills", type=int, default=2, help="times the last group is killed and restarted")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--sync-every", type=int, default=20)
+    p.add_argument("--budget", default="default", help="diloco: the exchange's governor (a number; none: off; "
+                   "default: the library's)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20)
     model_arguments(p)
@@ -152,7 +154,8 @@ def worker(args) -> None:
                      failures=model.comm.failures)
     else:
         t = time.perf_counter()
-        diloco = gt.DiLoCo(net, opt, sync_every=args.sync_every, compressor=args.compressor, manager=manager)
+        budget = {} if args.budget == "default" else {"budget": None if args.budget.lower() == "none" else float(args.budget)}
+        diloco = gt.DiLoCo(net, opt, sync_every=args.sync_every, compressor=args.compressor, manager=manager, **budget)
         write(event="outer", step=diloco.steps, seconds=time.perf_counter() - t, **diloco.ft.last)
         while diloco.steps < args.steps:
             step = diloco.steps
