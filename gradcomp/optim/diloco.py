@@ -65,9 +65,9 @@ from ..bucket import group
 from ..comm import CollectiveError, Communicator, wire_bytes
 from ..compressors.contract import Compressor
 from ..params import check_bool, check_float, check_int
-from ..reducer import GradientReducer
 from ..planning.governor import BUDGET as GOVERNOR_BUDGET
 from ..planning.governor import Governed, has_safer_rungs
+from ..reducer import GradientReducer
 from ..registry import make, steady
 from ..state import reject_leftovers, take_config, take_int
 from .optimizer import Hyper, Optimizer, _Agreed

@@ -268,7 +268,7 @@ def rank_governed_exchange():
     def build(params):
         return gc.optim.DiLoCo(params, sync_every=2, compressor="topk", comm=comm)
 
-    final, saved, again, params2 = _resumed(comm, build, last=4 * GOVERNOR_HOLD + 3, save_at=2 * GOVERNOR_HOLD + 1)
+    final, saved, _, params2 = _resumed(comm, build, last=4 * GOVERNOR_HOLD + 3, save_at=2 * GOVERNOR_HOLD + 1)
     assert any("/tensor/" in k for k in saved), sorted(saved)
     assert _digest(params2) == final, "the resumed governed run differs from the uninterrupted one"
     params = _start()
