@@ -210,6 +210,8 @@ class Compressor:
         watch = guard is not None and guard.due(self._stats["steps"])
         if guard is not None:
             guard.announce(flags, self.describe(), self.runaway_advice)
+            if guard.warned:
+                self.after_runaway(prepared)
             norms = guard.gradient_norms(bucket) if watch else []
         before_bytes, before_calls = method_traffic(comm)
         out = run_stage(self, bucket, comm, prepared)
@@ -314,6 +316,11 @@ class Compressor:
         scale goes: the divergence guard judges their growth within one regime
         (``compressors.guard``). A ``Schedule`` names its stage; wrappers ask their inner method."""
         return ()
+
+    def after_runaway(self, prepared: Any) -> Any:
+        """The divergence guard has announced a runaway (on every rank, at the same bucket; called
+        again at every later bucket): what this compressor changes in answer. Nothing, here; the
+        governor steps every bucket a rung down. Wrappers pass it to their inner method."""
 
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
         """Hand over the error-feedback residuals kept for ``keys`` (removing them): ``Schedule``

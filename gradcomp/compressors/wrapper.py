@@ -59,6 +59,9 @@ class Wrapper(Compressor):
     def regime(self, prepared: Any) -> tuple:
         return self.inner.regime(self.inner_stage(prepared))
 
+    def after_runaway(self, prepared: Any) -> Any:
+        return self.inner.after_runaway(self.inner_stage(prepared))
+
 
 #: the contract members a wrapper takes from ``inner``: every public one of ``Compressor`` but ``OWN``
 FORWARDED = tuple(name for name in vars(Compressor) if not name.startswith("_") and name not in OWN)

@@ -401,7 +401,7 @@ def _governors(reducers: Sequence[GradientReducer]) -> dict[str, Any]:
     of the bytes sent (a list, one per fragment, streaming); nothing where it is not governed."""
     found = []
     for r in reducers:
-        inner = r.compressor.inner  # (the agreement wrapper counts the traffic around it)
+        inner = getattr(r.compressor, "inner", None)  # (the agreement wrapper counts the traffic around it)
         if isinstance(inner, Governed):
             governor, sent = inner.stats()["governor"], r.compressor.stats()["bytes_sent"]
             found.append({**governor, "audit_share": governor["audit_bytes"] / sent if sent else 0.0})

@@ -348,15 +348,12 @@ class Governed(Stages):
                                "why": why})
         del self.decisions[:-KEPT]
 
-    def checked_run(self, bucket: Bucket | Array, comm: Communicator, prepared: Any = None,
-                    problem: str | None = None) -> Array:
-        out = super().checked_run(bucket, comm, prepared, problem)
-        guard = self._guard
-        if guard is not None and guard.warned and not self._runaway_seen and isinstance(prepared, _Prepared):
-            # every rank saw the same flags in the agreement, at the same bucket: the same step
+    def after_runaway(self, prepared: Any) -> None:
+        """Every bucket a rung down, once (the guard watches this governor, or the optimizer's
+        exchange around it: on every rank at the same bucket, so at the same step)."""
+        if not self._runaway_seen and isinstance(prepared, _Prepared):
             self._runaway_seen = True
             self._step_down_all(prepared.step, "the divergence guard saw a residual run away")
-        return out
 
     def agreement_state(self, bucket: Bucket, prepared: _Prepared | None) -> dict[str, Any]:
         if prepared is None:

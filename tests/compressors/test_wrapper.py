@@ -33,7 +33,7 @@ _STAGES = OVERRIDES["Stages"] | {"agreement_state", "state_dict", "load_state_di
 OVERRIDES.update({
     "Schedule": _STAGES | {"error_feedback_on", "warmup_steps"},
     "Recipe": _STAGES | {"error_feedback_on", "warmup_steps"},
-    "Governed": _STAGES,
+    "Governed": _STAGES | {"after_runaway"},                          # every bucket a rung down
 })
 
 SHAPES = [(64, 32), (100,), (7, 3)]
@@ -45,6 +45,7 @@ ARGS = {
     "error_bound": (np.random.default_rng(0).standard_normal((2, 50)), np.float32),
     "agreement_state": (gc.Bucket(np.ones(2169, np.float32), 0, SHAPES, keys=KEYS), None),
     "regime": (None,),
+    "after_runaway": (None,),
     "state_dict": (),
     "load_state_dict": ({},),  # (on a real compressor: its own state_dict())
     "residuals": (KEYS,),

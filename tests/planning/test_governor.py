@@ -124,6 +124,37 @@ def test_the_guard_acts():
     run_ranks(2, "tests.planning.test_governor:rank_the_guard_acts")
 
 
+def rank_the_guard_acts_through_an_optimizer():
+    """The same runaway in an optimizer's exchange (DiLoCo's: the guard watches the agreement
+    wrapper around the governor) moves the governor too: every rank steps down at the same outer
+    step, and the replicas stay the same bits."""
+    import warnings
+
+    import gradcomp as gc
+    from gradcomp.planning.governor import Governed
+
+    comm = gc.MPICommunicator()
+    params = [np.zeros((40, 100), np.float32)]
+    exchange = Governed(gc.make("topk:warmup=0,ratio=0.001,budget=None"), budget=1e12)
+    outer = gc.optim.DiLoCo(params, sync_every=1, compressor=exchange, lr=1.0, momentum=0.0, comm=comm)
+    assert outer.outer_compressor is exchange
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        for step in range(300):
+            params[0] -= np.float32(1.0 + comm.rank)  # the same pseudo-gradient every outer step
+            outer.step()
+    gov = outer.stats()["governor"]
+    assert gov["decisions"][0]["why"] == "the divergence guard saw a residual run away", gov
+    assert gov["tensor_steps"]["int4"] > 0, gov
+    table = comm.allgather(np.array([gov["decisions"][0]["step"], gov["tensor_steps"]["int4"]], np.int64))
+    assert (table == table[0]).all(), table
+    print(f"rank {comm.rank}: ok {gov['decisions'][:2]}", flush=True)
+
+
+def test_the_guard_acts_through_an_optimizer():
+    run_ranks(2, "tests.planning.test_governor:rank_the_guard_acts_through_an_optimizer")
+
+
 def test_budget_and_window_are_checked():
     from gradcomp.planning.governor import Governed
 
