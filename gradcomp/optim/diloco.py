@@ -70,7 +70,7 @@ from ..planning.governor import Governed, has_safer_rungs
 from ..reducer import GradientReducer
 from ..registry import make, steady
 from ..state import reject_leftovers, take_config, take_int
-from .optimizer import Hyper, Optimizer, _Agreed
+from .optimizer import Hyper, Optimizer, _Agreed, governor_stats
 
 #: the defaults, measured on examples/torch_lm.py's TinyLM (docs/guides/local-steps.md)
 SYNC_EVERY = 20
@@ -397,14 +397,9 @@ class DiLoCo(Optimizer):
 
 
 def _governors(reducers: Sequence[GradientReducer]) -> dict[str, Any]:
-    """The exchange's governor in ``stats()``: its levels, decisions and audits, the audits' share
-    of the bytes sent (a list, one per fragment, streaming); nothing where it is not governed."""
-    found = []
-    for r in reducers:
-        inner = getattr(r.compressor, "inner", None)  # (the agreement wrapper counts the traffic around it)
-        if isinstance(inner, Governed):
-            governor, sent = inner.stats()["governor"], r.compressor.stats()["bytes_sent"]
-            found.append({**governor, "audit_share": governor["audit_bytes"] / sent if sent else 0.0})
+    """The exchange's governor in ``stats()`` (``governor_stats``; a list, one per fragment,
+    streaming); nothing where it is not governed."""
+    found = [g for g in (governor_stats(r.compressor) for r in reducers) if g is not None]
     return {"governor": found[0] if len(found) == 1 else found} if found else {}
 
 

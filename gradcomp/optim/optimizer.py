@@ -32,6 +32,19 @@ from ..state import check_array, reject_leftovers, take_config, take_int
 Hyper = float | Sequence[float]
 
 
+def governor_stats(exchange: Compressor) -> dict[str, Any] | None:
+    """The governor's part of an optimizer's ``stats()``: each tensor's rung, the steps per rung,
+    the decisions, and the audits' share of the bytes the agreed ``exchange`` counted around it;
+    None where the exchange is not governed."""
+    from ..planning.governor import Governed
+
+    inner = getattr(exchange, "inner", None)
+    if not isinstance(inner, Governed):
+        return None
+    governor, sent = inner.stats()["governor"], exchange.stats()["bytes_sent"]
+    return {**governor, "audit_share": governor["audit_bytes"] / sent if sent else 0.0}
+
+
 class _Agreed(Wrapper):
     """``inner``, with its owner optimizer's configuration and step state agreed on as well."""
 
@@ -207,11 +220,9 @@ class Optimizer:
         governor's levels and decisions where it is governed, and with ``settling``, when and why
         the warm-up ended."""
         out = {**self.compressor.stats(), "optimizer_step": self.steps, "phase": self.phase()}
-        inner = getattr(self.compressor, "inner", None)
-        if self.budget is not None and inner is not None:
-            governor = inner.stats()["governor"]  # each tensor's rung and the decisions
-            sent = out["bytes_sent"]  # counted around the exchange, outside the governor
-            out["governor"] = {**governor, "audit_share": governor["audit_bytes"] / sent if sent else 0.0}
+        governor = governor_stats(self.compressor)
+        if governor is not None:
+            out["governor"] = governor
         return out if self.settling is None else {**out, **self.settling.stats()}
 
     # -- checkpoints ----------------------------------------------------------------------------------------
