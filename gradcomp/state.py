@@ -34,6 +34,7 @@ class TensorStore:
 
     def __init__(self) -> None:
         self._regions: dict[tuple, Array] = {}
+        self._layouts: dict[tuple, tuple] = {}  # each layout's one object (``region``)
         self._home: dict[str, tuple[tuple, int, tuple[int, ...]]] = {}
         self._loose: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
@@ -56,6 +57,9 @@ class TensorStore:
         xp = array_module(like) if like is not None else np
         sig = (tuple(placements), int(total), np.dtype(dtype).str, str(getattr(like, "device", None)))
         with self._lock:
+            # one object per layout: a home's layout then compares by identity, not element by
+            # element (per key, that was quadratic in the tensors: minutes for 50,000 small ones)
+            sig = self._layouts.setdefault(sig, sig)
             flat = self._regions.get(sig)
             if flat is not None and all(self._home.get(k) == (sig, o, s) for k, o, s in placements):
                 return flat, []
@@ -82,9 +86,10 @@ class TensorStore:
             return flat, missing
 
     def _collect(self) -> None:
-        used = {home[0] for home in self._home.values()}
-        for sig in [s for s in self._regions if s not in used]:
-            del self._regions[sig]
+        used = {id(home[0]) for home in self._home.values()}  # by identity: a layout's hash is O(tensors)
+        for sig in [s for s in self._layouts if id(s) not in used]:
+            self._regions.pop(sig, None)
+            del self._layouts[sig]
 
     def _value(self, key: str) -> Array | None:
         home = self._home.get(key)
@@ -134,6 +139,7 @@ class TensorStore:
         """Replace everything with ``values`` (already checked; placed on first use)."""
         with self._lock:
             self._regions.clear()
+            self._layouts.clear()
             self._home.clear()
             self._loose = {k: np.array(v, copy=True) for k, v in values.items()}
 

@@ -82,6 +82,31 @@ def test_pack_and_unpack_round_trip():
     assert arrays[0][2, 3] == 10 and arrays[1][4] == 20 and arrays[3] == 70
 
 
+def test_tensor_store_keeps_one_object_per_layout():
+    """A layout asked for again (an equal list, built anew each step) finds its region, and every
+    tensor's home holds that layout's one object: compared by identity, not element by element,
+    which made each step quadratic in a bucket's tensors (auto's timing of 58,000 small tensors
+    ran for many minutes)."""
+    from gradcomp.state import TensorStore
+
+    store = TensorStore()
+    placements = [(f"t{i}", 4 * i, (4,)) for i in range(2000)]
+    flat, missing = store.region(list(placements), 8000, np.float32)
+    assert len(missing) == 2000
+    flat[...] = np.arange(8000, dtype=np.float32)
+    again, missing = store.region([(k, o, tuple(s)) for k, o, s in placements], 8000, np.float32)
+    assert again is flat and missing == []
+    (layout,) = store._layouts
+    assert all(home[0] is layout for home in store._home.values())
+    part, missing = store.region(placements[:3], 12, np.float32)  # another layout: values move over
+    assert missing == [] and np.array_equal(part, np.arange(12, dtype=np.float32))
+    store.region(placements[:3], 12, np.float32)
+    assert len(store._layouts) == 2  # the first still holds the other 1997 tensors
+    store.pop([k for k, _, _ in placements[3:]])
+    store.region(placements[:3], 12, np.float32)
+    assert len(store._layouts) == 1 and len(store._regions) == 1  # the empty layout was collected
+
+
 def test_wire_bytes_model():
     assert wire_bytes("allreduce", 100, 4) == 150
     assert wire_bytes("allgather", 100, 4) == 300

@@ -91,7 +91,9 @@ class MPICommunicator(OrderedCommunicator):
         self._MPI = MPI
         base = comm if comm is not None else MPI.COMM_WORLD
         expected = torchrun_world()
-        if expected is not None and expected != base.Get_size():
+        # the world only: a communicator of some ranks (auto times its candidates on COMM_SELF)
+        # is one the program chose
+        if expected is not None and base is MPI.COMM_WORLD and expected != base.Get_size():
             raise RuntimeError(
                 f"gradcomp: this process was started by torchrun (WORLD_SIZE={expected}) but MPI "
                 f"sees {base.Get_size()} rank(s): launch with `mpiexec -n {expected} python ...`, "

@@ -10,7 +10,8 @@ each host's ranks in rank order (``members``). Where it comes from, first match 
    name share a host;
 3. under torchrun (and not mpiexec), ``LOCAL_WORLD_SIZE``: consecutive blocks of that size, as
    torchrun numbers its ranks;
-4. MPI's own answer: ``Split_type(COMM_TYPE_SHARED)`` (the ranks that can share memory).
+4. MPI's own answer: ``Split_type(COMM_TYPE_SHARED)`` (the ranks that can share memory); over
+   another transport (``TorchCommunicator``), the host name.
 
 Every rank computes its view and the views are compared (one allgather of a digest): a rank that
 disagrees (another ``GRADCOMP_RANKS_PER_HOST``, say) makes ``detect`` raise ``CollectiveError`` on
@@ -19,8 +20,9 @@ every rank, naming each rank's view.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -75,9 +77,15 @@ def _blocks(size: int, per_host: int, source: str, rank: int) -> Topology:
     return Topology(rank, members, source)
 
 
-def local_view(comm: Any) -> Topology:
-    """This rank's view of the topology of ``comm`` (an mpi4py communicator), before agreement."""
-    rank, size = comm.Get_rank(), comm.Get_size()
+#: every rank's row of an int64 array, stacked (``(size,) + shape``): the one collective the
+#: detection needs, over mpi4py or any other transport
+Gather = Callable[[np.ndarray], np.ndarray]
+
+
+def local_view(rank: int, size: int, gather: Gather, shared: Callable[[], int] | None = None) -> Topology:
+    """This rank's view of the topology, before agreement. ``shared``: the lowest rank this one
+    shares memory with, where the transport can tell (MPI's ``COMM_TYPE_SHARED``); otherwise
+    ranks with the same host name share a host."""
     env = os.environ.get("GRADCOMP_RANKS_PER_HOST", "").strip()
     if env:
         if not env.isdigit():
@@ -85,22 +93,17 @@ def local_view(comm: Any) -> Topology:
         return _blocks(size, int(env), "GRADCOMP_RANKS_PER_HOST", rank)
     name = os.environ.get("GRADCOMP_HOST", "")
     if name:
-        return _grouped(_gather_ints(comm, digest(name)), rank, "GRADCOMP_HOST")
+        return _grouped(_gather_ints(gather, digest(name)), rank, "GRADCOMP_HOST")
     local_world = os.environ.get("LOCAL_WORLD_SIZE", "")
     if local_world.isdigit() and not launched_by_mpi():
         return _blocks(size, int(local_world), "torchrun LOCAL_WORLD_SIZE", rank)
-    from mpi4py import MPI
-
-    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    lowest = shared.allreduce(rank, op=MPI.MIN)
-    shared.Free()
-    return _grouped(_gather_ints(comm, lowest), rank, "MPI COMM_TYPE_SHARED")
+    if shared is not None:
+        return _grouped(_gather_ints(gather, shared()), rank, "MPI COMM_TYPE_SHARED")
+    return _grouped(_gather_ints(gather, digest(socket.gethostname())), rank, "host name")
 
 
-def _gather_ints(comm: Any, value: int) -> list[int]:
-    out = np.zeros(comm.Get_size(), np.int64)
-    comm.Allgather(np.array([value], np.int64), out)
-    return [int(v) for v in out]
+def _gather_ints(gather: Gather, value: int) -> list[int]:
+    return [int(v) for v in np.asarray(gather(np.array([value], np.int64))).reshape(-1)]
 
 
 def _grouped(keys: list[int], rank: int, source: str) -> Topology:
@@ -115,25 +118,43 @@ def _grouped(keys: list[int], rank: int, source: str) -> Topology:
 def detect(comm: Any) -> Topology:
     """The agreed topology of ``comm`` (an mpi4py communicator); ``CollectiveError`` on every rank
     when the ranks' views differ."""
+    from mpi4py import MPI
+
+    def gather(row: np.ndarray) -> np.ndarray:
+        out = np.zeros((comm.Get_size(),) + row.shape, row.dtype)
+        comm.Allgather(row, out)
+        return out
+
+    def shared() -> int:
+        group = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        lowest = group.allreduce(comm.Get_rank(), op=MPI.MIN)
+        group.Free()
+        return lowest
+
+    return agreed(comm.Get_rank(), comm.Get_size(), gather, shared)
+
+
+def agreed(rank: int, size: int, gather: Gather, shared: Callable[[], int] | None = None) -> Topology:
+    """The topology every rank agrees on (``local_view``, then one allgather of a digest of it);
+    ``CollectiveError`` on every rank, naming each rank's view, when they differ. Collective."""
     try:
-        mine, problem = local_view(comm), ""
+        mine, problem = local_view(rank, size, gather, shared), ""
     except ValueError as exc:
-        mine, problem = Topology(comm.Get_rank(), ((comm.Get_rank(),),), "?"), str(exc)
+        mine, problem = Topology(rank, ((rank,),), "?"), str(exc)
     text = problem or repr(mine.members)
-    views = _gather_ints(comm, digest(text) & 0x7FFFFFFFFFFFFFFF)
+    views = _gather_ints(gather, digest(text) & 0x7FFFFFFFFFFFFFFF)
     if len(set(views)) > 1:
-        texts = _gather_texts(comm, f"{mine.describe()}: {text}")
+        texts = _gather_texts(gather, f"{mine.describe()}: {text}")
         per_rank = "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
         raise CollectiveError(f"gradcomp: the ranks disagree on the topology ({per_rank})")
     return mine
 
 
-def _gather_texts(comm: Any, text: str) -> list[str]:
-    """Every rank's ``text``, through the buffer API (lengths, then the padded bytes)."""
+def _gather_texts(gather: Gather, text: str) -> list[str]:
+    """Every rank's ``text``: the lengths, then the bytes padded to the longest (as int64s)."""
     data = np.frombuffer(text.encode(), dtype=np.uint8)
-    lengths = _gather_ints(comm, data.shape[0])
-    padded = np.zeros(max(lengths), np.uint8)
+    lengths = _gather_ints(gather, data.shape[0])
+    padded = np.zeros(max(lengths), np.int64)
     padded[:data.shape[0]] = data
-    rows = np.zeros((comm.Get_size(), padded.shape[0]), np.uint8)
-    comm.Allgather(padded, rows)
-    return [bytes(rows[r, :lengths[r]]).decode(errors="replace") for r in range(comm.Get_size())]
+    rows = np.asarray(gather(padded))
+    return [bytes(rows[r, :n].astype(np.uint8)).decode(errors="replace") for r, n in enumerate(lengths)]

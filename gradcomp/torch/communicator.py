@@ -66,6 +66,7 @@ class TorchCommunicator(OrderedCommunicator):
         self.size = dist.get_world_size(process_group)
         self.backend = str(dist.get_backend(process_group))
         self._global_ranks = dist.get_process_group_ranks(process_group)
+        self._topology: Any = None
         # the worker thread does not inherit the caller's current CUDA device: remember it here
         self._cuda_index = torch.cuda.current_device() if self.backend == "nccl" else None
         self._start("gradcomp-torch", abort_grace_s, default_depth(pipeline_depth))
@@ -75,6 +76,17 @@ class TorchCommunicator(OrderedCommunicator):
 
     def __repr__(self) -> str:
         return f"TorchCommunicator(rank={self.rank}, size={self.size}, backend={self.backend!r})"
+
+    @property
+    def topology(self) -> Any:
+        """Which ranks share a host (``gradcomp.comm.topology``: the environment's word, else the
+        host names), agreed by every rank on first use (collective). ``auto`` reads it: on one
+        host it keeps its first method and measures nothing, as under mpiexec."""
+        if self._topology is None:
+            from ..comm.topology import agreed
+
+            self._topology = self._call(agreed, self.rank, self.size, self._gathered)
+        return self._topology
 
     def abort(self, code: int = 1) -> None:
         mpi = sys.modules.get("mpi4py.MPI")
@@ -189,15 +201,20 @@ class TorchCommunicator(OrderedCommunicator):
         return out
 
     def _allgather(self, array, out=None):
-        tensor, xp = self._to_tensor(array, as_bytes=True)
-        gathered = torch.empty(self.size * tensor.numel(), dtype=torch.uint8, device=tensor.device)
         self._count("allgather", array.nbytes)
-        self._all_gather_into(gathered, tensor)
-        result = self._to_array(gathered, xp, array.dtype).reshape((self.size,) + tuple(array.shape))
+        result = self._gathered(array)
         if out is not None:
             out.reshape(result.shape)[...] = result
             return out.reshape(result.shape)
         return result
+
+    def _gathered(self, array):
+        """Every rank's ``array``, stacked, uncounted (``_allgather`` counts; the topology's own
+        exchange is not a method's traffic)."""
+        tensor, xp = self._to_tensor(array, as_bytes=True)
+        gathered = torch.empty(self.size * tensor.numel(), dtype=torch.uint8, device=tensor.device)
+        self._all_gather_into(gathered, tensor)
+        return self._to_array(gathered, xp, array.dtype).reshape((self.size,) + tuple(array.shape))
 
     def _alltoall(self, array, out=None):
         tensor, xp = self._to_tensor(array, as_bytes=True)

@@ -42,6 +42,9 @@ class QuorumCommunicator(TorchCommunicator):
     """
 
     group: Any  # a torchft ProcessGroup
+    #: replica groups join and leave with each quorum: no fixed hosts (``auto`` takes each
+    #: replica group for a host of its own)
+    topology = None
 
     def __init__(self, manager: Manager, process_group: Any, pipeline_depth: int | None = None):
         # (TorchCommunicator.__init__ needs torch.distributed's default group, which a torchft job

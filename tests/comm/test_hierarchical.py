@@ -30,6 +30,26 @@ def test_topology_from_the_override_and_from_host_names():
     run_ranks(4, "tests.comm.test_hierarchical:rank_topology", 1)  # one machine: MPI's shared memory
 
 
+def test_topology_without_mpi_from_the_environment_or_the_host_name(monkeypatch):
+    """Over a transport other than MPI (``TorchCommunicator``), the topology comes from the same
+    environment variables, else from the host names: here 2 ranks of one host, seen from rank 1
+    (the other rank's rows are this one's, as a peer on the same host would send)."""
+    from gradcomp.comm.topology import agreed
+
+    for var in ("GRADCOMP_RANKS_PER_HOST", "GRADCOMP_HOST", "LOCAL_WORLD_SIZE", "PMI_SIZE", "PMI_RANK",
+                "HYDI_CONTROL_FD", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(var, raising=False)
+
+    def gather(row):
+        return np.stack([row, row])
+
+    topo = agreed(1, 2, gather)
+    assert (topo.hosts, topo.local_size, topo.local_rank, topo.source) == (1, 2, 1, "host name"), topo
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun's word: one rank per host
+    topo = agreed(1, 2, gather)
+    assert (topo.hosts, topo.host, topo.source) == (2, 1, "torchrun LOCAL_WORLD_SIZE"), topo
+
+
 def rank_topology_disagreement():
     import os
 

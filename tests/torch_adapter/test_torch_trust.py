@@ -240,6 +240,10 @@ digests = [None] * 2
 torch.distributed.all_gather_object(digests, hashlib.sha256(flat.tobytes()).hexdigest())
 assert digests[0] == digests[1], "replicas differ"
 print(f"rank {launch.rank} of {launch.size} trained {state.compressor.stats()['steps']} steps", flush=True)  # one write: the ranks share a pipe
+if sys.argv[1] == "auto":  # how it chose: on the topology alone (one host), or measured
+    choices = state.compressor.stats()["choices"]
+    print(f"rank {launch.rank} auto: " + ("measured" if all(c["predicted_s"] for c in choices) else "topology"),
+          flush=True)
 torch.distributed.barrier()
 if sys.argv[2:] != ["natural"]:  # the natural end: gradcomp.torch.launch ends the process past it
     import os
@@ -247,10 +251,14 @@ if sys.argv[2:] != ["natural"]:  # the natural end: gradcomp.torch.launch ends t
 '''
 
 
-@pytest.mark.parametrize("ending", [[], ["natural"]])
-def test_torchrun_is_one_job(tmp_path, ending):
+@pytest.mark.parametrize("method, ending, hosts", [("fp16", [], None), ("fp16", ["natural"], None),
+                                                  ("auto", [], None), ("auto", [], "1")])
+def test_torchrun_is_one_job(tmp_path, method, ending, hosts):
     """`torchrun --nproc_per_node 2` trains one 2-rank job through TorchCommunicator, not two
-    one-rank jobs; ending naturally (gradcomp's exit past torch's teardown), it exits 0 too."""
+    one-rank jobs; ending naturally (gradcomp's exit past torch's teardown), it exits 0 too.
+    ``auto`` reads the topology from torchrun (one host: its first method, nothing measured) or
+    from GRADCOMP_RANKS_PER_HOST (two hosts: measured, its candidates timed on one rank; this
+    crashed under torchrun, and timing took minutes on a small model's many copies)."""
     import os
     import subprocess
 
@@ -258,13 +266,17 @@ def test_torchrun_is_one_job(tmp_path, ending):
     script.write_text(textwrap.dedent(TORCHRUN))
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    for var in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "HYDI_CONTROL_FD"):
+    for var in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "HYDI_CONTROL_FD", "GRADCOMP_RANKS_PER_HOST"):
         env.pop(var, None)
-    done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script), "fp16", *ending],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    if hosts is not None:
+        env["GRADCOMP_RANKS_PER_HOST"] = hosts
+    done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script), method, *ending],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     assert out.count("of 2 trained 6 steps") == 2, out
+    if method == "auto":
+        assert out.count("auto: " + ("topology" if hosts is None else "measured")) == 2, out
 
 
 def test_an_uncaught_exception_in_a_torch_job_keeps_its_traceback(tmp_path):
