@@ -1,10 +1,13 @@
-"""Command line: ``python -m benchmarks bench ...`` and ``python -m benchmarks report DIR``, run from
-the repository root (the benchmarks are not part of the installed package).
+"""Command line: ``python -m benchmarks bench ...``, ``python -m benchmarks report DIR`` and
+``python -m benchmarks zoo ...``, run from the repository root (the benchmarks are not part of
+the installed package).
 
 ``bench``  run the benchmarks (ranks x models x methods, plus kernel throughput) and write
            results.json, results.csv, kernels.csv, summary.md and PNG figures to ``--out``.
 ``report`` rebuild the summary, CSV and figures from the JSON files already in a folder (for
            example after adding ``capped-*.json`` files from ``benchmarks/capped_steps.sh`` runs).
+``zoo``    the workload zoo: quality and ratio of each method against exact averaging
+           (``python -m benchmarks zoo --help``).
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="summary, CSV and figures from the JSON files in a folder")
     rep.add_argument("folder", nargs="?", default="results/bench")
     rep.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
+    sub.add_parser("zoo", help="the workload zoo (its own options: python -m benchmarks zoo --help)")
     args = parser.parse_args(argv)
 
     from . import driver

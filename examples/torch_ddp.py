@@ -164,7 +164,9 @@ def main(argv=None):
 
         Path(args.json).write_text(json.dumps(result, indent=1))
     if torch.distributed.get_rank() == 0:
-        print(f"compressor={result['compressor']} ranks={result['ranks']} epochs={result['epochs']} "
+        exchange = (f"compressor={result['compressor']}" if result["optimizer"] == "sgd"
+                    else f"optimizer={result['optimizer']} (its own exchange)")
+        print(f"{exchange} ranks={result['ranks']} epochs={result['epochs']} "
               f"comm={result['comm']}\n"
               f"final loss {result['loss']:.4f}  test accuracy {result['test_accuracy']:.2f}%  "
               f"bytes/rank/step {result['bytes_per_step']:.0f}  "

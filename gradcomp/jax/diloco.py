@@ -64,6 +64,12 @@ class DiLoCo:
     def steps(self) -> int:
         return self.outer.steps
 
+    @property
+    def landed(self) -> list[int]:
+        """The fragments whose outer step landed at the last step (their parameters are the same
+        bits on every rank); empty between outer steps."""
+        return self.outer.landed
+
     def step(self, params: Any) -> Any:
         """Count one inner step; at an outer step return the synced parameters (new JAX arrays,
         the same bits on every rank), else ``params`` itself. Collective at outer steps."""

@@ -112,6 +112,12 @@ class DiLoCo:
     def sync_every(self) -> int:
         return self.outer.sync_every
 
+    @property
+    def landed(self) -> list[int]:
+        """The fragments whose outer step landed at the last step (their parameters are the same
+        bits on every rank); empty between outer steps."""
+        return self.outer.landed
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> bool:
         """The inner optimizer's step (``closure`` passed on), then the outer step when due.

@@ -420,6 +420,7 @@ def rank_torch_diloco():
         losses.append(loss.item())
         same = _same_everywhere(comm, [p.detach().numpy() for p in net.parameters()])
         assert synced == (step % 4 == 0) and same == synced, (step, synced, same)
+        assert diloco.landed == ([0] if synced else []), diloco.landed
         if step == 10:
             buffer = io.BytesIO()
             torch.save({"model": net.state_dict(), "diloco": diloco.state_dict()}, buffer)
@@ -501,6 +502,7 @@ def rank_jax_diloco():
             leaves = jax.tree_util.tree_leaves(p)
             same = _same_everywhere(comm, [np.asarray(x) for x in leaves])
             assert same == (step % 3 == 0), (step, same)
+            assert outer.landed == ([0] if same else []), outer.landed
             assert all(isinstance(x, jax.Array) for x in leaves)
             if step == save_at:
                 saved = (p, state, {k: np.array(v, copy=True) for k, v in outer.state_dict().items()})
