@@ -165,7 +165,7 @@ def main() -> None:
     if rank == 0:
         print(f"{world.size} ranks, {args.repeats} repeats, medians in ms (slowest rank's step)")
         for name, ts in times.items():
-            # the mean too: a governed method's audit steps (a window of 10 in 50) sit above the median
+            # the mean too: a governed method's audit steps sit above the median
             line = (f"{name:45s} {1e3 * statistics.median(ts):7.1f}   (min {1e3 * min(ts):6.1f}, "
                     f"mean {1e3 * statistics.fmean(ts):6.1f})")
             if name in parts:
