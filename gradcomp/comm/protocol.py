@@ -309,6 +309,11 @@ class OrderedCommunicator:
         raise NotImplementedError
 
 
+#: variables an MPI launcher (MPICH's Hydra, Open MPI, a PMIx launcher) sets in the ranks it starts
+MPI_LAUNCHER_VARIABLES = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
+                          "HYDI_CONTROL_FD")
+
+
 def launched_by_mpi() -> bool:
     """True when an MPI launcher started this process (or MPI is already initialized)."""
     import sys
@@ -316,8 +321,7 @@ def launched_by_mpi() -> bool:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
         return True
-    return any(v in os.environ for v in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
-                                         "MPI_LOCALNRANKS", "HYDI_CONTROL_FD"))
+    return any(v in os.environ for v in MPI_LAUNCHER_VARIABLES)
 
 
 def torchrun_world() -> int | None:

@@ -34,10 +34,10 @@ def test_topology_without_mpi_from_the_environment_or_the_host_name(monkeypatch)
     """Over a transport other than MPI (``TorchCommunicator``), the topology comes from the same
     environment variables, else from the host names: here 2 ranks of one host, seen from rank 1
     (the other rank's rows are this one's, as a peer on the same host would send)."""
+    from gradcomp.comm.protocol import MPI_LAUNCHER_VARIABLES
     from gradcomp.comm.topology import agreed
 
-    for var in ("GRADCOMP_RANKS_PER_HOST", "GRADCOMP_HOST", "LOCAL_WORLD_SIZE", "PMI_SIZE", "PMI_RANK",
-                "HYDI_CONTROL_FD", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"):
+    for var in ("GRADCOMP_RANKS_PER_HOST", "GRADCOMP_HOST", "LOCAL_WORLD_SIZE", *MPI_LAUNCHER_VARIABLES):
         monkeypatch.delenv(var, raising=False)
 
     def gather(row):
