@@ -24,6 +24,7 @@ from ..arrays import Array, ArrayModule, DTypeLike, add_into, array_module, sync
 from ..comm import Communicator, OrderedCommunicator, launched_by_mpi
 from ..comm.protocol import default_depth
 from ..comm.exits import end_job
+from .launch import keep_at_exit
 from .tensors import as_array, as_tensor
 
 
@@ -62,6 +63,7 @@ class TorchCommunicator(OrderedCommunicator):
             kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
             process_group = dist.new_group(ranks=list(range(dist.get_world_size())), **kwargs)
         self.group = process_group
+        keep_at_exit(process_group)
         self.rank = dist.get_rank(process_group)
         self.size = dist.get_world_size(process_group)
         self.backend = str(dist.get_backend(process_group))

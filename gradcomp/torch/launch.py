@@ -14,6 +14,7 @@ import datetime
 import os
 import socket
 import warnings
+import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -105,11 +106,19 @@ def init_process_group(backend: str | None = None, timeout: datetime.timedelta |
         store = dist.TCPStore(host, int(port), size, is_master=False, timeout=store_timeout)
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, **kwargs)
+    keep_at_exit(dist.group.WORLD)
     exits.guard().at_clean_exit(_destroy_process_group)
     return Launch(rank, size, local_rank, device, backend)
 
 
 _SAID_ONE_RANK = False
+_GROUPS: list[weakref.ref] = []  # the groups gradcomp started or uses (``keep_at_exit``)
+
+
+def keep_at_exit(group: dist.ProcessGroup) -> None:
+    """Have the exit of a job started here keep ``group`` past finalization, like the groups
+    still registered then (``_destroy_process_group``): also after the program destroyed them."""
+    _GROUPS.append(weakref.ref(group))
 
 
 def _say_one_rank() -> None:
@@ -132,22 +141,41 @@ def _from_torchrun(backend: str | None, timeout: datetime.timedelta | None) -> L
         return _already_started(rank, size, local_rank, device, "torchrun")
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, **kwargs)
+    keep_at_exit(dist.group.WORLD)
     atexit.register(_destroy_process_group)
     return Launch(rank, size, local_rank, device, backend)
 
 
 def _destroy_process_group() -> None:
-    """At exit, destroy the process group this module started, while the interpreter is whole,
-    and end the process past the C++ teardown that follows Python's (``_end_at_exit``).
-    Left to interpreter finalization, a gloo group's worker threads can free tensors that need
-    the GIL, and the process aborts after a clean run ("terminate called without an active
-    exception", exit 6: seen in CI after every check had passed). Under mpiexec this runs after
-    ``gradcomp.comm.exits`` has let the process end normally, never before an abort; also when
-    the program destroyed the group itself."""
+    """At exit, destroy the process groups while the interpreter is whole, keep their C++ objects
+    until the process ends, and end it past the C++ teardown (``_end_at_exit``).
+
+    Destroying a group only unregisters it: its C++ object, with gloo's threads, lives on while
+    anything holds it (DDP's reducer holds the default group, a ``TorchCommunicator`` its own).
+    Those holders are freed during the interpreter's finalization, and with them the groups (seen
+    under gdb), where a gloo thread that takes the GIL is ended by ``pthread_exit`` through C++
+    frames and the process aborts after a clean run ("terminate called without an active
+    exception", exit 6: seen in CI after every check had passed). Kept
+    (``_keep_past_finalization``), their threads stay idle until the process ends. Under mpiexec
+    this runs after ``gradcomp.comm.exits`` has let the process end normally, never before an
+    abort; also when the program destroyed the group itself."""
+    native = os.environ.get("GRADCOMP_NATIVE_TEARDOWN", "0").strip().lower() not in ("0", "", "false", "no", "off")
+    registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    groups = [] if native else list(registry or ()) + [g for g in (ref() for ref in _GROUPS) if g is not None]
     if dist.is_initialized():
         dist.destroy_process_group()
-    if os.environ.get("GRADCOMP_NATIVE_TEARDOWN", "0").strip().lower() in ("0", "", "false", "no", "off"):
+    if not native:
+        _keep_past_finalization(groups)
         _end_at_exit()
+
+
+def _keep_past_finalization(objects: list[Any]) -> None:
+    """Hold a reference to each of ``objects`` that nothing releases, so that finalization, which
+    frees what holds them, never runs their destructors (``_destroy_process_group``)."""
+    import ctypes
+
+    for obj in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def _end_at_exit() -> None:

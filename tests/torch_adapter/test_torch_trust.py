@@ -416,6 +416,61 @@ def test_exit_waits_for_the_last_callbacks_on_the_wire_thread(tmp_path, launcher
     assert code == 0, out
 
 
+KEPT_GROUPS_JOB = '''
+import atexit, gc, sys, weakref
+import torch, gradcomp, gradcomp.torch as gt
+
+
+def after_gradcomp():  # registered before gradcomp's exit handler, so it runs after it
+    main = sys.modules["__main__"]
+    groups = main.groups
+    del main.model, main.state  # what holds the groups, as finalization will free it
+    gc.collect()
+    alive = [g() is not None for g in groups]
+    print(f"rank {main.launch.rank}: " + ("kept all" if all(alive) else f"freed some {alive}"), flush=True)
+
+
+atexit.register(after_gradcomp)
+torch.set_num_threads(1)
+launch = gt.init_process_group()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+state = gt.register(model, gradcomp.make("fp16"))
+model(torch.rand(3, 4)).sum().backward()
+groups = [weakref.ref(group) for group in (model.process_group, getattr(state.comm, "group", None))
+          if group is not None]  # under mpiexec, the hooks talk MPI
+if sys.argv[1:] == ["destroy"]:  # PyTorch's advice: the program destroys its groups itself
+    torch.distributed.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("launcher, ending", [("torchrun", []), ("mpiexec", []), ("torchrun", ["destroy"])])
+def test_exit_keeps_the_process_groups_past_finalization(tmp_path, launcher, ending):
+    """At exit the process groups are destroyed, but DDP's reducer and gradcomp's communicator
+    still hold them; under gdb, their C++ destructors (gloo's threads joined, connections closed)
+    ran during the interpreter's finalization, where a thread that takes the GIL aborts the
+    process ("terminate called without an active exception": one CI run after every check had
+    passed). gradcomp keeps them past finalization: they outlive everything that held them, on
+    both launchers and when the program destroyed them itself; the job exits 0."""
+    import os
+    import subprocess
+
+    script = tmp_path / "kept.py"
+    script.write_text(KEPT_GROUPS_JOB)
+    if launcher == "mpiexec":
+        result = run(2, [str(script), *ending], timeout=120, env={"PYTHONPATH": str(ROOT)})
+        code, out = result.returncode, result.output
+    else:
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        for var in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "HYDI_CONTROL_FD"):
+            env.pop(var, None)
+        done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script), *ending],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        code, out = done.returncode, done.stdout + done.stderr
+    assert out.count(": kept all") == 2, out
+    assert code == 0, out
+
+
 def test_mpi_and_torch_worlds_must_agree(tmp_path):
     script = tmp_path / "mix.py"
     script.write_text("import gradcomp.torch as gt\ngt.init_process_group()\n")
