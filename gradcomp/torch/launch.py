@@ -115,10 +115,11 @@ _SAID_ONE_RANK = False
 _GROUPS: list[weakref.ref] = []  # the groups gradcomp started or uses (``keep_at_exit``)
 
 
-def keep_at_exit(group: dist.ProcessGroup) -> None:
+def keep_at_exit(group: dist.ProcessGroup | None) -> None:
     """Have the exit of a job started here keep ``group`` past finalization, like the groups
     still registered then (``_destroy_process_group``): also after the program destroyed them."""
-    _GROUPS.append(weakref.ref(group))
+    if group is not None:
+        _GROUPS.append(weakref.ref(group))
 
 
 def _say_one_rank() -> None:
