@@ -118,8 +118,10 @@ _GROUPS: list[weakref.ref] = []  # the groups gradcomp started or uses (``keep_a
 def keep_at_exit(group: dist.ProcessGroup | None) -> None:
     """Have the exit of a job started here keep ``group`` past finalization, like the groups
     still registered then (``_destroy_process_group``): also after the program destroyed them."""
-    if group is not None:
+    try:
         _GROUPS.append(weakref.ref(group))
+    except TypeError:  # None, or a group object that takes no weak reference: left as before
+        pass
 
 
 def _say_one_rank() -> None:
