@@ -389,6 +389,24 @@ print(f"rank {launch.rank} done", flush=True)
 '''
 
 
+def _two_ranks(launcher: str, argv: list[str]) -> tuple[int, str]:
+    """Run ``python argv...`` as a 2-rank job under ``mpiexec`` or ``torchrun --standalone`` (no MPI
+    launcher's variables left over); its exit code and output."""
+    import os
+    import subprocess
+
+    if launcher == "mpiexec":
+        result = run(2, argv, timeout=120, env={"PYTHONPATH": str(ROOT)})
+        return result.returncode, result.output
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for var in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "HYDI_CONTROL_FD"):
+        env.pop(var, None)
+    done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", *argv],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    return done.returncode, done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
 def test_exit_waits_for_the_last_callbacks_on_the_wire_thread(tmp_path, launcher):
     """The exit-6 abort seen in CI after clean runs, made certain: the wire thread is still inside
@@ -396,22 +414,9 @@ def test_exit_waits_for_the_last_callbacks_on_the_wire_thread(tmp_path, launcher
     Without the pipelines stopped at exit, the thread takes the GIL again during finalization
     and Python's pthread_exit through C++ frames aborts the process ("terminate called without
     an active exception"); with them, every rank exits 0."""
-    import os
-    import subprocess
-
     script = tmp_path / "late.py"
     script.write_text(LATE_CALLBACK_JOB)
-    if launcher == "mpiexec":
-        result = run(2, [str(script)], timeout=120, env={"PYTHONPATH": str(ROOT)})
-        code, out = result.returncode, result.output
-    else:
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        for var in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "HYDI_CONTROL_FD"):
-            env.pop(var, None)
-        done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script)],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-        code, out = done.returncode, done.stdout + done.stderr
+    code, out = _two_ranks(launcher, [str(script)])
     assert out.count(" done") == 2 and "terminate called" not in out, out
     assert code == 0, out
 
@@ -451,22 +456,9 @@ def test_exit_keeps_the_process_groups_past_finalization(tmp_path, launcher, end
     process ("terminate called without an active exception": one CI run after every check had
     passed). gradcomp keeps them past finalization: they outlive everything that held them, on
     both launchers and when the program destroyed them itself; the job exits 0."""
-    import os
-    import subprocess
-
     script = tmp_path / "kept.py"
     script.write_text(KEPT_GROUPS_JOB)
-    if launcher == "mpiexec":
-        result = run(2, [str(script), *ending], timeout=120, env={"PYTHONPATH": str(ROOT)})
-        code, out = result.returncode, result.output
-    else:
-        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        for var in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "HYDI_CONTROL_FD"):
-            env.pop(var, None)
-        done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script), *ending],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-        code, out = done.returncode, done.stdout + done.stderr
+    code, out = _two_ranks(launcher, [str(script), *ending])
     assert out.count(": kept all") == 2, out
     assert code == 0, out
 
