@@ -20,6 +20,15 @@ from .arrays import FLOAT_DTYPES, Array, DTypeLike, array_module, dtype_name, to
 
 Placement = tuple[str, int, tuple[int, ...]]  # (tensor key, offset in the region, shape)
 
+#: compressor state entries that are one rank's own error memory (``ErrorFeedback``'s worker and
+#: slice-owner residuals, PowerSGD's): they hold what that rank's messages lost, so they belong to
+#: it (``check_saved_here``) and are not sent to a healing replica (``gradcomp.torch.ft``)
+OWN_ERROR = ("residual/", "owner/")
+
+
+def own_error(key: str) -> bool:
+    return any(part in key for part in OWN_ERROR)
+
 
 class TensorStore:
     """Arrays per tensor key, stored in flat per-layout regions (see the module docstring).
@@ -276,6 +285,21 @@ def pop_shapes(state: dict, owner: str, known: Mapping[str, tuple] | None) -> di
                              f"this model's has shape {tuple(shape)}")
         recorded[key] = tuple(shape)
     return recorded
+
+
+def check_saved_here(keys: Iterable[str], saved_rank: Any, saved_size: Any, rank: int, size: int,
+                     owner: str, fix: str) -> None:
+    """Refuse compressor state with a rank's own error memory (``own_error`` among ``keys``) that
+    another rank, or a job of another size, saved: it holds what *that* rank's gradients lost, so
+    loading it here would drop this rank's own and pay that rank's into the wrong gradients,
+    silently. State without it (counters, agreed factors) fits every rank. ``None``: a checkpoint
+    from before the rank was kept (accepted, as it always was). ``fix``: how to save per rank."""
+    if (saved_rank is None and saved_size is None) or not any(own_error(k) for k in keys):
+        return
+    if (saved_rank, saved_size) != (rank, size):
+        raise ValueError(f"{owner}: this compressor state was saved by rank {saved_rank} of {saved_size}, "
+                         f"and this is rank {rank} of {size}: error-feedback residuals belong to the "
+                         f"rank that made them, so each rank must load its own. {fix}")
 
 
 def reject_leftovers(state: dict, owner: str) -> None:

@@ -42,6 +42,7 @@ from ..comm import Communicator
 from ..compressors import Compressor
 from ..compressors.hierarchical import scheduled
 from ..registry import make
+from ..state import check_saved_here
 from . import advice
 from .checkpoint import from_torch_state, to_torch_state
 from .communicator import default_comm
@@ -85,12 +86,21 @@ class HookState:
         state["names"] = {}    # ids mean nothing in another process; re-made by register()
         return state
 
+    def _rank_and_size(self) -> tuple[int, int]:
+        if self.comm is not None:
+            return self.comm.rank, self.comm.size
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
     def state_dict(self) -> dict[str, Any]:
         """The compressor's state as tensors and plain values (``torch.save``-able), and the last
         step's bucket layouts (lists of parameter names)."""
+        rank, size = self._rank_and_size()
         return {"compressor": self.compressor.describe(),
                 "state": to_torch_state(self.compressor.state_dict()),
-                "layouts": [list(keys) for keys in self.layouts]}
+                "layouts": [list(keys) for keys in self.layouts],
+                "rank": rank, "world_size": size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s output; checked against this model's parameters first."""
@@ -101,6 +111,11 @@ class HookState:
         if saved != self.compressor.describe():
             raise ValueError(f"gradcomp.torch: this checkpoint was saved by {saved}, but this hook "
                              f"runs {self.compressor.describe()}")
+        rank, size = self._rank_and_size()
+        check_saved_here(state["state"], state.get("rank"), state.get("world_size"), rank, size,
+                         "gradcomp.torch", "Save state.state_dict() on every rank, to a file of its own, or gather "
+                         "every rank's into one file (gradcomp.torch.ranks.gather_every_rank, then "
+                         "own_rank_state): docs/guides/checkpoints.md")
         layouts = state.get("layouts", [])  # absent from checkpoints saved before they were kept
         if not (isinstance(layouts, list) and all(isinstance(keys, list) and all(isinstance(k, str) for k in keys)
                                                   for keys in layouts)):

@@ -15,16 +15,12 @@ from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceOptio
                                                 BroadcastOptions, ReduceOp)
 
 from ..comm.protocol import default_depth
+from ..state import OWN_ERROR, own_error
 from .communicator import TorchCommunicator
 
 if TYPE_CHECKING:
 
     from torchft import Manager
-
-
-#: compressor state entries that are one replica's own error memory (``ErrorFeedback``'s worker
-#: and slice-owner residuals, PowerSGD's): not sent to a healing replica (ft.py's docstring)
-OWN_ERROR = ("residual/", "owner/")
 
 
 class QuorumCommunicator(TorchCommunicator):
@@ -177,11 +173,6 @@ class StepQuorum:
             return ("it does not participate in this quorum (healing under torchft's asynchronous "
                     "quorum?): use Manager(use_async_quorum=False)")
         return None
-
-
-
-def own_error(key: str) -> bool:
-    return any(part in key for part in OWN_ERROR)
 
 
 __all__ = ["OWN_ERROR", "QuorumCommunicator", "StepQuorum", "manager_group", "own_error"]

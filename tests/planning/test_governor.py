@@ -61,6 +61,10 @@ def rank_governor_decides_alike_and_resumes(spec: str, backs_off: bool):
 
     again = make()
     resumed = gc.GradientReducer([np.zeros(s, np.float32) for s in SHAPES], again, comm)
+    from_rank_0 = comm.comm.bcast(saved, root=0)  # rank 0's file loaded everywhere: refused elsewhere
+    if comm.rank != 0:
+        with pytest.raises(ValueError, match=f"saved by rank 0 of 3, and this is rank {comm.rank} of 3"):
+            resumed.load_state_dict(from_rank_0)
     resumed.load_state_dict(saved)
     tail: list[str] = []
     _run(resumed, resumed.gradients, comm.rank, range(45, 160), 1.0, tail)
