@@ -21,7 +21,7 @@ from .comm import CollectiveError, Communicator, default_communicator
 from .compressors.agreement import gather_texts
 from .compressors.contract import Compressor
 from .compressors.hierarchical import scheduled
-from .state import check_saved_here
+from .state import check_saved_here, saved_by, take_saved_by
 
 
 class GradientReducer:
@@ -134,16 +134,14 @@ class GradientReducer:
     def state_dict(self) -> dict[str, Any]:
         """The compressor's state (per array, by position) and the rank and job size that saved
         it: ``numpy.savez``-able. Residuals are this rank's own: each rank saves and loads its own."""
-        return {**self.compressor.state_dict(), "saved_by/rank": np.int64(self.comm.rank),
-                "saved_by/size": np.int64(self.comm.size)}
+        return {**self.compressor.state_dict(), **saved_by(self.comm)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``state_dict()``'s output, checked against these arrays' shapes, and against
         this rank, first."""
         state = dict(state)
-        rank, size = (state.pop(key, None) for key in ("saved_by/rank", "saved_by/size"))
-        check_saved_here(state, None if rank is None else int(rank), None if size is None else int(size),
-                         self.comm.rank, self.comm.size, "gradcomp",
+        rank, size = take_saved_by(state)
+        check_saved_here(state, rank, size, self.comm.rank, self.comm.size, "gradcomp",
                          "Save reducer.state_dict() on every rank, to a file of its own: "
                          "docs/guides/checkpoints.md")
         self.compressor.load_state_dict(state, self.shapes)

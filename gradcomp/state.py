@@ -287,6 +287,17 @@ def pop_shapes(state: dict, owner: str, known: Mapping[str, tuple] | None) -> di
     return recorded
 
 
+def saved_by(comm: Any) -> dict[str, np.int64]:
+    """The entries that record which rank of how many saved a state (``check_saved_here``)."""
+    return {"saved_by/rank": np.int64(comm.rank), "saved_by/size": np.int64(comm.size)}
+
+
+def take_saved_by(state: dict) -> tuple[int | None, int | None]:
+    """Pop ``saved_by``'s entries from ``state``: (rank, size), None where absent (older states)."""
+    rank, size = (state.pop(key, None) for key in ("saved_by/rank", "saved_by/size"))
+    return (None if rank is None else int(rank)), (None if size is None else int(size))
+
+
 def check_saved_here(keys: Iterable[str], saved_rank: Any, saved_size: Any, rank: int, size: int,
                      owner: str, fix: str) -> None:
     """Refuse compressor state with a rank's own error memory (``own_error`` among ``keys``) that

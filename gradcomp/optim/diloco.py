@@ -69,7 +69,7 @@ from ..planning.governor import BUDGET as GOVERNOR_BUDGET
 from ..planning.governor import Governed, has_safer_rungs
 from ..reducer import GradientReducer
 from ..registry import make, steady
-from ..state import reject_leftovers, take_config, take_int
+from ..state import reject_leftovers, saved_by, take_config, take_int
 from .optimizer import Hyper, Optimizer, _Agreed, governor_stats
 
 #: the defaults, measured on examples/torch_lm.py's TinyLM (docs/guides/local-steps.md)
@@ -344,6 +344,7 @@ class DiLoCo(Optimizer):
         for f, r in enumerate(self.reducers):
             prefix = "exchange/" if self.fragments == 1 else f"exchange/{f}/"
             out.update({prefix + k: v for k, v in r.compressor.state_dict().items()})
+        out.update(saved_by(self.comm))
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -360,6 +361,7 @@ class DiLoCo(Optimizer):
         for f in range(self.fragments):
             prefix = "exchange/" if self.fragments == 1 else f"exchange/{f}/"
             exchanges.append({k[len(prefix):]: state.pop(k) for k in [k for k in state if k.startswith(prefix)]})
+        self._check_saved_here(state, {k: v for e in exchanges for k, v in e.items()}, owner)
         reject_leftovers(state, owner)
         for r, exchange in zip(self.reducers, exchanges):
             r.compressor.load_state_dict(exchange, r.shapes)

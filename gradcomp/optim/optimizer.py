@@ -27,7 +27,8 @@ from ..compressors.wrapper import Wrapper
 from ..params import check_float
 from ..reducer import GradientReducer
 from ..settling import Settling, take_settling, with_settling
-from ..state import check_array, reject_leftovers, take_config, take_int
+from ..state import (check_array, check_saved_here, reject_leftovers, saved_by, take_config, take_int,
+                     take_saved_by)
 
 Hyper = float | Sequence[float]
 
@@ -234,7 +235,15 @@ class Optimizer:
             for i, a in enumerate(arrays):
                 out[f"{name}/{i}"] = np.array(_host(a), copy=True)
         out.update({f"exchange/{k}": v for k, v in self.compressor.state_dict().items()})
+        out.update(saved_by(self.comm))
         return with_settling(out, self.settling)
+
+    def _check_saved_here(self, state: dict[str, Any], exchange: Mapping[str, Any], owner: str) -> None:
+        """Pop the saving rank from ``state``; refuse the ``exchange`` residuals of another rank."""
+        rank, size = take_saved_by(state)
+        check_saved_here(exchange, rank, size, self.comm.rank, self.comm.size, owner,
+                         "Save the optimizer's state_dict() on every rank, to a file of its own: "
+                         "docs/guides/checkpoints.md")
 
     def _take_arrays(self, state: dict[str, Any], owner: str) -> dict[str, list[np.ndarray]]:
         """Pop every per-parameter array (``NAME/i``) from ``state``, checked against this
@@ -257,6 +266,7 @@ class Optimizer:
         step = take_int(state, "step", owner)
         loaded = self._take_arrays(state, owner)
         exchange = {k[len("exchange/"):]: state.pop(k) for k in [k for k in state if k.startswith("exchange/")]}
+        self._check_saved_here(state, exchange, owner)
         settling = take_settling(state, self.settling)
         reject_leftovers(state, owner)
         self.compressor.load_state_dict(exchange, self.reducer.shapes)

@@ -352,7 +352,12 @@ def rank_ranks_must_agree():
         ahead = gc.optim.DiLoCo(_start(), sync_every=2, comm=gc.MPICommunicator(alone))
         for _ in range(3):
             ahead.step()
-        outer.load_state_dict(ahead.state_dict())
+        state = ahead.state_dict()
+        with pytest.raises(ValueError, match="saved by rank 0 of 1, and this is rank 1 of 2"):
+            outer.load_state_dict(state)  # its residuals are another job's
+        # without the saving rank (a checkpoint from before it was recorded) it loads, and the
+        # steps disagree at the next sync
+        outer.load_state_dict({k: v for k, v in state.items() if not k.startswith("saved_by/")})
     with pytest.raises(CollectiveError, match="step"):
         for step in range(4):
             outer.step()

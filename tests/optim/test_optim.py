@@ -113,6 +113,17 @@ def rank_onebit_adam_lossy_warmup():
     assert stats["bytes_sent"] < stats["reference_bytes"] / 3, stats
     kept = opt.warmup_compressor.residuals(opt._keys)
     assert kept and any(np.abs(r).max() > 0 for r in kept.values()), "int8 kept no residual in the warm-up"
+    # rank 0's checkpoint loaded on every rank would hand them its residuals: refused elsewhere
+    from_rank_0 = comm.comm.bcast(opt.state_dict(), root=0)  # test-side transport
+    twin = gc.optim.OneBitAdam([np.ones(s, np.float32) for s in shapes], lr=0.01, betas=(b1, 0.99),
+                               warmup=warm, compressor=gc.Allreduce(), warmup_compressor="int8:warmup=0",
+                               comm=comm)
+    if comm.rank == 0:
+        twin.load_state_dict(from_rank_0)
+    else:
+        with pytest.raises(ValueError, match="saved by rank 0 of 2, and this is rank 1 of 2"):
+            twin.load_state_dict(from_rank_0)
+    twin.load_state_dict(opt.state_dict())  # its own
     before = [m.astype(np.float64) for m in opt.m]
     grads = _problem(comm.rank, warm, shapes)
     opt.step(grads)
