@@ -113,9 +113,9 @@ class HookState:
                              f"runs {self.compressor.describe()}")
         rank, size = self._rank_and_size()
         check_saved_here(state["state"], state.get("rank"), state.get("world_size"), rank, size,
-                         "gradcomp.torch", "Save state.state_dict() on every rank, to a file of its own, or gather "
-                         "every rank's into one file (gradcomp.torch.ranks.gather_every_rank, then "
-                         "own_rank_state): docs/guides/checkpoints.md")
+                         "gradcomp.torch", "Save state.state_dict() on every rank, to a file of its "
+                         "own, or gather every rank's into one file (gradcomp.torch.ranks."
+                         "gather_every_rank, then own_rank_state): docs/guides/checkpoints.md")
         layouts = state.get("layouts", [])  # absent from checkpoints saved before they were kept
         if not (isinstance(layouts, list) and all(isinstance(keys, list) and all(isinstance(k, str) for k in keys)
                                                   for keys in layouts)):
