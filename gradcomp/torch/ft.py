@@ -66,9 +66,10 @@ from torch.nn import parallel
 
 from ..compressors import Compressor
 from ..registry import make
+from ..state import own_error
 from . import advice
 from .hook import HookState, gradcomp_hook
-from .quorum import QuorumCommunicator, StepQuorum, manager_group, own_error
+from .quorum import QuorumCommunicator, StepQuorum, manager_group
 from .tensors import as_array
 
 if TYPE_CHECKING:

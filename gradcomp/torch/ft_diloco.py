@@ -36,8 +36,9 @@ import torch
 
 from ..comm import CollectiveError
 from ..optim.diloco import parameters_digest
+from ..state import own_error
 from .checkpoint import from_torch_state, to_torch_state
-from .quorum import QuorumCommunicator, StepQuorum, manager_group, own_error
+from .quorum import QuorumCommunicator, StepQuorum, manager_group
 from .tensors import as_array
 
 if TYPE_CHECKING:

@@ -112,15 +112,17 @@ def init_process_group(backend: str | None = None, timeout: datetime.timedelta |
 
 
 _SAID_ONE_RANK = False
-_GROUPS: list[weakref.ref] = []  # the groups gradcomp started or uses (``keep_at_exit``)
+_GROUPS: "weakref.WeakSet[dist.ProcessGroup]" = weakref.WeakSet()  # started or used here (``keep_at_exit``)
 
 
 def keep_at_exit(group: dist.ProcessGroup | None) -> None:
     """Have the exit of a job started here keep ``group`` past finalization, like the groups
     still registered then (``_destroy_process_group``): also after the program destroyed them."""
+    if group is None:
+        return
     try:
-        _GROUPS.append(weakref.ref(group))
-    except TypeError:  # None, or a group object that takes no weak reference: left as before
+        _GROUPS.add(group)
+    except TypeError:  # a group object that takes no weak reference: left as before
         pass
 
 
@@ -164,7 +166,7 @@ def _destroy_process_group() -> None:
     abort; also when the program destroyed the group itself."""
     native = os.environ.get("GRADCOMP_NATIVE_TEARDOWN", "0").strip().lower() not in ("0", "", "false", "no", "off")
     registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
-    groups = [] if native else list(registry or ()) + [g for g in (ref() for ref in _GROUPS) if g is not None]
+    groups = [] if native else list(registry or ()) + list(_GROUPS)
     if dist.is_initialized():
         dist.destroy_process_group()
     if not native:
