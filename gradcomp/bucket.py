@@ -4,7 +4,9 @@ A bucket is what DDP hands a communication hook and what a compressor reduces. `
 PowerSGD see matrices again; ``keys`` name the tensors, and compressors keep their state
 (error-feedback residuals, warm-start factors) per key, so it follows each tensor through DDP's
 bucket rebuild and into a resumed model; ``is_last`` marks the end of a training step (step
-counters advance there); ``index`` is the bucket's position in the step. A ``scatter`` bucket asks
+counters advance there); ``index`` is the bucket's position in the step; ``step`` is set where a
+router (the governor's rungs, ``auto``) may hand a compressor some of a step's buckets and not the
+last (``StepCount``). A ``scatter`` bucket asks
 for a reduce-scatter instead of an allreduce (FSDP's gradients leave that way): its buffer is
 ``size`` equal rows, row r bound for rank r, and the result is the mean of this rank's row only.
 """
@@ -55,10 +57,11 @@ class Bucket:
     the buffer holds one equal row per rank (row r for rank r, tensors may straddle rows) and the
     compressor returns the mean over ranks of this rank's row, ``numel / size`` values (the only
     exception to "output has the input's length"); only compressors that declare ``scatters`` take
-    such a bucket.
+    such a bucket. ``step``: None, or the step of a router that may send this compressor only
+    some of a step's buckets (``routed``, read by ``StepCount``).
     """
 
-    __slots__ = ("buffer", "index", "shapes", "keys", "is_last", "scratch", "scatter")
+    __slots__ = ("buffer", "index", "shapes", "keys", "is_last", "scratch", "scatter", "step")
 
     buffer: Array
     index: int
@@ -67,10 +70,11 @@ class Bucket:
     is_last: bool
     scratch: bool
     scatter: bool
+    step: int | None
 
     def __init__(self, buffer: Array, index: int = 0, shapes: Sequence[Sequence[int]] | None = None,
                  is_last: bool = True, scratch: bool = False, keys: Sequence[str] | None = None,
-                 scatter: bool = False):
+                 scatter: bool = False, step: int | None = None):
         problem = buffer_problem(buffer)
         if problem:
             raise ValueError(problem)
@@ -95,6 +99,7 @@ class Bucket:
         self.is_last = bool(is_last)
         self.scratch = bool(scratch)
         self.scatter = bool(scatter)
+        self.step = None if step is None else int(step)
 
     def __repr__(self) -> str:
         return (f"Bucket(numel={self.numel}, dtype={dtype_name(self.dtype)}, index={self.index}, "
@@ -138,7 +143,43 @@ class Bucket:
 
     def with_buffer(self, buffer: Array, scratch: bool = False) -> Bucket:
         """The same layout over another buffer (a cast copy, say; ``scratch``: see the class)."""
-        return Bucket(buffer, self.index, self.shapes, self.is_last, scratch, self.keys, self.scatter)
+        return Bucket(buffer, self.index, self.shapes, self.is_last, scratch, self.keys, self.scatter, self.step)
+
+    def routed(self, step: int) -> Bucket:
+        """This bucket as a router hands it on, stamped with the router's ``step``: the compressor
+        that gets it may see only some of that step's buckets (``StepCount``)."""
+        return Bucket(self.buffer, self.index, self.shapes, self.is_last, self.scratch, self.keys, self.scatter,
+                      step)
+
+
+class StepCount:
+    """A compressor's own count of training steps: those in which it reduced at least one bucket.
+
+    Straight from a caller, every bucket of a step arrives and the step ends at its ``is_last``
+    bucket. Behind a router that moves tensors between methods on its own (the governor's
+    rungs, ``auto``), a method may get some of a step's buckets and not the last: the router
+    stamps each bucket with its own step (``Bucket.routed``), and a new stamp ends the step that
+    was open. ``take`` gives each bucket its step number; ``count`` is the steps seen, the one in
+    progress included (what a checkpoint taken between steps saves)."""
+
+    def __init__(self, count: int = 0):
+        self.done = int(count)
+        self._open: int | None = None  # the router's stamp of a step seen without its last bucket
+
+    @property
+    def count(self) -> int:
+        return self.done + (self._open is not None)
+
+    def peek(self, bucket: Bucket) -> int:
+        """The step ``take`` would give ``bucket``, counting nothing."""
+        return self.done + (self._open is not None and bucket.step != self._open)
+
+    def take(self, bucket: Bucket) -> int:
+        """``bucket``'s step in this count (see the class)."""
+        step = self.peek(bucket)
+        self.done = step + bucket.is_last
+        self._open = None if bucket.is_last else bucket.step
+        return step
 
 
 def group(arrays: Sequence[Array], bucket_cap_mb: float = 25.0) -> list[list[int]]:

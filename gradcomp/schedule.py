@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from .arrays import Array, DTypeLike, cast
-from .bucket import Bucket
+from .bucket import Bucket, StepCount
 from .comm import Communicator, Workspace
 from .compressors.contract import Compressor, run_stage
 from .compressors.wrapper import Wrapper
@@ -176,8 +176,9 @@ class Schedule(Stages):
     """Pick the compressor by training step.
 
     ``stages``: ``(first_step, compressor)`` pairs; the first must start at step 0 and the steps
-    must increase. Steps are counted by the Schedule itself, one per ``is_last`` bucket, so all
-    buckets of one step go to the same stage.
+    must increase. Steps are counted by the Schedule itself (``StepCount``: one per ``is_last``
+    bucket, or per router step where it is a method behind the governor's rungs), so all buckets
+    of one step go to the same stage.
 
     Each stage keeps its own state and counts only the steps it has seen: a ``PowerSGD(start_iter=2)``
     stage starting at step 1000 averages exactly for steps 1000 and 1001 and compresses from 1002
@@ -214,7 +215,7 @@ class Schedule(Stages):
         self.starts = starts
         self._planned = list(starts)  # as constructed: what start_later_stages moves from
         self.compressors = [c for _, c in stages]
-        self._step = 0
+        self._steps = StepCount()
         self._last_stage: dict[str, int] = {}  # tensor key -> stage that reduced it last
 
     def config(self) -> dict[str, Any]:
@@ -233,7 +234,7 @@ class Schedule(Stages):
 
     @property
     def step(self) -> int:
-        return self._step
+        return self._steps.count
 
     @property
     def error_feedback_on(self) -> bool:
@@ -258,30 +259,30 @@ class Schedule(Stages):
         return bisect.bisect_right(self.starts, step) - 1
 
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Stage:
-        step = self._step
-        if bucket.is_last:
-            self._step += 1
+        step = self._steps.take(bucket)
         k = self.stage_at(step)
         bucket = hand_over(self, self.compressors, [self._last_stage.get(key, -1) for key in bucket.keys], k,
                            bucket, workspace)
+        if bucket.step is not None:  # routed to it: its stages too may see only some of a step
+            bucket = bucket.routed(step)
         self._last_stage.update(dict.fromkeys(bucket.keys, k))
         return _Stage(k, bucket, self.compressors[k].prepare(bucket, comm, workspace), step)
 
     def agreement_state(self, bucket: Bucket, prepared: _Stage | None) -> dict[str, Any]:
         if prepared is None:
-            return {"step": self._step}
+            return {"step": self.step}
         return {"step": prepared.step, "stage": prepared.stage,
                 **self.stage_agreement(prepared, f"stage{prepared.stage}")}
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()
-        s["step"] = self._step
-        s["stage"] = self.stage_at(self._step)
+        s["step"] = self.step
+        s["stage"] = self.stage_at(self.step)
         return s
 
     def state_dict(self) -> dict[str, Any]:
         """Own step and hand-over bookkeeping plus every stage's state under ``stage{k}/``."""
-        out: dict[str, Any] = {"step": self._step}
+        out: dict[str, Any] = {"step": self.step}
         for key, k in sorted(self._last_stage.items()):
             out[f"last_stage/{key}"] = k
         return {**out, **stage_states(self.compressors, "stage")}
@@ -300,5 +301,5 @@ class Schedule(Stages):
         parts = take_stage_states(self.compressors, state, "stage")
         reject_leftovers(state, owner)
         load_stage_states(self.compressors, parts, shapes)
-        self._step = step
+        self._steps = StepCount(step)
         self._last_stage = last

@@ -24,6 +24,7 @@ into ``stats()`` (when, and why).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -39,7 +40,12 @@ WINDOW, TOLERANCE, PATIENCE, EARLIEST, LATEST = 10, 0.1, 1, 30, 300
 
 
 class Settling:
-    """Decides, from per-tensor levels seen each step, the step at which a warm-up ends."""
+    """Decides, from per-tensor levels seen each step, the step at which a warm-up ends.
+
+    Levels are keyed by tensor (a mapping, or a sequence: keyed by position), and the tensors
+    seen may change from step to step (the governor moves tensors between rungs on their own,
+    DDP rebuilds its buckets): a window's mean of a tensor is over the steps it was seen in, and
+    the drift is taken over the tensors seen in both windows, in the order first seen."""
 
     def __init__(self, window: int = WINDOW, tolerance: float = TOLERANCE, earliest: int = EARLIEST,
                  latest: int = LATEST, patience: int = PATIENCE):
@@ -53,9 +59,11 @@ class Settling:
         self.reason = ""
         self.drift: float | None = None  # the last window's
         self._steps = 0
-        self._sum: np.ndarray | None = None
-        self._before: np.ndarray | None = None
-        self._sizes: np.ndarray | None = None
+        self._sum: dict[str, float] = {}     # this window's, per tensor
+        self._seen: dict[str, int] = {}      # this window's steps per tensor
+        self._before: dict[str, float] = {}  # the last window's means
+        self._sizes: dict[str, int] = {}
+        self._unkeyed: dict[str, np.ndarray] | None = None  # a checkpoint's from before the keys
 
     @property
     def warm(self) -> bool:
@@ -67,39 +75,62 @@ class Settling:
         """The first step after the warm-up: decided, or ``latest`` while it is not."""
         return self.latest if self.ended_at is None else self.ended_at
 
-    def observe(self, levels: Sequence[float], sizes: Sequence[int]) -> bool:
-        """One step's levels (one per tensor) and the tensors' sizes; True when this step was the
-        warm-up's last."""
+    def observe(self, levels: Mapping[str, float] | Sequence[float], sizes: Mapping[str, int] | Sequence[int]) -> bool:
+        """One step's levels and the tensors' sizes (one each per tensor seen this step); True
+        when this step was the warm-up's last."""
         if self.ended_at is not None:
             return False
-        levels_ = np.asarray(levels, dtype=np.float64)
-        if self._sum is None:
-            self._sum = np.zeros_like(levels_)
-            self._sizes = np.asarray(sizes, dtype=np.float64)
-        if levels_.shape != self._sum.shape:
-            raise ValueError(f"Settling: got {levels_.size} levels, {self._sum.size} before")
-        self._sum += levels_
+        levels_, sizes_ = _keyed(levels), _keyed(sizes)
+        if levels_.keys() != sizes_.keys():
+            raise ValueError(f"Settling: levels for {sorted(levels_)[:4]}..., sizes for {sorted(sizes_)[:4]}...")
+        if self._unkeyed is not None:
+            self._adopt(list(levels_))
+        for key, level in levels_.items():
+            self._sum[key] = self._sum.get(key, 0.0) + float(level)
+            self._seen[key] = self._seen.get(key, 0) + 1
+            self._sizes[key] = int(sizes_[key])
         self._steps += 1
         if self._steps % self.window == 0:
-            mean = self._sum / self.window
-            if self._before is not None and self._sizes is not None:
-                self.drift = drift(mean, self._before, self._sizes)
+            mean = {k: v / self._seen[k] for k, v in self._sum.items()}
+            shared = [k for k in mean if k in self._before]
+            if shared:
+                self.drift = drift(np.array([mean[k] for k in shared]), np.array([self._before[k] for k in shared]),
+                                   np.array([self._sizes[k] for k in shared], np.float64))
                 self._calm = self._calm + 1 if self.drift < self.tolerance else 0
                 if self._steps >= self.earliest and self._calm >= self.patience:
                     return self._end(f"the gradients' scale settled: it moved {self.drift:.1%} over the "
                                      f"last {self.window} steps, under {self.tolerance:.0%} for "
                                      f"{self._calm * self.window} steps")
             self._before = mean
-            self._sum[...] = 0
+            self._sum, self._seen = {}, {}
         if self._steps >= self.latest:
             moved = "" if self.drift is None else f" (it last moved {self.drift:.1%} in {self.window} steps)"
             return self._end(f"reached latest={self.latest} before the gradients' scale settled{moved}")
         return False
 
+    def _adopt(self, keys: list[str]) -> None:
+        """A checkpoint from before levels were keyed held one value per tensor in the order the
+        owner passed them: keyed now by the first step's tensors, in that order, when there are as
+        many; otherwise the window restarts (said in a warning)."""
+        arrays, self._unkeyed = self._unkeyed or {}, None
+        if any(a.size != len(keys) for a in arrays.values()):
+            warnings.warn(f"Settling: the loaded warm-up window holds {next(iter(arrays.values())).size} tensors' "
+                          f"levels without their names, and {len(keys)} tensors reach it now: its window "
+                          "starts again", RuntimeWarning, stacklevel=3)
+            return
+        seen = self._steps % self.window
+        if "sum" in arrays and seen:
+            self._sum = dict(zip(keys, map(float, arrays["sum"])))
+            self._seen = dict.fromkeys(keys, seen)
+        if "before" in arrays:
+            self._before = dict(zip(keys, map(float, arrays["before"])))
+        if "sizes" in arrays:
+            self._sizes = dict(zip(keys, map(int, arrays["sizes"])))
+
     def _end(self, reason: str) -> bool:
         self.ended_at = self._steps
         self.reason = reason
-        self._sum = self._before = self._sizes = None
+        self._sum, self._seen, self._before, self._sizes = {}, {}, {}, {}
         return True
 
     def stats(self) -> dict[str, Any]:
@@ -112,10 +143,15 @@ class Settling:
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"steps": self._steps, "ended_at": -1 if self.ended_at is None else self.ended_at,
                                "calm": self._calm, "reason": np.array(self.reason)}
-        for name in ("sum", "before", "sizes"):
-            value = getattr(self, f"_{name}")
-            if value is not None:
-                out[name] = value.copy()
+        if self._unkeyed is not None:  # (loaded, not yet adopted: saved as it came)
+            out.update({name: a.copy() for name, a in self._unkeyed.items()})
+        elif self._sizes:
+            keys = list(self._sizes)
+            out["keys"] = np.array("\n".join(keys))
+            out["sizes"] = np.array([self._sizes[k] for k in keys], np.int64)
+            out["sum"] = np.array([self._sum.get(k, 0.0) for k in keys], np.float64)
+            out["seen"] = np.array([self._seen.get(k, 0) for k in keys], np.int64)
+            out["before"] = np.array([self._before.get(k, math.nan) for k in keys], np.float64)
         if self.drift is not None:
             out["drift"] = np.float64(self.drift)
         return out
@@ -127,17 +163,25 @@ class Settling:
         ended = take_int(state, "ended_at", owner, minimum=-1)
         calm = take_int(state, "calm", owner)
         reason = str(np.asarray(state.pop("reason", "")))
+        keys = str(np.asarray(state.pop("keys"))).split("\n") if "keys" in state else None
         arrays = {}
-        for name in ("sum", "before", "sizes"):
+        for name, dtypes in (("sum", ("float64",)), ("before", ("float64",)), ("sizes", ("float64", "int64")),
+                             ("seen", ("int64",))):
             if name in state:
-                arrays[name] = check_array(state.pop(name), name, owner, None, ("float64",))
+                arrays[name] = check_array(state.pop(name), name, owner, None, dtypes)
         drift_ = state.pop("drift", None)
         reject_leftovers(state, owner)
         lengths = {name: a.shape for name, a in arrays.items()}
         if len(set(lengths.values())) > 1 or any(len(shape) != 1 for shape in lengths.values()):
-            raise ValueError(f"{owner} state: sum, before and sizes must be 1-D, one value per tensor; "
+            raise ValueError(f"{owner} state: sum, before, sizes and seen must be 1-D, one value per tensor; "
                              f"got shapes {lengths}")
-        if ended < 0 and ("sum" in arrays) != ("sizes" in arrays):
+        if keys is not None and (set(arrays) != {"sum", "before", "sizes", "seen"} or
+                                 arrays["sizes"].size != len(keys) or len(set(keys)) != len(keys)):
+            raise ValueError(f"{owner} state: 'keys' names {len(keys)} tensors; sum, before, sizes and seen "
+                             f"must each hold one value per tensor (got {lengths})")
+        if keys is None and "seen" in arrays:
+            raise ValueError(f"{owner} state: 'seen' without the 'keys' it counts for")
+        if ended < 0 and keys is None and ("sum" in arrays) != ("sizes" in arrays):
             raise ValueError(f"{owner} state: a warm-up in progress needs both 'sum' and 'sizes'")
         if ended >= 0 and ended > steps:
             raise ValueError(f"{owner} state: ended_at={ended} is after the {steps} steps seen")
@@ -145,8 +189,24 @@ class Settling:
         self._calm = calm
         self.ended_at = None if ended < 0 else ended
         self.reason = reason
-        self._sum, self._before, self._sizes = (arrays.get("sum"), arrays.get("before"), arrays.get("sizes"))
+        self._sum, self._seen, self._before, self._sizes, self._unkeyed = {}, {}, {}, {}, None
+        if keys is not None:
+            for i, key in enumerate(keys):
+                self._sizes[key] = int(arrays["sizes"][i])
+                if arrays["seen"][i] > 0:
+                    self._sum[key], self._seen[key] = float(arrays["sum"][i]), int(arrays["seen"][i])
+                if not math.isnan(arrays["before"][i]):
+                    self._before[key] = float(arrays["before"][i])
+        elif arrays:
+            self._unkeyed = {name: np.asarray(a).copy() for name, a in arrays.items()}
         self.drift = None if drift_ is None else float(np.asarray(drift_))
+
+
+def _keyed(values: Mapping[str, Any] | Sequence[Any]) -> dict[str, Any]:
+    """``values`` by tensor key: a mapping as it is, a sequence by position."""
+    if isinstance(values, Mapping):
+        return {str(k): v for k, v in values.items()}
+    return {str(i): v for i, v in enumerate(values)}
 
 
 PREFIX = "settling/"  # its keys in an owner's checkpoint

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from .arrays import FLOAT_DTYPES, Array, DTypeLike, array_module, dtype_name, to_host
+from .bucket import Bucket
 
 Placement = tuple[str, int, tuple[int, ...]]  # (tensor key, offset in the region, shape)
 
@@ -156,6 +157,14 @@ class TensorStore:
         self.load({})
 
 
+class Claimable(Protocol):
+    """What holds loaded per-tensor state (a ``TensorStore``, the governor's rungs)."""
+
+    def unclaimed(self) -> Iterable[str]:
+        """Keys loaded and not placed since."""
+        ...
+
+
 class ClaimCheck:
     """Loaded state that no tensor claims is an error, never silently dropped.
 
@@ -187,11 +196,19 @@ class ClaimCheck:
     def loaded(self) -> None:
         self.pending, self.seen = True, []
 
-    def saw(self, keys: Sequence[str], is_last: bool, stores: Sequence[TensorStore], owner: str) -> None:
+    def saw(self, bucket: Bucket, stores: Sequence[Claimable], owner: str) -> None:
+        """``bucket`` was placed. Behind a router (``bucket.step`` set: the governor's
+        rungs, ``auto``) a tensor's state may wait for the tensor to come back to this method, so
+        nothing is concluded there: the router checks the tensors it keeps state for (the
+        governor's), and the DDP hook and ``GradientReducer`` check names against the model's
+        when the state loads."""
         if not self.pending:
             return
-        self.seen.extend(keys)
-        if not is_last:
+        if bucket.step is not None:
+            self.pending, self.seen = False, []
+            return
+        self.seen.extend(bucket.keys)
+        if not bucket.is_last:
             return
         self.pending = False
         carried = set(self.seen)

@@ -63,7 +63,7 @@ class ErrorFeedback(Wrapper):
         prepared = self.inner.prepare(bucket, comm, workspace, feedback=self)
         if self._claims.pending and self.owner_feedback and prepared.layout is not None:
             self._check_loaded_owner(bucket, comm, prepared.layout.slice_len)
-        self._claims.saw(bucket.keys, bucket.is_last, [self.store], type(self).__name__)
+        self._claims.saw(bucket, [self.store], type(self).__name__)
         return prepared
 
     def _check_loaded_owner(self, bucket: Bucket, comm: Communicator, slice_len: int) -> None:

@@ -162,7 +162,7 @@ class Hierarchical(Wrapper):
         keys = bucket.keys[first:end] or (f"{bucket.index}.empty{l}",)
         if wide:
             mine = cast(mine, g.dtype)
-        part = Bucket(mine, bucket.index, shapes, bucket.is_last, scratch=True, keys=keys)
+        part = Bucket(mine, bucket.index, shapes, bucket.is_last, scratch=True, keys=keys, step=bucket.step)
         sent = self.inner._stats["bytes_sent"]  # (the inner's count leaves its agreement out)
         reduced = self.inner.reduce(part, cross).result()
         comm.bytes_sent += self.inner._stats["bytes_sent"] - sent  # the main counter: bytes across hosts

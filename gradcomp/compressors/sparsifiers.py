@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..arrays import Array, DTypeLike, add_into, array_module, zero_non_finite
-from ..bucket import Bucket, digest
+from ..bucket import Bucket, StepCount, digest
 from ..comm import Communicator, Workspace
 from ..kernels import selection
 from ..kernels.selection import BLOCK, scatter, sum_is_finite
@@ -217,13 +217,11 @@ class RandomK(Codec):
         super().__init__()
         self.ratio = check_float("ratio", ratio, above=0, maximum=1)
         self.seed = check_int("seed", seed, 0)
-        self._step = 0
+        self._steps = StepCount()
         self._draws = selection.Draws()
 
     def start(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> int:
-        step = self._step
-        if bucket.is_last:
-            self._step += 1
+        step = self._steps.take(bucket)
         n = bucket.numel
         k = kept(n, self.ratio)
         layout = digest(bucket.layout_text())
@@ -294,16 +292,16 @@ class RandomK(Codec):
         out[index] += message[:k]
 
     def agreement_state(self, bucket: Bucket, prepared: Any) -> dict[str, Any]:
-        return {"step": prepared.decision if prepared is not None else self._step}
+        return {"step": prepared.decision if prepared is not None else self._steps.count}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self._step}
+        return {"step": self._steps.count}
 
     def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
         state = dict(state)
         step = take_int(state, "step", "RandomK")
         reject_leftovers(state, "RandomK")
-        self._step = step
+        self._steps = StepCount(step)
 
     def memory_passes(self, shapes: passes.Shapes, ranks: int = 1, itemsize: int = 4,
                       residuals: passes.Residuals | None = None) -> passes.Passes | None:

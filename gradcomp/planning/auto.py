@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..arrays import Array
-from ..bucket import Bucket, digest
+from ..bucket import Bucket, StepCount, digest
 from ..comm import Communicator, Workspace
 from ..compressors.contract import Compressor, run_stage, sends_part
 from ..compressors.hierarchical import Hierarchical
@@ -70,6 +70,7 @@ class _Routed:
     choice: int
     bucket: Bucket
     inner: Any
+    step: int = 0  # (this compressor's: options get some of a step's buckets, ``StepCount``)
 
 
 class Auto(Compressor):
@@ -104,6 +105,7 @@ class Auto(Compressor):
         self._choices: dict[str, int] = {}      # layout digest -> option (an index of _options)
         self._why: dict[str, dict[str, Any]] = {}
         self._last: dict[str, int] = {}          # tensor key -> option that reduced it last
+        self._steps = StepCount()               # (the stamp on what each option gets)
         self._measured: Measurements | None = None  # None: not measured yet, or nothing to measure
         self._probe_bytes = 0.0                  # what this auto's measurement sent
 
@@ -233,19 +235,20 @@ class Auto(Compressor):
     # -- the two stages, routed --------------------------------------------------------------------
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Routed:
         k = self._choices.get(f"{bucket.layout_key():x}")
+        step = self._steps.take(bucket)
         if k is None:  # a new layout: chosen on the wire thread, once every rank agreed to go on
-            return _Routed(-1, bucket, None)
-        return self._route(k, bucket, comm, workspace)
+            return _Routed(-1, bucket, None, step)
+        return self._route(k, bucket, step, comm, workspace)
 
-    def _route(self, k: int, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Routed:
+    def _route(self, k: int, bucket: Bucket, step: int, comm: Communicator, workspace: Workspace) -> _Routed:
         bucket = hand_over(self, self._options, [self._last.get(key, -1) for key in bucket.keys], k, bucket,
-                           workspace)
+                           workspace).routed(step)
         self._last.update(dict.fromkeys(bucket.keys, k))
-        return _Routed(k, bucket, self._options[k].prepare(bucket, comm, workspace))
+        return _Routed(k, bucket, self._options[k].prepare(bucket, comm, workspace), step)
 
     def finish(self, bucket: Bucket, comm: Communicator, prepared: _Routed) -> Array:
         if prepared.choice < 0:
-            prepared = self._route(self._choose(bucket, comm), bucket, comm, comm.workspace)
+            prepared = self._route(self._choose(bucket, comm), bucket, prepared.step, comm, comm.workspace)
         return run_stage(self._options[prepared.choice], prepared.bucket, comm, prepared.inner)
 
     def agreement_state(self, bucket: Bucket, prepared: _Routed | None) -> dict[str, Any]:

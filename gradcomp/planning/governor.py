@@ -42,7 +42,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..arrays import Array, array_module, to_host
-from ..bucket import Bucket, digest
+from ..bucket import Bucket, StepCount, digest
 from ..comm import Communicator, Workspace
 from ..comm.protocol import method_traffic
 from ..compressors.contract import Compressor
@@ -138,6 +138,17 @@ class _Tensor:
                         np.int64)
 
 
+class _Rungs:
+    """The tensors whose rungs a governor keeps (``ClaimCheck``: after a load, each must reach
+    it at the next step; the rungs' own stores cannot tell, each seeing only its tensors)."""
+
+    def __init__(self, tensors: Mapping[str, Any]):
+        self.tensors = tensors
+
+    def unclaimed(self) -> list[str]:
+        return sorted(self.tensors)
+
+
 class Governed(Stages):
     """``method``, governed: see the module. ``budget``: the largest cost allowed (``BUDGET``).
     ``start``: the rung a tensor starts at (0: the method), climbing a rung after each ``hold``
@@ -155,7 +166,7 @@ class Governed(Stages):
             raise ValueError(f"governor window ({self.window} steps) is longer than its period ({self.every})")
         self.hold, self.delay = check_int("hold", hold, 1), check_int("delay", delay, 1)
         self.start = check_int("start", start, 0, LEVELS - 1)
-        self._step = 0
+        self._steps = StepCount()
         self._tensors: dict[str, _Tensor] = {}
         self._windows: dict[str, Window] = {}   # first key of the bucket -> its open window
         self._plans: dict[str, Plan] = {}       # first key of the bucket -> when it is audited
@@ -168,6 +179,7 @@ class Governed(Stages):
         self.adaptive = False
         self._costs: dict[str, float] = {}  # each tensor's cost at its last audit (stats only)
         self._samples: dict[tuple, Sample] = {}  # layout -> audited coordinates
+        self._claims = ClaimCheck()  # loaded rungs whose tensor no bucket of the next step carries
 
     # -- what it declares: the method's (``Stages``: where the rungs differ, what holds for all) ----
     @property
@@ -196,7 +208,7 @@ class Governed(Stages):
 
     @property
     def step(self) -> int:
-        return self._step
+        return self._steps.count
 
     # -- one bucket -------------------------------------------------------------------------------
     def _tensor(self, key: str) -> _Tensor:
@@ -205,10 +217,10 @@ class Governed(Stages):
             t = self._tensors[key] = _Tensor(hold=self.hold)
             if self.start:
                 t.level = t.before = self.start
-                t.retry = self._step + self.hold
+                t.retry = self.step + self.hold
             elif self.adaptive:  # a tensor first seen under an adaptive optimizer starts a rung down
                 t.level = t.before = 1
-                t.hold, t.retry = ADAPTIVE_HOLD, self._step + ADAPTIVE_HOLD
+                t.hold, t.retry = ADAPTIVE_HOLD, self.step + ADAPTIVE_HOLD
         return t
 
     def adapt(self) -> None:
@@ -220,9 +232,9 @@ class Governed(Stages):
             return
         self.adaptive = True
         for t in self._tensors.values():
-            if t.at(self._step) == 0:
-                t.move(1, self._step, ADAPTIVE_HOLD, self.delay)
-        self._note(self._step, list(self._tensors), RUNGS[1], math.nan,
+            if t.at(self.step) == 0:
+                t.move(1, self.step, ADAPTIVE_HOLD, self.delay)
+        self._note(self.step, list(self._tensors), RUNGS[1], math.nan,
                    "an adaptive optimizer (Adam-like) steps these tensors: the method must earn its rung")
 
     @property
@@ -231,12 +243,12 @@ class Governed(Stages):
         return self.budget * (ADAPTIVE_SHARE if self.adaptive else 1.0)
 
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Prepared:
-        step = self._step
-        if bucket.is_last:
-            self._step += 1
+        step = self._steps.take(bucket)
+        self._claims.saw(bucket, [_Rungs(self._tensors)], "governed compressor")
         tensors = [self._tensor(k) for k in bucket.keys]
         level = max((t.at(step) for t in tensors), default=0)
-        bucket = hand_over(self, self.levels, [t.last for t in tensors], level, bucket, workspace)
+        # each rung may get some of a step's buckets and not the last: stamped with the step
+        bucket = hand_over(self, self.levels, [t.last for t in tensors], level, bucket, workspace).routed(step)
         for t in tensors:
             t.last = level
             t.steps[level] += 1
@@ -357,7 +369,7 @@ class Governed(Stages):
 
     def agreement_state(self, bucket: Bucket, prepared: _Prepared | None) -> dict[str, Any]:
         if prepared is None:
-            return {"step": self._step}
+            return {"step": self.step}
         return {"step": prepared.step, "level": prepared.stage, "audit": prepared.sample is not None,
                 "adaptive": self.adaptive, **self.stage_agreement(prepared, f"level{prepared.stage}")}
 
@@ -368,7 +380,7 @@ class Governed(Stages):
         s["governor"] = {
             "budget": self.budget,
             "limit": self.limit,
-            "levels": {k: RUNGS[t.at(self._step)] for k, t in self._tensors.items()},
+            "levels": {k: RUNGS[t.at(self.step)] for k, t in self._tensors.items()},
             "tensor_steps": dict(zip(RUNGS, steps)),
             "last_cost": dict(self._costs),
             "decisions": list(self.decisions),
@@ -380,7 +392,7 @@ class Governed(Stages):
         return {**{k: v for k, v in self.method.stats().items() if k not in s}, **s}
 
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"step": self._step, "audit_bytes": self.audit_bytes,
+        out: dict[str, Any] = {"step": self.step, "audit_bytes": self.audit_bytes,
                                "runaway_seen": int(self._runaway_seen), "adaptive": int(self.adaptive)}
         for key, t in sorted(self._tensors.items()):
             out[f"tensor/{key}"] = t.row()
@@ -427,8 +439,9 @@ class Governed(Stages):
         parts = take_stage_states(self.levels, state, "level")
         reject_leftovers(state, owner)
         load_stage_states(self.levels, parts, shapes)
-        self._step, self.audit_bytes, self._runaway_seen, self.adaptive = step, audit_bytes, runaway, adaptive
+        self._steps, self.audit_bytes, self._runaway_seen, self.adaptive = StepCount(step), audit_bytes, runaway, adaptive
         self._tensors, self._windows, self._plans = tensors, windows, plans
+        self._claims.loaded()
 
     def _sample(self, bucket: Bucket) -> Sample:
         """The audited coordinates of ``bucket``, as many as ``SHARE`` of the method's bytes over

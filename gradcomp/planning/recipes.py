@@ -21,15 +21,18 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from ..arrays import Array, sum_of_squares
 from ..bucket import Bucket
-from ..comm import Communicator
+from ..comm import Communicator, Workspace
 from ..compressors.allreduce import Allreduce
 from ..compressors.quantize import QuantizedAllreduce
 from ..compressors.contract import Compressor
 from ..compressors.codec import Codec
 from ..compressors.feedback import ErrorFeedback
 from ..params import check_choice, check_float, check_int
+from ..state import check_array, take_int
 from ..schedule import Schedule
 from ..settling import Settling, take_settling, with_settling
 
@@ -55,32 +58,43 @@ class Recipe(Schedule):
         self.name = name
         self.params = dict(params)
         self.settling = settling
-        self._levels: dict[str, float] = {}
-        self._sizes: dict[str, int] = {}
+        # the warm-up's levels of the step in progress, by tensor, and that step
+        self._levels: dict[str, tuple[float, int]] = {}
+        self._levels_step = -1
 
     @property
     def error_feedback_on(self) -> bool:
         """The method's own (its last stage's): an 8-bit warm-up's feedback is the warm-up's."""
         return self.compressors[-1].error_feedback_on if self.settling is not None else super().error_feedback_on
 
+    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> Any:
+        if self._levels and self._steps.peek(bucket) > self._levels_step:
+            self._observe()  # a step whose last bucket went to another method (the governor's rungs)
+        return super().prepare(bucket, comm, workspace)
+
     def finish(self, bucket: Bucket, comm: Communicator, prepared: Any) -> Array:
         out = super().finish(bucket, comm, prepared)
         if self.settling is not None and self.settling.warm and prepared.stage == 0:
             for key, off, shape in bucket.placements():
                 part = out[off:off + math.prod(shape)]
-                self._levels[key] = sum_of_squares(part) / max(part.size, 1)
-                self._sizes[key] = part.size
+                self._levels[key] = (sum_of_squares(part) / max(part.size, 1), part.size)
+            self._levels_step = prepared.step
             if bucket.is_last:
-                keys = sorted(self._levels)
-                if self.settling.observe([self._levels[k] for k in keys], [self._sizes[k] for k in keys]):
-                    self.start_later_stages(self.settling.end)
-                    warm = self.compressors[0]
-                    for codes in warm.compressors if isinstance(warm, Schedule) else [warm]:
-                        if isinstance(codes, ErrorFeedback):
-                            codes.drop_owner_residuals()  # the warm-up does not come back
-                self._levels.clear()
+                self._observe()
         return out
 
+    def _observe(self) -> None:
+        """The warm-up's levels of a whole step to ``settling``, by tensor (whichever tensors this
+        method reduced in it); at the warm-up's end, the later stages start at the next step."""
+        assert self.settling is not None
+        keys = sorted(self._levels)
+        if self.settling.observe({k: self._levels[k][0] for k in keys}, {k: self._levels[k][1] for k in keys}):
+            self.start_later_stages(self.settling.end)
+            warm = self.compressors[0]
+            for codes in warm.compressors if isinstance(warm, Schedule) else [warm]:
+                if isinstance(codes, ErrorFeedback):
+                    codes.drop_owner_residuals()  # the warm-up does not come back
+        self._levels.clear()
 
     def config(self) -> dict[str, Any]:
         return {"recipe": self.name, **self.params, "stages": super().config()["stages"]}
@@ -96,6 +110,9 @@ class Recipe(Schedule):
         state = dict(state)
         self._check_warmup_codes(state)
         settling = take_settling(state, self.settling)
+        levels = {k[len(PENDING):]: check_array(state.pop(k), k, "recipe", (2,), ("float64",))
+                  for k in [k for k in state if k.startswith(PENDING)]}
+        levels_step = take_int(state, "pending_step", "recipe", minimum=-1) if "pending_step" in state else -1
         numbers = [k.partition("/")[0][len("stage"):] for k in state if k.startswith("stage") and "/" in k]
         saved = max((int(n) + 1 for n in numbers if n.isdigit()), default=0)  # the last stateful stage
         try:
@@ -112,6 +129,8 @@ class Recipe(Schedule):
         if settling is not None:
             self.settling = settling
             self.start_later_stages(settling.end)
+        self._levels = {k: (float(v[0]), int(v[1])) for k, v in levels.items()}
+        self._levels_step = levels_step
 
     def _check_warmup_codes(self, state: Mapping[str, Any]) -> None:
         """An auto warm-up's state from the other codes (8-bit throughout, or stepping down to
@@ -135,7 +154,16 @@ class Recipe(Schedule):
         return s
 
     def state_dict(self) -> dict[str, Any]:
-        return with_settling(super().state_dict(), self.settling)
+        """``Schedule``'s, the settling's, and the levels of a step seen without its last bucket."""
+        out = with_settling(super().state_dict(), self.settling)
+        if self._levels:
+            out["pending_step"] = self._levels_step
+            out.update({PENDING + k: np.array(v, np.float64) for k, v in sorted(self._levels.items())})
+        return out
+
+
+#: the keys of the pending levels in a recipe's checkpoint
+PENDING = "pending/"
 
 
 def with_feedback(codec: Codec, feedback: str) -> Compressor:

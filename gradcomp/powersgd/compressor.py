@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from ..arrays import Array
-from ..bucket import Bucket
+from ..bucket import Bucket, StepCount
 from ..comm import Communicator, Workspace
 from ..compressors import passes
 from ..compressors.allreduce import mean_allreduce
@@ -133,7 +133,7 @@ class PowerSGD(LocalStage, OrderedStage, Compressor):
             raise ValueError("PowerSGD rounds=1 builds each step's factor from the previous step's "
                              "other factor, i.e. it is warm start by construction; set warm_start=True")
         self._rng = np.random.RandomState(self.seed)
-        self._step = 0
+        self._steps = StepCount()
         self._errors = TensorStore()
         self._claims = ClaimCheck()
         self._q = TensorStore()
@@ -150,8 +150,8 @@ class PowerSGD(LocalStage, OrderedStage, Compressor):
 
     @property
     def step(self) -> int:
-        """Steps completed (``is_last`` buckets reduced), warm-up included."""
-        return self._step
+        """Steps seen (``StepCount``), warm-up included."""
+        return self._steps.count
 
     nan_effect = "tensor"
     partial_update = True
@@ -167,16 +167,14 @@ class PowerSGD(LocalStage, OrderedStage, Compressor):
 
     # -- the two stages (their work in local_stage and ordered_stage) ----------------------------
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> Work:
-        step = self._step
-        if bucket.is_last:
-            self._step += 1
+        step = self._steps.take(bucket)
         if step < self.start_iter:
             return Work(step, compress=False)
         plan = self._plan(bucket)
         work = Work(step, compress=True, plan=plan, phase=(step - self.start_iter) % 2)
         if plan.matrices:
             self._local(bucket, workspace, work)
-        self._claims.saw(bucket.keys, bucket.is_last, [self._errors, self._q, self._p], type(self).__name__)
+        self._claims.saw(bucket, [self._errors, self._q, self._p], type(self).__name__)
         return work
 
     def _plan(self, bucket: Bucket) -> Plan:
@@ -258,7 +256,7 @@ class PowerSGD(LocalStage, OrderedStage, Compressor):
     # -- declared state, hand-over, statistics, checkpoints ----------------------------------------------------
     def agreement_state(self, bucket: Bucket, prepared: Work | None) -> dict[str, Any]:
         if prepared is None:
-            return {"step": self._step}
+            return {"step": self.step}
         state: dict[str, Any] = {"step": prepared.step, "compressing": prepared.compress}
         if prepared.compress and self.rounds == 1:
             state["phase"] = prepared.phase
@@ -284,19 +282,19 @@ class PowerSGD(LocalStage, OrderedStage, Compressor):
         s["compression_rate"] = self.compression_stats()[0]
         s["rounds_per_compressed_step"] = (c["compressed_rounds"] / c["compressed_steps"]
                                            if c["compressed_steps"] else 0.0)
-        s["step"] = self._step
-        s["compressing"] = self._step >= self.start_iter
-        s["warmup_steps_left"] = max(self.start_iter - self._step, 0)
+        s["step"] = self.step
+        s["compressing"] = self.step >= self.start_iter
+        s["warmup_steps_left"] = max(self.start_iter - self.step, 0)
         return s
 
     def state_dict(self) -> dict[str, Any]:
         """Plain arrays and numbers (``numpy.savez``-able); host copies, never views of live state."""
-        return saved(self.describe(), self._step, self._rng, self._counts, self._errors, self._q, self._p)
+        return saved(self.describe(), self.step, self._rng, self._counts, self._errors, self._q, self._p)
 
     def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
         got = checked(type(self).__name__, self.describe(), self.rank, self._counts, state, shapes)
         # everything checked: now change
-        self._step = got.step
+        self._steps = StepCount(got.step)
         self._rng.set_state(got.rng)
         self._counts.update(got.counts)
         self._errors.load(got.residuals)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import gradcomp as gc
+from gradcomp.bucket import StepCount
 from tests.mpi_launch import run_ranks
 
 LAYOUT_0 = [(24, 16), (16,), (12, 3, 3)]
@@ -138,7 +139,7 @@ def test_stage_at_and_repr():
 
 def test_state_dict_is_plain_and_round_trips():
     s = gc.Schedule([(0, gc.Allreduce()), (3, gc.PowerSGD(rank=2, start_iter=2))])
-    s._step, s._last_stage = 7, {"0.0": 1, "4.1": 0}
+    s._steps, s._last_stage = StepCount(7), {"0.0": 1, "4.1": 0}
     state = s.state_dict()
     buf = io.BytesIO()
     np.savez(buf, **state)

@@ -230,3 +230,53 @@ def test_the_worst_tensor_sets_the_cost():
     e = np.array([1.0, 1.0])
     assert window_cost(tensor_costs(d, e, starts)) == (pytest.approx(8.0), 1)  # the small tensor: 8 x 1.0^2 / 1.0
     assert window_cost(tensor_costs(np.zeros(108), e, starts))[0] == 0.0
+
+
+def _moved_about(spec: str, steps: int, saved_at: int | None = None, state=None):
+    """``spec`` governed over 7 arrays in 4 buckets at 1 rank, its tensors moved between rungs on
+    their own (one every 13 steps, the last bucket's among them): the method behind the rungs
+    sees another set of tensors from step to step, and often not a step's last bucket. Returns
+    (the governor, every step's means, its state at ``saved_at``); ``state``: loaded first."""
+    import gradcomp as gc
+    from gradcomp.planning.governor import Governed
+
+    comm = gc.MPICommunicator()
+    rng = np.random.default_rng(0)
+    shapes = [(64, 32), (32,), (48, 16), (16,), (40, 40), (40,), (30, 20)]
+    gov = Governed(gc.make(spec), every=1000, window=10, hold=7)
+    grads = [np.zeros(s, np.float32) for s in shapes]
+    reducer = gc.GradientReducer(grads, gov, comm, bucket_cap_mb=0.006)
+    assert len(reducer.buckets) == 4
+    means, saved, start = [], None, 0
+    if state is not None:
+        reducer.load_state_dict(state)
+        start = gov.step
+    for step in range(steps):
+        draws = [rng.standard_normal(s).astype(np.float32) / (1 + step) ** 0.5 * (i + 1) for i, s in enumerate(shapes)]
+        if step < start:
+            continue
+        for g, d in zip(reducer.gradients, draws):
+            g[...] = d
+        if step % 13 == 5:
+            gov._tensor(str((step // 13) % len(shapes))).move(1, gov.step, 7)
+        if step == saved_at:
+            saved = reducer.state_dict()
+        reducer.step()
+        means.append(np.concatenate([g.ravel() for g in reducer.gradients]))
+    return gov, means, saved
+
+
+@pytest.mark.parametrize("spec", ["onebit:budget=None", "topk:budget=None", "powersgd:budget=None"])
+def test_a_method_behind_the_rungs_sees_changing_tensors(spec):
+    """Issue 65: behind the governor's rungs a recipe's warm-up got another number of tensors from
+    step to step ("Settling: got 7 levels, 11 before"), and its steps advanced only when it
+    reduced a step's last bucket. Now its warm-up follows each tensor, it counts every step it
+    took part in, and a resume from a step whose last bucket went elsewhere continues bit for bit."""
+    gov, means, saved = _moved_about(spec, 160, saved_at=88)
+    recipe = gov.method
+    assert recipe.step == 160, recipe.step  # every step reached it: some bucket stayed on the method
+    assert recipe.settling.ended_at is not None and recipe.stage_at(recipe.step) == len(recipe.starts) - 1
+    assert sum(t.steps[1] for t in gov._tensors.values()) > 0  # tensors did move
+    assert any(k.startswith("level0/pending/") for k in saved), "the checkpoint fell inside an open step"
+    _, resumed, _ = _moved_about(spec, 160, state=saved)
+    assert all(np.array_equal(a, b) for a, b in zip(means[88:], resumed)), f"{spec}: the resume differs"

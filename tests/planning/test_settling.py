@@ -47,6 +47,52 @@ def test_latest_ends_it_anyway_and_says_so():
     assert ended == [49] and s.ended_at == 50 and "latest=50" in s.reason
 
 
+def test_levels_follow_each_tensor_whichever_arrive():
+    """Levels keyed by tensor, a changing set of them from step to step (the governor moves tensors
+    between rungs on their own): a tensor's window mean is over the steps it came, the drift over
+    the tensors of both windows. The same levels in full every step decide as a positional list."""
+    full = Settling(window=10, tolerance=0.1, earliest=20, latest=500)
+    positional = [step for step in range(200) if full.observe(_levels(step), [100, 10])]
+    keyed = Settling(window=10, tolerance=0.1, earliest=20, latest=500)
+    ended = []
+    for step in range(200):
+        levels = dict(zip(("a", "b"), _levels(step)))
+        come = {k: v for k, v in levels.items() if not (k == "b" and step % 7 == 3)}  # b skips a step now and then
+        if step in range(40, 45):
+            come["c"] = 1.0  # a tensor that comes for a few steps only
+        if keyed.observe(come, {k: {"a": 100, "b": 10}.get(k, 5) for k in come}):
+            ended.append(step)
+    assert ended == positional == [79]
+    halfway = Settling(window=10, tolerance=0.1, earliest=20, latest=500)
+    for step in range(37):
+        halfway.observe({"a": _levels(step)[0], **({"b": _levels(step)[1]} if step % 2 else {})},
+                        {"a": 100, **({"b": 10} if step % 2 else {})})
+    again = Settling(window=10, tolerance=0.1, earliest=20, latest=500)
+    again.load_state_dict(halfway.state_dict())
+    assert again.state_dict().keys() == halfway.state_dict().keys()
+    assert all(np.array_equal(np.asarray(again.state_dict()[k]), np.asarray(v), equal_nan=v.dtype.kind == "f")
+               if isinstance(v, np.ndarray) else again.state_dict()[k] == v for k, v in halfway.state_dict().items())
+
+
+def test_a_checkpoint_from_before_the_keys_still_loads():
+    """A warm-up saved before levels were keyed (one value per tensor, in the order given) is
+    adopted by the next step's tensors in their order when as many come; else its window starts
+    again, with a warning."""
+    straight = Settling(window=10, tolerance=0.1, earliest=20, latest=500)
+    first = [step for step in range(200) if straight.observe(_levels(step), [100, 10])]
+    old = {"steps": 37, "ended_at": -1, "calm": 0, "reason": np.array(""),
+           "sum": np.array([sum(_levels(s)[i] for s in range(30, 37)) for i in range(2)]),
+           "before": np.array([sum(_levels(s)[i] for s in range(20, 30)) / 10 for i in range(2)]),
+           "sizes": np.array([100.0, 10.0])}
+    again = Settling(window=10, tolerance=0.1, earliest=20, latest=500)
+    again.load_state_dict(old)
+    assert [step for step in range(37, 200) if again.observe(_levels(step), [100, 10])] == first
+    other = Settling(window=10, tolerance=0.1, earliest=20, latest=500)
+    other.load_state_dict(old)
+    with pytest.warns(RuntimeWarning, match="starts again"):
+        other.observe([1.0, 2.0, 3.0], [1, 1, 1])
+
+
 def test_drift_weighs_by_size_and_skips_tensors_without_gradient():
     assert drift(np.array([2.0, 1.0]), np.array([1.0, 1.0]), np.array([1.0, 3.0])) == pytest.approx(np.log(2) / 4)
     assert drift(np.array([0.0, 1.0]), np.array([5.0, 1.0]), np.array([1.0, 1.0])) == 0.0
