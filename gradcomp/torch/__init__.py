@@ -21,10 +21,11 @@ model, with a compressed outer step every ``sync_every`` steps (docs/guides/loca
 from .communicator import TorchCommunicator
 from .diloco import DiLoCo
 from .fsdp import FSDPState
-from .hook import HookState, comm_hook, default_comm, gradcomp_hook, plain_ddp_stats, register
+from .hook import (HookRegisteredTwice, HookState, comm_hook, default_comm, gradcomp_hook,
+                   plain_ddp_stats, register)
 from .launch import Launch, init_process_group
 from .optim import DGC, OneBitAdam, local_hook
 
 __all__ = ["register", "comm_hook", "init_process_group", "Launch", "TorchCommunicator",
-           "HookState", "FSDPState", "gradcomp_hook", "default_comm", "OneBitAdam", "DGC", "local_hook",
-           "plain_ddp_stats", "DiLoCo"]
+           "HookState", "HookRegisteredTwice", "FSDPState", "gradcomp_hook", "default_comm",
+           "OneBitAdam", "DGC", "local_hook", "plain_ddp_stats", "DiLoCo"]

@@ -3,8 +3,9 @@
 What DDP's hook contract asks for, and how it is met here (so users never meet it):
 
 * DDP inspects the hook's signature: the second parameter must be named ``bucket``, and logs the
-  hook's ``__qualname__``. Each ``register`` makes a hook function named after its compressor
-  (``gradcomp_hook[FP16(inner=Allreduce())]``), so DDP's logs say which method ran.
+  hook's ``__qualname__``. Each ``register`` makes a hook named after its compressor
+  (``gradcomp_hook[FP16(inner=Allreduce())]``, a ``NamedHook``), so DDP's logs say which method
+  ran.
 * The returned ``torch.futures.Future`` must resolve to ONE tensor with the bucket's length. The
   compressor's ``concurrent.futures.Future`` is bridged to a torch Future that resolves to the
   bucket's own buffer, the mean written into it in place. Writing into the buffer DDP handed over
@@ -18,6 +19,11 @@ What DDP's hook contract asks for, and how it is met here (so users never meet i
   one: so the hook state records the last step's bucket layouts, and after a resume the first
   step's buckets are cut back into them (``_replay_parts``), which makes the resumed run equal the
   uninterrupted one bit for bit.
+* PyTorch's hook-pickling flow (``torch.save`` the compressor, ``torch.load`` it, attach it to a
+  fresh model with ``register_comm_hook(*comm_hook(restored))``) hands the hook no model, and DDP's
+  ``GradBucket`` names no parameter. A compressor ``register`` attached carries what it knew of the
+  model (``ModelRecord``: parameter names and shapes, the last layouts), so such a hook finds its
+  model once (``_names_from_model``) and keys tensors by name as ``register`` did.
 * Sparse gradients (``nn.Embedding(sparse=True)``) arrive as a bucket of their own; ``Allreduce``
   and ``Allgather`` average them as PyTorch's allreduce does (``sparse_grads``), other compressors
   raise an error that says so on every rank.
@@ -30,7 +36,6 @@ from ``backward()`` on every rank and leave the communicator usable.
 from __future__ import annotations
 
 import math
-import types
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -55,14 +60,52 @@ if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
 
+#: where ``register`` leaves a ``ModelRecord`` on the compressor itself (pickled with it)
+RECORD = "_gradcomp_ddp_model"
+
+
+class ModelRecord:
+    """What ``register`` knows of the model a compressor reduces for, kept on the compressor
+    (``RECORD``) so that ``torch.save(compressor)`` carries it: the parameters' names and shapes
+    (the keys of its per-tensor state, in the model's order) and the last whole step's bucket
+    layouts. A hook attached to such a compressor without the model (``comm_hook``) keys tensors by
+    name too, and cuts a fresh model's first bucket into these layouts."""
+
+    def __init__(self, shapes: dict[str, tuple]) -> None:
+        self.shapes = dict(shapes)
+        self.layouts: list[tuple[str, ...]] = []
+        self.loaded = False  # unpickled or copied: its compressor's state must find its tensors
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.loaded = True
+
+    def difference(self, shapes: dict[str, tuple]) -> str | None:
+        """Why a loaded compressor's state cannot follow its tensors into the model with
+        ``shapes`` (a parameter it kept state for is missing or has another shape), or None. A
+        parameter the model adds is a new tensor, as a new layer is."""
+        for name, shape in self.shapes.items():
+            if name not in shapes:
+                return f"its model had {name!r} {shape}, which this model lacks"
+            if tuple(shapes[name]) != tuple(shape):
+                return f"its model's {name!r} had shape {shape}, this model's has {tuple(shapes[name])}"
+        return None
+
+
+def record_of(compressor: Compressor) -> ModelRecord | None:
+    record = getattr(compressor, RECORD, None)
+    return record if isinstance(record, ModelRecord) else None
+
+
 class HookState:
     """What DDP hands back to the hook on every call: the compressor, the communicator and the
     names of the model's parameters (the keys of per-tensor state).
 
     ``state_dict()``/``load_state_dict()`` checkpoint the compressor in PyTorch's way: tensors and
     plain values only, so ``torch.save`` and ``torch.load`` (``weights_only=True``) work. Pickling
-    the whole state (``torch.save(state)``) drops the communicator, as PyTorch's ``PowerSGDState``
-    drops its process group; a loaded state picks the default transport at its first bucket.
+    the whole state (``torch.save(state)``), or the compressor alone (``ModelRecord``), drops the
+    communicator, as PyTorch's ``PowerSGDState`` drops its process group; a loaded state picks the
+    default transport at its first bucket.
     ``buckets_reduced`` counts hook calls on this rank.
     """
 
@@ -85,6 +128,12 @@ class HookState:
         state["comm"] = None   # threads and MPI handles never travel
         state["names"] = {}    # ids mean nothing in another process; re-made by register()
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        # loaded, like load_state_dict: a fresh model's first bucket is cut into the last layouts
+        self.layouts = list(state.get("layouts", []))  # (absent from states pickled before)
+        self.replay, self._step_layouts = list(self.layouts), []
 
     def _rank_and_size(self) -> tuple[int, int]:
         if self.comm is not None:
@@ -123,6 +172,9 @@ class HookState:
         self.compressor.load_state_dict(from_torch_state(state["state"]), self.shapes or None)
         self.layouts = self.replay = [tuple(keys) for keys in layouts]
         self._step_layouts = []
+        record = record_of(self.compressor)
+        if record is not None:
+            record.layouts = self.layouts
 
 
 # ``bucket`` (a ``torch.distributed.GradBucket``) and the returned ``torch.futures.Future`` are
@@ -148,6 +200,8 @@ def _hook(state: HookState, bucket):
         else:
             array = as_array(tensor)
             params = bucket.parameters()
+            if not state.names and record_of(state.compressor) is not None:
+                _names_from_model(state, params)  # comm_hook() of a compressor register attached
             found = [state.names.get(id(p)) for p in params]
             keys: list[Any] | None = found
             if None in found or len(found) != len(set(found)):
@@ -237,16 +291,80 @@ def _record(state: HookState, layouts: list[tuple[str, ...]], is_last: bool) -> 
     if is_last:
         state.layouts, state._step_layouts = state._step_layouts, []
         state.replay = []
+        record = record_of(state.compressor)
+        if record is not None and state.names:
+            record.layouts = state.layouts  # what a pickled compressor carries
+
+
+def _names_from_model(state: HookState, params: list[Any]) -> None:
+    """Name the parameters as ``register`` does, in a hook attached without the model
+    (``comm_hook``) to a compressor that ``register`` attached before: its state is keyed by
+    parameter name (``ModelRecord``).
+
+    DDP's ``GradBucket`` hands over the parameters but neither their names nor the model, and a
+    parameter does not know its module. Positions do not identify them: the first step's single
+    bucket holds them in the model's order only on a fresh model under DDP's default bucketing
+    (not with ``find_unused_parameters``, per-bucket caps, or a model that has already stepped),
+    and shapes repeat, so a guess could hand one layer's residuals to another. So the model that
+    holds these very parameters is found, once, as ``OneBitAdam`` finds it (``_owning_ddp``:
+    through the garbage collector's referrers), and the state is refused where it is not."""
+    from .optim import _owning_ddp
+
+    model = _owning_ddp(params[0])
+    if model is None or not {id(p) for p in params} <= {id(p) for p in model.module.parameters()}:
+        raise ValueError(
+            f"gradcomp.torch: {state.compressor.describe()} was attached with gradcomp.torch.register"
+            "(model, ...) before, so its state (error-feedback residuals, warm-start factors, counters) "
+            "is kept by parameter name; this hook was attached without the model (comm_hook()), and "
+            "the DistributedDataParallel model that holds this bucket's parameters, whose names it "
+            "needs, was not found. Attach it with gradcomp.torch.register(ddp_model, compressor)")
+    _adopt(state, list(model.module.named_parameters()))
+
+
+def _adopt(state: HookState, named: list[tuple[str, Any]], *others: Any) -> None:
+    """Key ``state``'s tensors by the names of ``named`` (a DDP model's
+    ``module.named_parameters()``) and record them on its compressor (and ``others``, the object
+    the user holds where ``register`` wrapped it): ``ModelRecord``. A loaded compressor whose
+    model had other parameters is refused before its state could go to the wrong tensors."""
+    shapes = {name: tuple(p.shape) if p.dim() else (1,) for name, p in named}
+    record = record_of(state.compressor)
+    if record is not None and record.loaded:
+        differs = record.difference(shapes)
+        if differs is not None:
+            raise ValueError(
+                f"gradcomp.torch: this {state.compressor.describe()} was saved from a model with other "
+                f"parameters ({differs}): its state (error-feedback residuals, warm-start factors) is "
+                "kept per parameter name and would be lost or reach the wrong tensors. Attach it to "
+                "a model with the same parameters, or start from a new compressor")
+    if record is None or record.shapes != shapes:
+        record = ModelRecord(shapes)
+    record.loaded = False
+    for compressor in (state.compressor, *others):
+        if isinstance(compressor, Compressor):
+            setattr(compressor, RECORD, record)
+    state.names = {id(p): name for name, p in named}
+    state.shapes = shapes
+
+
+class NamedHook:
+    """``_hook`` under the compressor's name: DDP logs the hook's ``__qualname__``. A callable
+    object rather than a renamed function, so that it pickles (by its class, with its name), as
+    PyTorch's hook-pickling flow saves the hook beside its state; DDP reads the signature of
+    ``__call__``: ``bucket`` unannotated (see ``_hook``)."""
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = self.__qualname__ = name
+        self.__doc__ = _hook.__doc__
+
+    def __call__(self, state: HookState, bucket):
+        return _hook(state, bucket)
+
+    def __repr__(self) -> str:
+        return f"<gradcomp hook {self.__qualname__}>"
 
 
 def _named_hook(compressor: Compressor) -> Callable[..., Any]:
-    """A copy of ``_hook`` named after the compressor (DDP logs the hook's qualified name)."""
-    hook = types.FunctionType(_hook.__code__, _hook.__globals__, "gradcomp_hook",
-                              _hook.__defaults__, _hook.__closure__)
-    hook.__qualname__ = hook.__name__ = f"gradcomp_hook[{compressor.describe()}]"
-    hook.__doc__ = _hook.__doc__
-    hook.__module__ = __name__
-    return hook
+    return NamedHook(f"gradcomp_hook[{compressor.describe()}]")
 
 
 def gradcomp_hook(state: HookState, bucket):  # bucket and result unannotated: see ``_hook``
@@ -271,7 +389,11 @@ def comm_hook(compressor: Compressor | str,
 
     ``compressor``: a gradcomp ``Compressor`` or a registry name (``"fp16"``, ...). ``comm``: any
     gradcomp Communicator; None picks one as ``register`` does. Without the model, compressor
-    state follows bucket indices (as PyTorch's hooks'); ``register`` keys it by parameter name.
+    state follows bucket indices (as PyTorch's hooks'); ``register`` keys it by parameter name. A
+    compressor ``register`` attached before (PyTorch's flow: ``torch.save`` it, ``torch.load`` it,
+    ``register_comm_hook(*comm_hook(restored))`` on a fresh model) keeps that: its state follows
+    the parameters by name (see ``_names_from_model``), and a resumed run equals the uninterrupted
+    one.
     """
     if isinstance(compressor, str):
         compressor = make(compressor)
@@ -280,7 +402,11 @@ def comm_hook(compressor: Compressor | str,
                         f"got {type(compressor).__name__}")
     if comm is None:
         comm = default_comm()
-    return HookState(compressor, comm), _named_hook(compressor)
+    state = HookState(compressor, comm)
+    record = record_of(compressor)
+    if record is not None:  # register attached it before (a pickled one): as after load_state_dict
+        state.layouts, state.replay = list(record.layouts), list(record.layouts)
+    return state, _named_hook(compressor)
 
 
 def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | None,
@@ -291,7 +417,8 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
     or, given the root of an FSDP2 model (``fully_shard``), make every FSDP module reduce-scatter
     its gradients with it (``gradcomp.torch.fsdp.register``, which returns an ``FSDPState``).
 
-    Call it on every rank, before the first ``backward()``, once per model (DDP's rule).
+    Call it on every rank, before the first ``backward()``, once per model (DDP's rule; a second
+    call raises ``HookRegisteredTwice``, a ``RuntimeError`` as DDP's own refusal).
     ``comm=None`` chooses the transport: MPI (gradcomp's default ``MPICommunicator``, CUDA-aware
     where the MPI library is) when mpiexec launched the job, a ``TorchCommunicator`` on a dedicated
     copy of the default process group otherwise (torchrun). A model on a process group other than
@@ -344,29 +471,35 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
         if comm is not None or state.comm is None:
             state.comm = comm if comm is not None else default_comm()
         hook = _named_hook(state.compressor)
-    named = list(ddp_model.module.named_parameters())
-    state.names = {id(p): name for name, p in named}
-    state.shapes = {name: tuple(p.shape) if p.dim() else (1,) for name, p in named}
+    _adopt(state, list(ddp_model.module.named_parameters()), compressor)
     ddp_model.register_comm_hook(state, hook)
     ddp_model._gradcomp_state = state  # what a second register names
     advice.watch(state, ddp_model.module.parameters())
     return state
 
 
+class HookRegisteredTwice(RuntimeError, ValueError):
+    """A second communication hook on one DDP model (``register``). A ``RuntimeError``, as
+    PyTorch's own refusal ("register_comm_hook ... can only be called once") that code written for
+    DDP catches; also a ``ValueError``, what ``register`` raised before, so that code written
+    against gradcomp still catches it."""
+
+
 def _check_no_hook_yet(ddp_model: DistributedDataParallel) -> None:
-    """A ``ValueError`` saying what to do where DDP would refuse a second communication hook with
-    its bare RuntimeError ("can only be called once"), before anything changes."""
+    """Refuse, before anything changes, a second communication hook on ``ddp_model`` where DDP
+    would with its bare RuntimeError: the same type (``HookRegisteredTwice``), saying what to do."""
     earlier = getattr(ddp_model, "_gradcomp_state", None)
     if earlier is not None:
-        raise ValueError(f"gradcomp.torch.register: this DistributedDataParallel model already has gradcomp's "
-                         f"hook ({earlier.compressor.describe()}), and DDP takes one communication hook per "
-                         "model. Keep the HookState the first register returned (restore a checkpoint with "
-                         "its load_state_dict), or wrap the module in a new DistributedDataParallel to use "
-                         "another compressor")
+        raise HookRegisteredTwice(
+            f"gradcomp.torch.register: this DistributedDataParallel model already has gradcomp's hook "
+            f"({earlier.compressor.describe()}), and DDP takes one communication hook per model. Keep "
+            "the HookState the first register returned (restore a checkpoint with its load_state_dict), "
+            "or wrap the module in a new DistributedDataParallel to use another compressor")
     if getattr(ddp_model, "_comm_hooks", None):
-        raise ValueError("gradcomp.torch.register: this DistributedDataParallel model already has a "
-                         "communication hook (register_comm_hook was called on it), and DDP takes one per "
-                         "model; register gradcomp on a DistributedDataParallel model without one")
+        raise HookRegisteredTwice(
+            "gradcomp.torch.register: this DistributedDataParallel model already has a communication "
+            "hook (register_comm_hook was called on it), and DDP takes one per model; register gradcomp "
+            "on a DistributedDataParallel model without one")
 
 
 def plain_ddp_stats(ddp_model: DistributedDataParallel, steps: int) -> dict[str, Any]:

@@ -534,18 +534,23 @@ def rank_units():
     # gloo collectives on a 2-rank job are checked by the DDP tests; the hook also accepts names
     _, params, state = e.train(e.hook("allreduce", None), iters=2)
     assert isinstance(state.comm, gc.MPICommunicator), "under mpiexec the default transport is MPI"
-    # a second register on the same model: gradcomp's error saying what to do, not DDP's bare one
+    # a second register on the same model: gradcomp's error saying what to do, not DDP's bare one,
+    # of DDP's type (a RuntimeError, what code written for DDP catches; a ValueError as before)
     model = torch.nn.parallel.DistributedDataParallel(e.fresh_model())
     first = gt.register(model, "int8", e.mpi)
-    with pytest.raises(ValueError, match=r"already has gradcomp's hook \(int8.*new DistributedDataParallel"):
+    with pytest.raises(RuntimeError) as ddp_says:
+        model.register_comm_hook(*gt.comm_hook("fp16", e.mpi))  # PyTorch's own answer: its type
+    with pytest.raises(RuntimeError, match=r"already has gradcomp's hook \(int8.*new DistributedDataParallel"):
         gt.register(model, "fp16", e.mpi)
-    with pytest.raises(ValueError, match="already has gradcomp's hook"):
+    assert type(ddp_says.value) is RuntimeError, ddp_says.value
+    with pytest.raises(gt.HookRegisteredTwice, match="already has gradcomp's hook") as caught:
         gt.register(model, None, e.mpi, state=first)
+    assert isinstance(caught.value, ValueError)
     model = torch.nn.parallel.DistributedDataParallel(e.fresh_model())
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     model.register_comm_hook(None, default_hooks.allreduce_hook)
-    with pytest.raises(ValueError, match="already has a communication hook"):
+    with pytest.raises(RuntimeError, match="already has a communication hook"):
         gt.register(model, "int8", e.mpi)
     _check_adam_advice(e)
     # the example's training function end to end (two epochs, one rank)
