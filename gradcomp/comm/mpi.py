@@ -183,6 +183,7 @@ class MPICommunicator(OrderedCommunicator):
         if xp is np or self.cuda_aware:
             return out
         if into is not None:
+            into = into.reshape(out.shape)  # a flat ``out=`` for (size, n) rows: CuPy's set() wants the shape
             into.set(out)
             return into
         return xp.asarray(out)
@@ -286,6 +287,7 @@ class MPICommunicator(OrderedCommunicator):
             self._wait(self.comm.Irecv(self._bytes(got), left, 71),
                        self.comm.Isend(self._bytes(buf[offsets[send]:offsets[send] + counts[send]]), right, 71))
             add_into(buf[offsets[recv]:offsets[recv] + counts[recv]], got)
+            synchronize(buf)  # on a GPU: the next send (or the allgather) hands this block to MPI
 
     def _allgather_in_place(self, out, counts, offsets):
         """Every rank's block of ``out`` (each already in its place) to every rank."""
@@ -369,7 +371,7 @@ class MPICommunicator(OrderedCommunicator):
 
     def _broadcast(self, array, root):
         buf, xp = self._prepare(array)
-        out = buf.copy()
+        out = _copy(buf)
         self._count("broadcast", buf.nbytes)
         self._wait(self.comm.Ibcast(self._bytes(out), root=root))
         return self._finish(out, xp)
@@ -386,4 +388,7 @@ class _Exchange:
 
 
 def _copy(buf):
-    return array_module(buf).array(buf, copy=True)
+    """A copy of ``buf`` that MPI may read at once (on a GPU: the copy's kernel has finished)."""
+    out = array_module(buf).array(buf, copy=True)
+    synchronize(out)
+    return out

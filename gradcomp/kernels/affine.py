@@ -134,9 +134,14 @@ def quantize(x, params, codes, width: int, levels: int, zero: bool = False) -> N
     for part, out, sl in parts:
         if part.size == 0:
             continue
-        lo, hi = part.min(axis=1), part.max(axis=1)
-        lo, scale = _zero_grid(xp, lo, hi, levels) if zero else (lo, _scale(xp, lo, hi, levels))
-        q = part - lo[:, None]
+        # in float32 where the NumPy kernels are (float64 chunks too): the offset rounded first,
+        # the scale from it, then x - offset (the parameters sent are these float32 values)
+        lo, hi = part.min(axis=1).astype(np.float32, copy=False), part.max(axis=1)
+        if zero:
+            lo, scale = _zero_grid(xp, lo, hi, levels)
+        else:
+            scale = _scale(xp, lo, hi, levels).astype(np.float32, copy=False)
+        q = (part - lo[:, None]).astype(np.float32, copy=False)
         _finish_codes(xp, q, _inverse(xp, scale), levels)
         out[...] = q
         params[0, sl] = lo

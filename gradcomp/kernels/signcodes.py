@@ -50,7 +50,7 @@ def decode(scales: Any, bits: Any, out: Any, chunk: int, signs: Any, add: bool =
     scale is NaN; ``signs`` is scratch of ``out``'s length and dtype."""
     xp = array_module(out)
     n = out.shape[0]
-    signs[...] = xp.unpackbits(bits, count=n, bitorder="little")
+    signs[...] = xp.unpackbits(bits, bitorder="little")[:n]  # CuPy's unpackbits has no count
     signs *= 2
     signs -= 1
     full = n // chunk
