@@ -50,7 +50,7 @@ from ..compressors.feedback import ErrorFeedback
 from ..compressors.quantize import QuantizedAllreduce
 from ..params import check_float, check_int
 from ..schedule import Routed, Stages, hand_over, load_stage_states, stage_states, take_stage_states
-from ..state import check_array, reject_leftovers, take_int
+from ..state import ClaimCheck, check_array, reject_leftovers, take_int
 from .audit import Plan, Sample, Window, tensor_costs, window_cost
 from .cost import rank_bytes, traffic
 
