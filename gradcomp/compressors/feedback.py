@@ -11,8 +11,13 @@ With sign codes, keeping both residuals made momentum SGD diverge on the digits 
 learning rates where either one alone trains well (BENCHMARKS.md, "Convergence"): measure.
 
 The residuals are checkpointed (``state_dict``), survive DDP's bucket rebuild, and are handed to
-the next stage by ``Schedule`` (``take_residual``). A residual that turned NaN or Inf (a bad step)
-is reset to zero, so one bad step does not poison the following ones.
+the next stage by ``Schedule`` (``take_residual``). A slice owner's residual belongs to a bucket
+layout, not to tensors: when the layout's tensors are reduced in another layout (DDP's rebuild
+after its first step, which holds every parameter in one bucket) or by another method (a hand-over:
+the governor's rungs, a ``Schedule``), it is dropped, one step's re-encoding error of the mean
+(under a code step per value), so that memory stays at 4/n bytes per parameter and no stale
+layout's residual lives on. A residual that turned NaN or Inf (a bad step) is reset to zero, so
+one bad step does not poison the following ones.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ class ErrorFeedback(Wrapper):
         self.owner_feedback = check_bool("owner_feedback", owner_feedback)
         self.store = TensorStore()
         self.owner_residuals = TensorStore()
+        self._owner_tensors: dict[str, frozenset[str]] = {}  # owner key -> its layout's tensors
         self._claims = ClaimCheck()
 
     @property
@@ -60,6 +66,8 @@ class ErrorFeedback(Wrapper):
         return self.inner.memory_passes(shapes, ranks, itemsize, Residuals(owner=self.owner_feedback))
 
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> Prepared:
+        if self._owner_tensors:
+            self._drop_owners(bucket.keys, but=self._owner_key(bucket, comm))
         prepared = self.inner.prepare(bucket, comm, workspace, feedback=self)
         if self._claims.pending and self.owner_feedback and prepared.layout is not None:
             self._check_loaded_owner(bucket, comm, prepared.layout.slice_len)
@@ -106,15 +114,29 @@ class ErrorFeedback(Wrapper):
                        like: Array) -> Array:
         """This rank's residual as the owner of its slice of ``bucket`` (updated in place)."""
         key = self._owner_key(bucket, comm)
+        self._owner_tensors.setdefault(key, frozenset(bucket.keys))
         return self.owner_residuals.region([(key, 0, (slice_len,))], slice_len, dtype, like=like)[0]
 
     def drop_owner_residuals(self) -> None:
         """Forget the slice owners' residuals (a warm-up that has ended for good: its re-encoding
         error is the warm-up's, and no later step of this stage would send it)."""
         self.owner_residuals = TensorStore()
+        self._owner_tensors.clear()
+
+    def _drop_owners(self, keys: Iterable[str], but: str = "") -> None:
+        """Forget the owner residuals of the layouts holding any of ``keys`` (but ``but``): those
+        tensors are reduced in another layout or by another method now (see the module)."""
+        mine = set(keys)
+        stale = [k for k, tensors in self._owner_tensors.items() if k != but and not mine.isdisjoint(tensors)]
+        if stale:
+            self.owner_residuals.drop(stale)
+            for k in stale:
+                del self._owner_tensors[k]
 
     # -- Schedule hand-over and checkpoints ----------------------------------------------------------------
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:
+        keys = list(keys)
+        self._drop_owners(keys)
         return self.store.pop(keys)
 
     def residuals(self, keys: Iterable[str]) -> dict[str, Array]:
@@ -147,4 +169,5 @@ class ErrorFeedback(Wrapper):
             self.inner.load_state_dict(inner, known)  # checks its part before anything changes
         self.store.load(residuals)
         self.owner_residuals.load(owners)
+        self._owner_tensors = {}
         self._claims.loaded()

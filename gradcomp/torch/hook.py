@@ -210,6 +210,9 @@ def _hook(state: HookState, bucket):
             if tensor.is_cuda:
                 wait_for_torch(tensor)  # the pipeline's threads (and MPI) must see finished gradients
             parts = _replay_parts(state, keys) if keys is not None else None
+            if parts is None and keys is not None and bucket.index() == 0 and bucket.is_last() \
+                    and array.nbytes > 2 * PIECE_BYTES:
+                parts = _pieces(keys, shapes, array.itemsize)  # DDP's first step: every parameter in one
             if parts is None:
                 # scratch: DDP lets a hook overwrite its bucket (PyTorch's own hooks divide it in
                 # place), so a compressor may reduce into it instead of allocating another 25 MB
@@ -237,6 +240,8 @@ def _hook(state: HookState, bucket):
                     if mean is not array:  # already in place when the compressor reduced into the bucket
                         array[...] = mean
                     continue
+                if len(where) == 1 and mean.size == where[0][1] and _same_place(mean, array, where[0][0]):
+                    continue  # reduced in place, into its view of the bucket
                 at = 0
                 for start, size in where:
                     array[start:start + size] = mean[at:at + size]
@@ -249,6 +254,29 @@ def _hook(state: HookState, bucket):
 
     pending.add_done_callback(write_back)
     return result
+
+
+#: the size of the pieces the hook reduces where DDP hands it every parameter in one bucket (its
+#: first step, before it rebuilds its buckets by ``bucket_cap_mb``): DDP's default cap, so that what
+#: a compressor allocates per bucket stays bucket-sized, not model-sized
+PIECE_BYTES = 25 * 2**20
+
+
+def _pieces(keys: list[str], shapes: list[tuple], itemsize: int) -> list[tuple[int, tuple[str, ...]]]:
+    """The bucket's tensors in consecutive pieces, as (index, keys) parts for ``_reduce_parts``,
+    cut from the last tensor back and closed once a piece reaches ``PIECE_BYTES``, as DDP fills
+    its rebuilt buckets (in the order gradients arrive, the last layers first): so each piece's
+    residuals move into one rebuilt bucket, and its store's region is freed at once."""
+    parts: list[tuple[int, tuple[str, ...]]] = []
+    run: list[str] = []
+    size = 0
+    for key, shape in zip(reversed(keys), reversed(shapes)):
+        run.append(key)
+        size += math.prod(shape) * itemsize
+        if size >= PIECE_BYTES:
+            parts.append((len(parts), tuple(reversed(run))))
+            run, size = [], 0
+    return parts + ([(len(parts), tuple(reversed(run)))] if run else [])
 
 
 def _replay_parts(state: HookState, keys: list[str]) -> list[tuple[int, tuple[str, ...]]] | None:
@@ -277,11 +305,25 @@ def _reduce_parts(state: HookState, array: Any, keys: list[str], shapes: list[tu
     jobs = []
     for j, (index, layout) in enumerate(parts):
         where = [spans[k][:2] for k in layout]
-        flat = xp.concatenate([array[start:start + size] for start, size in where])
+        start, end = where[0][0], where[-1][0] + where[-1][1]
+        if all(a + n == b for (a, n), (b, _) in zip(where, where[1:])):  # consecutive: a view, no copy
+            flat, where = array[start:end], [(start, end - start)]
+        else:
+            flat = xp.concatenate([array[start:start + size] for start, size in where])
         part = Bucket(flat, index, [spans[k][2] for k in layout], is_last and j == len(parts) - 1,
                       scratch=True, keys=layout)
         jobs.append((where, state.compressor.reduce(part, state.comm)))
     return jobs
+
+
+def _same_place(mean: Any, array: Any, start: int) -> bool:
+    """Whether ``mean`` is ``array``'s own memory from ``start`` on (a part reduced in place)."""
+    if mean.dtype != array.dtype or is_device_array(mean) != is_device_array(array):
+        return False
+    view = array[start:]
+    if is_device_array(array):
+        return bool(mean.data.ptr == view.data.ptr)
+    return bool(mean.__array_interface__["data"][0] == view.__array_interface__["data"][0])
 
 
 def _record(state: HookState, layouts: list[tuple[str, ...]], is_last: bool) -> None:
