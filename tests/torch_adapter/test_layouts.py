@@ -201,3 +201,42 @@ def _split(cases, parts):
 def test_every_name_on_many_bucket_layouts(part):
     cases = _split(_cases(), 2)[part]
     run_ranks(4, "tests.torch_adapter.test_layouts:rank_layouts", cases, timeout=900)
+
+
+def rank_memory_follows_the_layout():
+    """What the hook keeps is sized by the model's buckets, not by DDP's first step (which hands
+    it every parameter in one bucket) or by layouts gone: the first step is reduced in pieces
+    (``hook.PIECE_BYTES``, shrunk here), so no workspace grows past a piece; after the rebuild the
+    slice owners' residuals are those of the buckets in use, none of the first step's pieces."""
+    import torch
+
+    torch.set_num_threads(1)
+    import gradcomp
+    import gradcomp.torch as gt
+    from gradcomp.torch import hook
+
+    hook.PIECE_BYTES = 24 * 1024
+    launch = gt.init_process_group()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])  # 16.6 KB a layer
+    model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.04)
+    state = gt.register(model, gradcomp.make("int8:warmup=0"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    for step in range(4):
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append(len(state.layouts))
+        if step == 0:
+            largest = max(b.nbytes for w in state.comm._pipeline.workspaces for b in w._buffers.values())
+            params = sum(p.numel() for p in net.parameters())  # (a byte per value: a whole-model message)
+            assert largest < params // 2, f"a workspace buffer of {largest} bytes after the first step"
+    feedback = state.compressor.compressors[-1]
+    owners = feedback.owner_residuals.arrays()
+    assert seen[0] > 1 and len(owners) == seen[-1], (seen, sorted(owners))
+    leave_before_torch_teardown(state.comm)
+
+
+def test_memory_follows_the_layout():
+    run_ranks(2, "tests.torch_adapter.test_layouts:rank_memory_follows_the_layout", timeout=300)
