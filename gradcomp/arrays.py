@@ -2,7 +2,8 @@
 
 The kernels behind ``cast``, ``divide``, ``add_into`` and ``subtract_into`` (half precision on
 NumPy) live in ``gradcomp.kernels`` (``halfcast``, ``elementwise``), which picks compiled or NumPy;
-``array_module`` and ``zero_non_finite`` are defined there too and re-exported here.
+``array_module`` and ``zero_non_finite`` are defined there too and re-exported here, as is
+``sum_of_squares`` from ``gradcomp.exact`` (arithmetic whose bits do not depend on the CPU).
 
 Nothing here imports CuPy unless the caller already handed us a CuPy array (DESIGN invariant 6).
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .exact import sum_of_squares  # noqa: F401 - defined there (the same bits on any CPU), re-exported here
 from .kernels import array_module
 from .kernels.elementwise import add_into as _half_add_into
 from .kernels.elementwise import divide as _half_divide
@@ -109,16 +111,6 @@ def subtract_into(acc: Array, other: Array) -> Array:
     if not _half_add_into(acc, other, -1.0):
         acc -= other
     return acc
-
-
-def sum_of_squares(array: Array) -> float:
-    """The sum of ``array``'s squared values, accumulated in float64 (a gradient's squared norm:
-    the same bits on every rank for the same input)."""
-    xp = array_module(array)
-    flat = array.reshape(-1)
-    if dtype_name(flat.dtype) == "float64":
-        return float(xp.vdot(flat, flat).real)
-    return float(xp.square(flat, dtype=np.float64).sum())
 
 
 def to_host(array: Array) -> np.ndarray:

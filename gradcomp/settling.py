@@ -231,9 +231,14 @@ def take_settling(state: dict[str, Any], settling: Settling | None) -> Settling 
 
 def drift(now: np.ndarray, before: np.ndarray, sizes: np.ndarray) -> float:
     """``sum_i n_i |log(now_i / before_i)| / sum_i n_i`` over tensors whose levels are positive in
-    both (a tensor with no gradient yet has no scale to settle); 0 when there is none."""
+    both (a tensor with no gradient yet has no scale to settle); 0 when there is none. Every rank
+    takes it alone from agreed levels, so its log and sums are ``gradcomp.exact``'s: the same
+    bits on any CPU (NumPy's log is the CPU's: another SIMD form, other last bits)."""
+    from .exact import fsum, log
+
     live = (now > 0) & (before > 0) & np.isfinite(now) & np.isfinite(before)
     if not live.any():
         return 0.0 if not (~np.isfinite(now)).any() else math.inf
-    w = sizes[live]
-    return float((w * np.abs(np.log(now[live] / before[live]))).sum() / w.sum())
+    w = sizes[live].tolist()
+    moved = [n * abs(log(a / b)) for n, a, b in zip(w, now[live].tolist(), before[live].tolist())]
+    return fsum(moved) / fsum(w)

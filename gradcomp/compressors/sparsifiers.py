@@ -35,6 +35,25 @@ def kept(n: int, ratio: float) -> int:
     return min(n, max(1, math.ceil(ratio * n))) if n else 0
 
 
+def largest(magnitude: Array, k: int) -> Array:
+    """The positions of ``magnitude``'s ``k`` largest values (NaN the largest), in no order;
+    among values tied with the ``k``-th largest, the first positions. ``argpartition`` alone
+    leaves that choice to the SIMD form NumPy picked for the CPU (AVX-512, AVX2, its baseline:
+    other ties kept, so other bits on another CPU, DESIGN.md "Same bits on any CPU")."""
+    xp = array_module(magnitude)
+    n = magnitude.shape[0]
+    if not 0 < k < n:
+        return xp.arange(n)[n - k:]
+    part = xp.argpartition(magnitude, n - k)
+    top = part[n - k:]
+    kth = magnitude[part[n - k]]
+    tied = xp.isnan(magnitude) if bool(xp.isnan(kth)) else magnitude == kth
+    inside = int(xp.count_nonzero(tied[top]))
+    if inside == int(xp.count_nonzero(tied)):  # every tie kept: nothing left to the order
+        return top
+    return xp.concatenate([top[~tied[top]], xp.flatnonzero(tied)[:inside]])
+
+
 class TopK(Codec):
     """Each rank sends its ``ratio`` largest-magnitude values with their positions (int32); every
     rank adds everyone's in rank order. Bytes per rank: ``(N-1) * 8k``, i.e. ``2 * ratio * (N-1)``
@@ -111,7 +130,7 @@ class TopK(Codec):
         if k <= count <= cap:
             picked = workspace.array(self, "picked", count, np.bool_, like=x)
             picked[...] = False
-            picked[np.argpartition(mags[:count], count - k)[count - k:]] = True
+            picked[largest(mags[:count], k)] = True
             # the picked positions ascending (as the candidates: what sorting the selection gives)
             # and their values from the candidates' own; the residual zeroed there, and at the
             # other candidates' NaN and Inf (every one is a candidate: never below a threshold)
@@ -150,10 +169,9 @@ class TopK(Codec):
             if k <= int(xp.count_nonzero(keep)) <= n // 8:  # else a missed tail, or ties at the estimate
                 candidates = xp.flatnonzero(keep)
         if candidates is None:
-            top = xp.argpartition(magnitude, n - k)[n - k:]  # NaN sorts last: always selected
+            top = largest(magnitude, k)
         else:
-            m = candidates.shape[0]
-            top = candidates[xp.argpartition(magnitude[candidates], m - k)[m - k:]]
+            top = candidates[largest(magnitude[candidates], k)]
         top.sort()
         return top
 

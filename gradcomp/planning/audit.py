@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..bucket import Bucket
+from ..exact import fsum, sums
 
 #: the fewest coordinates of each tensor audited (all of a smaller one): the cost is judged per
 #: tensor, and a small tensor (a norm's gain, a bias) is where one scale per bucket errs most
@@ -25,10 +26,11 @@ def tensor_costs(d: np.ndarray, e: np.ndarray, starts: np.ndarray) -> np.ndarray
     against the exact mean's noise there (``starts``: where each tensor's coordinates start in
     ``d``, plus the end). A tensor whose noise per coordinate is under ``QUIET`` of the bucket's
     has no say (0): a gradient that is nothing (a bias under a norm) moves nothing, whatever the
-    codes do to it."""
-    d2 = np.add.reduceat(d * d, starts[:-1]) if d.size else np.zeros_like(e)
+    codes do to it. Every rank computes it alone from agreed sums, so its sums are exactly
+    rounded (``gradcomp.exact``): the same bits, and the same rungs, on any CPU."""
+    d2 = sums(d * d, starts) if d.size else np.zeros_like(e)
     counts = np.diff(starts)
-    typical = e.sum() / max(int(counts.sum()), 1)
+    typical = fsum(e.tolist()) / max(int(counts.sum()), 1)
     heard = e > QUIET * typical * counts
     with np.errstate(divide="ignore", invalid="ignore"):
         each = np.where(heard, d2 / np.where(heard, e, 1.0), np.where((d2 == 0) | (typical > 0), 0.0, np.inf))

@@ -25,7 +25,8 @@ that scales each coordinate by its own magnitude (``adapt``) a bucket starts a r
 method must hold ``ADAPTIVE_SHARE`` of the budget. Rungs are kept per tensor (they survive DDP's
 bucket rebuild); a bucket runs at the lowest rung of its tensors.
 
-**Agreement.** The audit's sums come from allreduced values, the same bits on every rank, so
+**Agreement.** The audit's sums come from allreduced values, the same bits on every rank, and
+what each rank computes from them alone is the same bits on any CPU (``gradcomp.exact``), so
 every rank decides alike; each bucket's rung is agreed state (DESIGN invariant 3). A decision
 taken at step ``s`` applies from ``s + DELAY``, past any job of ``s + 1`` the pipeline prepared
 ahead. Rungs, holds, open windows and every rung's state are checkpointed: a resume continues
@@ -48,6 +49,7 @@ from ..comm.protocol import method_traffic
 from ..compressors.contract import Compressor
 from ..compressors.feedback import ErrorFeedback
 from ..compressors.quantize import QuantizedAllreduce
+from ..exact import sums
 from ..params import check_float, check_int
 from ..schedule import Routed, Stages, hand_over, load_stage_states, stage_states, take_stage_states
 from ..state import ClaimCheck, check_array, reject_leftovers, take_int
@@ -303,7 +305,7 @@ class Governed(Stages):
         n = comm.size
         where, starts = prepared.audited.where, prepared.audited.starts
         exact = total[:where.size] / n
-        own = np.add.reduceat(exact * exact, starts[:-1]) if where.size else exact
+        own = sums(exact * exact, starts) if where.size else exact  # exactly rounded: the same on any CPU
         spread = np.maximum(total[where.size:] / n - own, 0.0)  # per tensor: mean over ranks of |g_r - mean|^2
         keys = prepared.bucket.keys
         first = keys[0] if keys else ""
