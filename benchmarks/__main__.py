@@ -8,6 +8,8 @@ the installed package).
            example after adding ``capped-*.json`` files from ``benchmarks/capped_steps.sh`` runs).
 ``zoo``    the workload zoo: quality and ratio of each method against exact averaging
            (``python -m benchmarks zoo --help``).
+``scale``  GPT-2 small and a ResNet-50 through every name: memory per parameter and step time
+           (``python -m benchmarks scale --help``).
 """
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else argv)[:1] == ["zoo"]:  # the workload zoo: benchmarks/zoo/cli.py
         from .zoo.cli import main as zoo
         return zoo((sys.argv[1:] if argv is None else argv)[1:])
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["scale"]:  # real model sizes: benchmarks/scale.py
+        from .scale import main as scale
+        return scale((sys.argv[1:] if argv is None else argv)[1:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("folder", nargs="?", default="results/bench")
     rep.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
     sub.add_parser("zoo", help="the workload zoo (its own options: python -m benchmarks zoo --help)")
+    sub.add_parser("scale", help="real model sizes (its own options: python -m benchmarks scale --help)")
     args = parser.parse_args(argv)
 
     from . import driver

@@ -1,0 +1,26 @@
+"""The scale suite's arithmetic: the memory slope between two model sizes, over the reference."""
+from __future__ import annotations
+
+from benchmarks import scale
+
+
+def _row(method, size, params, peak, model="gpt2"):
+    return dict(model=model, size=size, method=method, params=params, ranks=2, steps=8, step_s=1.0,
+                peak_rss_mb=[peak, peak - 1], network="")
+
+
+def test_slope_is_over_the_reference_between_two_sizes():
+    mb = 2**20
+    ddp = {6: 2000, 12: 2000 + 40e6 * 12 / mb}  # DDP's own: 12 bytes a parameter
+    rows = [_row("ddp", 6, 80e6, ddp[6]), _row("ddp", 12, 120e6, ddp[12]),
+            _row("int8", 6, 80e6, ddp[6] + 300 + 80e6 * 6 / mb), _row("int8", 12, 120e6, ddp[12] + 300 + 120e6 * 6 / mb),
+            _row("fsdp", 6, 80e6, 1000), _row("fsdp", 12, 120e6, 1100), _row("fsdp:int8", 6, 80e6, 1010),
+            _row("fsdp:int8", 12, 120e6, 1110 + 40e6 * 2 / mb)]
+    slopes = scale._slopes(rows)
+    per, fixed = slopes[("gpt2", "int8")]
+    assert abs(per - 6.0) < 1e-6 and abs(fixed - 300) < 1e-6  # 6 bytes a parameter and 300 MB over DDP's own
+    assert abs(slopes[("gpt2", "fsdp:int8")][0] - 2.0) < 1e-6  # FSDP's methods against FSDP's own
+    assert ("gpt2", "ddp") not in slopes
+    text = scale.summary(rows)
+    assert "| gpt2 | int8 | 6.0 | 7 | 300 |" in text
+    assert scale.target("opt:onebitadam", 2) == scale.OPT_TARGET and scale.target("topk", 4) == 6
