@@ -131,8 +131,13 @@ class _Tensor:
         return self.level
 
     def move(self, to: int, step: int, hold: int, delay: int = DELAY) -> None:
-        """To rung ``to`` from step ``step + delay`` on, trying the rung above after ``hold``."""
-        self.before, self.level, self.since, self.hold = self.at(step), to, step + delay, hold
+        """To rung ``to`` from step ``step + delay`` on, trying the rung above after ``hold``.
+        Taken on the wire thread while the compute thread reads ``at`` for this step's next
+        buckets: ``before``, then ``since``, are set first, so that a read between two of these
+        assignments still gives the rung of now."""
+        self.before = self.at(step)
+        self.since = step + delay
+        self.level, self.hold = to, hold
         self.retry = self.since + hold if to > 0 else -1
 
     def row(self) -> np.ndarray:

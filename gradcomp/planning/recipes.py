@@ -75,10 +75,12 @@ class Recipe(Schedule):
     def finish(self, bucket: Bucket, comm: Communicator, prepared: Any) -> Array:
         out = super().finish(bucket, comm, prepared)
         if self.settling is not None and self.settling.warm and prepared.stage == 0:
+            # the step first: ``prepare`` of this step's next bucket, on the compute thread while
+            # this runs on the wire thread, must not take these levels for a step that has ended
+            self._levels_step = prepared.step
             for key, off, shape in bucket.placements():
                 part = out[off:off + math.prod(shape)]
                 self._levels[key] = (sum_of_squares(part) / max(part.size, 1), part.size)
-            self._levels_step = prepared.step
             if bucket.is_last:
                 self._observe()
         return out
