@@ -222,8 +222,10 @@ class ClaimCheck:
                 "gradcomp.torch.register(model, ...) is keyed by parameter name: attach the compressor "
                 "the same way (gradcomp.torch.register(model, compressor), then load; a pickled one: "
                 "gradcomp.torch.register(model, restored), or register(model, None, state=restored) "
-                "for a pickled HookState), not through comm_hook(), whose tensors are keyed by bucket "
-                "index; NumPy: the same arrays, in the same order, as when it was saved.")
+                "for a pickled HookState; a compressor pickled after register keeps its names and "
+                "attaches through comm_hook() too), not as a state_dict loaded into a compressor that "
+                "comm_hook() attached, whose tensors are keyed by bucket index; NumPy: the same arrays, "
+                "in the same order, as when it was saved.")
 
 
 # ---------------------------------------------------------------------------------------------
