@@ -248,15 +248,37 @@ def target(method: str, ranks: int) -> float:
     return 4 + 4 / ranks + 1
 
 
+def rate(network: str) -> float:
+    """Bytes per second of a tc rate ("1gbit", "500mbit", "1mbit"); NaN for none."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, scale_ in units.items():
+        if network.endswith(unit):
+            return float(network[:-len(unit)]) * scale_ / 8
+    return math.nan
+
+
+def sent(row: dict) -> float:
+    """Bytes a rank sends per step: its stats', or DDP's ring allreduce of fp32 for DDP's own."""
+    if row["method"] in ("ddp", "fsdp"):
+        return 2 * (row["ranks"] - 1) / row["ranks"] * 4 * row["params"]
+    return row.get("bytes_per_step", math.nan)
+
+
 def summary(rows: list[dict]) -> str:
-    lines = ["| model | size | method | params | peak RSS / rank (MB) | step (s) | x DDP | bytes/step/rank | audits |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """The table of every job and, with two sizes, the memory slopes against the targets. On a
+    capped network (one rank per emulated host), each step against its floor: max(the
+    compute-only step, the bytes a rank sends per step over the link's rate)."""
+    lines = ["| model | size | method | params | peak RSS / rank (MB) | step (s) | x DDP | x floor | bytes/step/rank | audits |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     ddp = {(r["model"], r["size"], r["network"]): r["step_s"] for r in rows if r["method"] == "ddp"}
+    compute = {(r["model"], r["size"], r["network"]): r["step_s"] for r in rows if r["method"] == "compute"}
     for r in rows:
-        base = ddp.get((r["model"], r["size"], r["network"]))
+        where = (r["model"], r["size"], r["network"])
+        base = ddp.get(where)
+        floor = max(compute.get(where, math.nan), sent(r) / rate(r["network"]))
         lines.append(f"| {r['model']} | {r['size']} | {r['method']} | {r['params'] / 1e6:.1f}M | "
                      f"{max(r['peak_rss_mb']):,.0f} | {r['step_s']:.2f} | {r['step_s'] / base if base else math.nan:.2f} | "
-                     f"{r.get('bytes_per_step', math.nan) / 1e6:.1f} MB | {r.get('audit_share', math.nan):.1%} |")
+                     f"{r['step_s'] / floor:.2f} | {sent(r) / 1e6:.1f} MB | {r.get('audit_share', math.nan):.1%} |")
     slopes = _slopes(rows)
     if slopes:
         ranks = rows[0]["ranks"]

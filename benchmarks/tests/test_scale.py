@@ -23,4 +23,7 @@ def test_slope_is_over_the_reference_between_two_sizes():
     assert ("gpt2", "ddp") not in slopes
     text = scale.summary(rows)
     assert "| gpt2 | int8 | 6.0 | 7 | 300 |" in text
+    capped = [dict(r, network="1gbit", method=m, step_s=s) for r, m, s in ((rows[1], "ddp", 2.0), (rows[1], "compute", 1.0))]
+    capped.append(dict(rows[3], network="1gbit", bytes_per_step=250e6, step_s=3.0))  # 2 s of link: the floor
+    assert "| 3.00 | 1.50 | 1.50 | 250.0 MB |" in scale.summary(capped)
     assert scale.target("opt:onebitadam", 2) == scale.OPT_TARGET and scale.target("topk", 4) == 6
