@@ -66,7 +66,8 @@ from ..comm import CollectiveError, Communicator, wire_bytes
 from ..compressors.contract import Compressor
 from ..params import check_bool, check_float, check_int
 from ..planning.governor import BUDGET as GOVERNOR_BUDGET
-from ..planning.governor import Governed, has_safer_rungs
+from ..planning.governor import Governed
+from ..planning.rungs import has_safer_rungs
 from ..reducer import GradientReducer
 from ..registry import make, steady
 from ..state import reject_leftovers, saved_by, take_config, take_int

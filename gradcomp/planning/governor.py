@@ -37,7 +37,7 @@ decision with its cost and why. FSDP's ``scatter`` buckets run at their rung, ne
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -47,14 +47,12 @@ from ..bucket import Bucket, StepCount, digest
 from ..comm import Communicator, Workspace
 from ..comm.protocol import method_traffic
 from ..compressors.contract import Compressor
-from ..compressors.feedback import ErrorFeedback
-from ..compressors.quantize import QuantizedAllreduce
 from ..exact import sums
 from ..params import check_float, check_int
 from ..schedule import Routed, Stages, hand_over, load_stage_states, stage_states, take_stage_states
 from ..state import ClaimCheck, check_array, reject_leftovers, take_int
 from .audit import Plan, Sample, Window, tensor_costs, window_cost
-from .cost import rank_bytes, traffic
+from .rungs import DELAY, HOLD, LEVELS, RUNGS, Rungs, TensorRung, ladder
 
 #: the default budget: compression may add at most this multiple of the exact mean's own noise
 #: to the updates of an audit window (chosen on the workload zoo's tuning half, BENCHMARKS.md)
@@ -71,37 +69,8 @@ EVERY, WINDOW = 50, 10
 #: the audit's bytes over a period as a share of the method's (the sample's size follows from
 #: the method's declared traffic), and the fewest coordinates sampled
 SHARE, MIN_SAMPLES = 0.02, 64
-#: steps a bucket that went over its budget stays a rung down before it tries the rung above
-#: again (doubled at each failure of that try)
-HOLD = 100
-#: a decision applies this many steps after the step that took it (see the module; 1 where no
-#: job of the next step is prepared before this one's ends: DiLoCo's outer steps)
-DELAY = 2
 #: the decisions kept for ``stats()``
 KEPT = 50
-#: the rungs: the method and the two of ``ladder()``, by name
-RUNGS = ("method", "int4", "int8")
-LEVELS = len(RUNGS)
-
-
-def ladder() -> list[Compressor]:
-    """The rungs below a governed method: 4-bit codes on a grid that holds zero, then 8-bit codes,
-    two stages with error feedback at both (``int4``'s and ``int8``'s methods after a warm-up)."""
-    return [ErrorFeedback(QuantizedAllreduce(bits=4, exact_zero=True), owner_feedback=True),
-            ErrorFeedback(QuantizedAllreduce(bits=8), owner_feedback=True)]
-
-
-def has_safer_rungs(method: Compressor) -> bool:
-    """Whether ``method`` sends fewer bytes than the last rung (8-bit codes), as it declares: one
-    that sends as many (``int8``, ``fp16``, the exact mean) has nowhere safer to step down to."""
-    shapes, ranks = [(1024, 1024)], 4  # (a matrix: PowerSGD sends a vector exactly)
-    try:
-        mine = rank_bytes(traffic(method, shapes, ranks), ranks)
-    except TypeError:  # (undeclared: a user's own method, left as given)
-        return False
-    return mine < rank_bytes(traffic(ladder()[-1], shapes, ranks), ranks)
-
-
 @dataclass
 class _Prepared(Routed):
     step: int = 0  # (its ``stage`` is the rung)
@@ -109,51 +78,6 @@ class _Prepared(Routed):
     audited: Sample | None = None
     fresh: bool = False  # the first step of a window
     decide: bool = False  # the last step of a window
-
-
-@dataclass
-class _Tensor:
-    """One tensor's rung: ``level`` from step ``since`` on (``before`` until then); below the
-    method, the rung above is tried again from step ``retry``."""
-    level: int = 0
-    since: int = 0
-    before: int = 0
-    retry: int = -1
-    hold: int = HOLD
-    last: int = -1  # the rung that last reduced it (for the hand-over; -1: none yet)
-    steps: list[int] = field(default_factory=lambda: [0] * LEVELS)
-
-    def at(self, step: int) -> int:
-        if step < self.since:
-            return self.before
-        if self.level > 0 and 0 <= self.retry <= step:
-            return self.level - 1
-        return self.level
-
-    def move(self, to: int, step: int, hold: int, delay: int = DELAY) -> None:
-        """To rung ``to`` from step ``step + delay`` on, trying the rung above after ``hold``.
-        Taken on the wire thread while the compute thread reads ``at`` for this step's next
-        buckets: ``before``, then ``since``, are set first, so that a read between two of these
-        assignments still gives the rung of now."""
-        self.before = self.at(step)
-        self.since = step + delay
-        self.level, self.hold = to, hold
-        self.retry = self.since + hold if to > 0 else -1
-
-    def row(self) -> np.ndarray:
-        return np.array([self.level, self.since, self.before, self.retry, self.hold, self.last, *self.steps],
-                        np.int64)
-
-
-class _Rungs:
-    """The tensors whose rungs a governor keeps (``ClaimCheck``: after a load, each must reach
-    it at the next step; the rungs' own stores cannot tell, each seeing only its tensors)."""
-
-    def __init__(self, tensors: Mapping[str, Any]):
-        self.tensors = tensors
-
-    def unclaimed(self) -> list[str]:
-        return sorted(self.tensors)
 
 
 class Governed(Stages):
@@ -174,7 +98,7 @@ class Governed(Stages):
         self.hold, self.delay = check_int("hold", hold, 1), check_int("delay", delay, 1)
         self.start = check_int("start", start, 0, LEVELS - 1)
         self._steps = StepCount()
-        self._tensors: dict[str, _Tensor] = {}
+        self._tensors: dict[str, TensorRung] = {}
         self._windows: dict[str, Window] = {}   # first key of the bucket -> its open window
         self._plans: dict[str, Plan] = {}       # first key of the bucket -> when it is audited
         self.decisions: list[dict[str, Any]] = []
@@ -218,10 +142,10 @@ class Governed(Stages):
         return self._steps.count
 
     # -- one bucket -------------------------------------------------------------------------------
-    def _tensor(self, key: str) -> _Tensor:
+    def _tensor(self, key: str) -> TensorRung:
         t = self._tensors.get(key)
         if t is None:
-            t = self._tensors[key] = _Tensor(hold=self.hold)
+            t = self._tensors[key] = TensorRung(hold=self.hold)
             if self.start:
                 t.level = t.before = self.start
                 t.retry = self.step + self.hold
@@ -251,7 +175,8 @@ class Governed(Stages):
 
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Prepared:
         step = self._steps.take(bucket)
-        self._claims.saw(bucket, [_Rungs(self._tensors)], "governed compressor")
+        if self._claims.pending:
+            self._claims.saw(bucket, [Rungs(self._tensors)], "governed compressor")
         tensors = [self._tensor(k) for k in bucket.keys]
         level = max((t.at(step) for t in tensors), default=0)
         # each rung may get some of a step's buckets and not the last: stamped with the step
@@ -418,7 +343,7 @@ class Governed(Stages):
         audit_bytes = float(np.asarray(state.pop("audit_bytes", 0.0)))
         runaway = bool(take_int(state, "runaway_seen", owner)) if "runaway_seen" in state else False
         adaptive = bool(take_int(state, "adaptive", owner)) if "adaptive" in state else False
-        tensors: dict[str, _Tensor] = {}
+        tensors: dict[str, TensorRung] = {}
         windows: dict[str, Window] = {}
         for name in [k for k in state if k.startswith("tensor/")]:
             row = check_array(state.pop(name), name, owner, shape=(6 + LEVELS,), dtypes=("int64",))
@@ -426,7 +351,7 @@ class Governed(Stages):
             if not (0 <= level < LEVELS and 0 <= before < LEVELS and -1 <= last < LEVELS and hold >= 1):
                 raise ValueError(f"{owner} state: {name!r} holds {row.tolist()}: the rung, the one before "
                                  f"and the last are below {LEVELS} (last -1: none yet), the hold at least 1")
-            tensors[name[len("tensor/"):]] = _Tensor(level, since, before, retry, hold, last,
+            tensors[name[len("tensor/"):]] = TensorRung(level, since, before, retry, hold, last,
                                                      [int(v) for v in row[6:]])
         for name in [k for k in state if k.startswith("window/") and k.endswith("/keys")]:
             first = name[len("window/"):-len("/keys")]

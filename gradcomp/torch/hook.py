@@ -17,13 +17,13 @@ What DDP's hook contract asks for, and how it is met here (so users never meet i
   into a resumed run of a freshly built model. A code over a bucket's chunks (int8, topk, ...)
   also depends on which tensors share a bucket, and a fresh model's first step puts them all in
   one: so the hook state records the last step's bucket layouts, and after a resume the first
-  step's buckets are cut back into them (``_replay_parts``), which makes the resumed run equal the
+  step's buckets are cut back into them (``layouts.replay_parts``), which makes the resumed run equal the
   uninterrupted one bit for bit.
 * PyTorch's hook-pickling flow (``torch.save`` the compressor, ``torch.load`` it, attach it to a
   fresh model with ``register_comm_hook(*comm_hook(restored))``) hands the hook no model, and DDP's
   ``GradBucket`` names no parameter. A compressor ``register`` attached carries what it knew of the
   model (``ModelRecord``: parameter names and shapes, the last layouts), so such a hook finds its
-  model once (``_names_from_model``) and keys tensors by name as ``register`` did.
+  model once (``naming.names_from_model``) and keys tensors by name as ``register`` did.
 * Sparse gradients (``nn.Embedding(sparse=True)``) arrive as a bucket of their own; ``Allreduce``
   and ``Allgather`` average them as PyTorch's allreduce does (``sparse_grads``), other compressors
   raise an error that says so on every rank.
@@ -35,7 +35,6 @@ from ``backward()`` on every rank and leave the communicator usable.
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -51,6 +50,8 @@ from ..state import check_saved_here
 from . import advice
 from .checkpoint import from_torch_state, to_torch_state
 from .communicator import default_comm
+from . import layouts
+from .naming import adopt, names_from_model, record_of
 from .sparse_grads import reduce_sparse
 from .tensors import as_array, wait_for_torch
 
@@ -58,43 +59,6 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from torch.nn.parallel import DistributedDataParallel
-
-
-#: where ``register`` leaves a ``ModelRecord`` on the compressor itself (pickled with it)
-RECORD = "_gradcomp_ddp_model"
-
-
-class ModelRecord:
-    """What ``register`` knows of the model a compressor reduces for, kept on the compressor
-    (``RECORD``) so that ``torch.save(compressor)`` carries it: the parameters' names and shapes
-    (the keys of its per-tensor state, in the model's order) and the last whole step's bucket
-    layouts. A hook attached to such a compressor without the model (``comm_hook``) keys tensors by
-    name too, and cuts a fresh model's first bucket into these layouts."""
-
-    def __init__(self, shapes: dict[str, tuple]) -> None:
-        self.shapes = dict(shapes)
-        self.layouts: list[tuple[str, ...]] = []
-        self.loaded = False  # unpickled or copied: its compressor's state must find its tensors
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.loaded = True
-
-    def difference(self, shapes: dict[str, tuple]) -> str | None:
-        """Why a loaded compressor's state cannot follow its tensors into the model with
-        ``shapes`` (a parameter it kept state for is missing or has another shape), or None. A
-        parameter the model adds is a new tensor, as a new layer is."""
-        for name, shape in self.shapes.items():
-            if name not in shapes:
-                return f"its model had {name!r} {shape}, which this model lacks"
-            if tuple(shapes[name]) != tuple(shape):
-                return f"its model's {name!r} had shape {shape}, this model's has {tuple(shapes[name])}"
-        return None
-
-
-def record_of(compressor: Compressor) -> ModelRecord | None:
-    record = getattr(compressor, RECORD, None)
-    return record if isinstance(record, ModelRecord) else None
 
 
 class HookState:
@@ -201,7 +165,7 @@ def _hook(state: HookState, bucket):
             array = as_array(tensor)
             params = bucket.parameters()
             if not state.names and record_of(state.compressor) is not None:
-                _names_from_model(state, params)  # comm_hook() of a compressor register attached
+                names_from_model(state, params)  # comm_hook() of a compressor register attached
             found = [state.names.get(id(p)) for p in params]
             keys: list[Any] | None = found
             if None in found or len(found) != len(set(found)):
@@ -209,10 +173,10 @@ def _hook(state: HookState, bucket):
             shapes = [tuple(g.shape) for g in bucket.gradients()]
             if tensor.is_cuda:
                 wait_for_torch(tensor)  # the pipeline's threads (and MPI) must see finished gradients
-            parts = _replay_parts(state, keys) if keys is not None else None
+            parts = layouts.replay_parts(state, keys) if keys is not None else None
             if parts is None and keys is not None and bucket.index() == 0 and bucket.is_last() \
-                    and array.nbytes > 2 * PIECE_BYTES:
-                parts = _pieces(keys, shapes, array.itemsize)  # DDP's first step: every parameter in one
+                    and array.nbytes > 2 * layouts.PIECE_BYTES:
+                parts = layouts.pieces(keys, shapes, array.itemsize)  # DDP's first step: every parameter in one
             if parts is None:
                 # scratch: DDP lets a hook overwrite its bucket (PyTorch's own hooks divide it in
                 # place), so a compressor may reduce into it instead of allocating another 25 MB
@@ -220,8 +184,8 @@ def _hook(state: HookState, bucket):
                 jobs = [(None, state.compressor.reduce(wrapped, state.comm))]
                 parts = [(bucket.index(), tuple(keys))] if keys is not None else []
             else:
-                jobs = _reduce_parts(state, array, keys, shapes, parts, bucket.is_last())  # type: ignore[arg-type]
-            _record(state, [p for _, p in parts], bucket.is_last())
+                jobs = layouts.reduce_parts(state, array, keys, shapes, parts, bucket.is_last())  # type: ignore[arg-type]
+            layouts.record_layouts(state, [p for _, p in parts], bucket.is_last())
             pending = jobs[-1][1]
     except BaseException as exc:  # surfaces from backward(), like an error inside the compressor
         _fail(future, exc)
@@ -240,7 +204,7 @@ def _hook(state: HookState, bucket):
                     if mean is not array:  # already in place when the compressor reduced into the bucket
                         array[...] = mean
                     continue
-                if len(where) == 1 and mean.size == where[0][1] and _same_place(mean, array, where[0][0]):
+                if len(where) == 1 and mean.size == where[0][1] and layouts.same_place(mean, array, where[0][0]):
                     continue  # reduced in place, into its view of the bucket
                 at = 0
                 for start, size in where:
@@ -254,138 +218,6 @@ def _hook(state: HookState, bucket):
 
     pending.add_done_callback(write_back)
     return result
-
-
-#: the size of the pieces the hook reduces where DDP hands it every parameter in one bucket (its
-#: first step, before it rebuilds its buckets by ``bucket_cap_mb``): DDP's default cap, so that what
-#: a compressor allocates per bucket stays bucket-sized, not model-sized
-PIECE_BYTES = 25 * 2**20
-
-
-def _pieces(keys: list[str], shapes: list[tuple], itemsize: int) -> list[tuple[int, tuple[str, ...]]]:
-    """The bucket's tensors in consecutive pieces, as (index, keys) parts for ``_reduce_parts``,
-    cut from the last tensor back and closed once a piece reaches ``PIECE_BYTES``, as DDP fills
-    its rebuilt buckets (in the order gradients arrive, the last layers first): so each piece's
-    residuals move into one rebuilt bucket, and its store's region is freed at once."""
-    parts: list[tuple[int, tuple[str, ...]]] = []
-    run: list[str] = []
-    size = 0
-    for key, shape in zip(reversed(keys), reversed(shapes)):
-        run.append(key)
-        size += math.prod(shape) * itemsize
-        if size >= PIECE_BYTES:
-            parts.append((len(parts), tuple(reversed(run))))
-            run, size = [], 0
-    return parts + ([(len(parts), tuple(reversed(run)))] if run else [])
-
-
-def _replay_parts(state: HookState, keys: list[str]) -> list[tuple[int, tuple[str, ...]]] | None:
-    """After a resume, the loaded layouts (index, keys) that make up this DDP bucket, when it is
-    not one of them but exactly their union (a fresh model's first buckets); else None."""
-    if not state.replay or tuple(keys) in state.replay:
-        return None
-    mine = set(keys)
-    parts = [(i, layout) for i, layout in enumerate(state.replay) if mine.issuperset(layout)]
-    if sum(len(layout) for _, layout in parts) != len(mine) or set().union(*(p for _, p in parts)) != mine:
-        return None  # DDP cut the tensors otherwise: reduce the bucket as it is
-    return parts
-
-
-def _reduce_parts(state: HookState, array: Any, keys: list[str], shapes: list[tuple],
-                  parts: list[tuple[int, tuple[str, ...]]], is_last: bool) -> list[tuple[Any, Any]]:
-    """Reduce ``array``'s tensors as the buckets ``parts``: each gathered into a bucket of its
-    own, in the loaded order. Returns (where each tensor goes back in ``array``, the part's
-    Future) per part."""
-    xp = array_module(array)
-    spans, at = {}, 0
-    for key, shape in zip(keys, shapes):
-        size = math.prod(shape)
-        spans[key] = (at, size, shape)
-        at += size
-    jobs = []
-    for j, (index, layout) in enumerate(parts):
-        where = [spans[k][:2] for k in layout]
-        start, end = where[0][0], where[-1][0] + where[-1][1]
-        if all(a + n == b for (a, n), (b, _) in zip(where, where[1:])):  # consecutive: a view, no copy
-            flat, where = array[start:end], [(start, end - start)]
-        else:
-            flat = xp.concatenate([array[start:start + size] for start, size in where])
-        part = Bucket(flat, index, [spans[k][2] for k in layout], is_last and j == len(parts) - 1,
-                      scratch=True, keys=layout)
-        jobs.append((where, state.compressor.reduce(part, state.comm)))
-    return jobs
-
-
-def _same_place(mean: Any, array: Any, start: int) -> bool:
-    """Whether ``mean`` is ``array``'s own memory from ``start`` on (a part reduced in place)."""
-    if mean.dtype != array.dtype or is_device_array(mean) != is_device_array(array):
-        return False
-    view = array[start:]
-    if is_device_array(array):
-        return bool(mean.data.ptr == view.data.ptr)
-    return bool(mean.__array_interface__["data"][0] == view.__array_interface__["data"][0])
-
-
-def _record(state: HookState, layouts: list[tuple[str, ...]], is_last: bool) -> None:
-    """Keep this step's bucket layouts; a whole step's become ``state.layouts`` (checkpointed).
-    The loaded ones are replayed for one step only: DDP has rebuilt its buckets after it."""
-    state._step_layouts.extend(layouts)
-    if is_last:
-        state.layouts, state._step_layouts = state._step_layouts, []
-        state.replay = []
-        record = record_of(state.compressor)
-        if record is not None and state.names:
-            record.layouts = state.layouts  # what a pickled compressor carries
-
-
-def _names_from_model(state: HookState, params: list[Any]) -> None:
-    """Name the parameters as ``register`` does, in a hook attached without the model
-    (``comm_hook``) to a compressor that ``register`` attached before: its state is keyed by
-    parameter name (``ModelRecord``).
-
-    DDP's ``GradBucket`` hands over the parameters but neither their names nor the model, and a
-    parameter does not know its module. Positions do not identify them: the first step's single
-    bucket holds them in the model's order only on a fresh model under DDP's default bucketing
-    (not with ``find_unused_parameters``, per-bucket caps, or a model that has already stepped),
-    and shapes repeat, so a guess could hand one layer's residuals to another. So the model that
-    holds these very parameters is found, once, as ``OneBitAdam`` finds it (``_owning_ddp``:
-    through the garbage collector's referrers), and the state is refused where it is not."""
-    from .optim import _owning_ddp
-
-    model = _owning_ddp(params[0])
-    if model is None or not {id(p) for p in params} <= {id(p) for p in model.module.parameters()}:
-        raise ValueError(
-            f"gradcomp.torch: {state.compressor.describe()} was attached with gradcomp.torch.register"
-            "(model, ...) before, so its state (error-feedback residuals, warm-start factors, counters) "
-            "is kept by parameter name; this hook was attached without the model (comm_hook()), and "
-            "the DistributedDataParallel model that holds this bucket's parameters, whose names it "
-            "needs, was not found. Attach it with gradcomp.torch.register(ddp_model, compressor)")
-    _adopt(state, list(model.module.named_parameters()))
-
-
-def _adopt(state: HookState, named: list[tuple[str, Any]], *others: Any) -> None:
-    """Key ``state``'s tensors by the names of ``named`` (a DDP model's
-    ``module.named_parameters()``) and record them on its compressor (and ``others``, the object
-    the user holds where ``register`` wrapped it): ``ModelRecord``. A loaded compressor whose
-    model had other parameters is refused before its state could go to the wrong tensors."""
-    shapes = {name: tuple(p.shape) if p.dim() else (1,) for name, p in named}
-    record = record_of(state.compressor)
-    if record is not None and record.loaded:
-        differs = record.difference(shapes)
-        if differs is not None:
-            raise ValueError(
-                f"gradcomp.torch: this {state.compressor.describe()} was saved from a model with other "
-                f"parameters ({differs}): its state (error-feedback residuals, warm-start factors) is "
-                "kept per parameter name and would be lost or reach the wrong tensors. Attach it to "
-                "a model with the same parameters, or start from a new compressor")
-    if record is None or record.shapes != shapes:
-        record = ModelRecord(shapes)
-    record.loaded = False
-    for compressor in (state.compressor, *others):
-        if isinstance(compressor, Compressor):
-            setattr(compressor, RECORD, record)
-    state.names = {id(p): name for name, p in named}
-    state.shapes = shapes
 
 
 class NamedHook:
@@ -434,7 +266,7 @@ def comm_hook(compressor: Compressor | str,
     state follows bucket indices (as PyTorch's hooks'); ``register`` keys it by parameter name. A
     compressor ``register`` attached before (PyTorch's flow: ``torch.save`` it, ``torch.load`` it,
     ``register_comm_hook(*comm_hook(restored))`` on a fresh model) keeps that: its state follows
-    the parameters by name (see ``_names_from_model``), and a resumed run equals the uninterrupted
+    the parameters by name (see ``naming.names_from_model``), and a resumed run equals the uninterrupted
     one.
     """
     if isinstance(compressor, str):
@@ -513,7 +345,7 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
         if comm is not None or state.comm is None:
             state.comm = comm if comm is not None else default_comm()
         hook = _named_hook(state.compressor)
-    _adopt(state, list(ddp_model.module.named_parameters()), compressor)
+    adopt(state, list(ddp_model.module.named_parameters()), compressor)
     ddp_model.register_comm_hook(state, hook)
     ddp_model._gradcomp_state = state  # what a second register names
     advice.watch(state, ddp_model.module.parameters())

@@ -206,16 +206,16 @@ def test_every_name_on_many_bucket_layouts(part):
 def rank_memory_follows_the_layout():
     """What the hook keeps is sized by the model's buckets, not by DDP's first step (which hands
     it every parameter in one bucket) or by layouts gone: the first step is reduced in pieces
-    (``hook.PIECE_BYTES``, shrunk here), so no workspace grows past a piece; after the rebuild the
+    (``layouts.PIECE_BYTES``, shrunk here), so no workspace grows past a piece; after the rebuild the
     slice owners' residuals are those of the buckets in use, none of the first step's pieces."""
     import torch
 
     torch.set_num_threads(1)
     import gradcomp
     import gradcomp.torch as gt
-    from gradcomp.torch import hook
+    from gradcomp.torch import layouts
 
-    hook.PIECE_BYTES = 24 * 1024
+    layouts.PIECE_BYTES = 24 * 1024
     launch = gt.init_process_group()
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])  # 16.6 KB a layer
