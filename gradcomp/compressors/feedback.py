@@ -66,8 +66,8 @@ class ErrorFeedback(Wrapper):
         return self.inner.memory_passes(shapes, ranks, itemsize, Residuals(owner=self.owner_feedback))
 
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> Prepared:
-        if self._owner_tensors:
-            self._drop_owners(bucket.keys, but=self._owner_key(bucket, comm))
+        if self._owner_tensors and (key := self._owner_key(bucket, comm)) not in self._owner_tensors:
+            self._drop_owners(bucket.keys, but=key)  # a new layout: its tensors' old ones are stale
         prepared = self.inner.prepare(bucket, comm, workspace, feedback=self)
         if self._claims.pending and self.owner_feedback and prepared.layout is not None:
             self._check_loaded_owner(bucket, comm, prepared.layout.slice_len)
