@@ -18,6 +18,10 @@ the governor's rungs, a ``Schedule``), it is dropped, one step's re-encoding err
 (under a code step per value), so that memory stays at 4/n bytes per parameter and no stale
 layout's residual lives on. A residual that turned NaN or Inf (a bad step) is reset to zero, so
 one bad step does not poison the following ones.
+
+``decay`` (below 1) scales the workers' residual before it is added: SparseLoCo's accumulator
+(``e = decay * e + delta``, then ``e -= sent``), which local steps' sparse exchange uses as its outer
+momentum (``gradcomp.optim.sparseloco``). Error that is never sent then fades instead of waiting.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import numpy as np
 from ..arrays import Array, DTypeLike, add_into, subtract_into, zero_non_finite
 from ..bucket import Bucket, digest
 from ..comm import Communicator, Workspace
-from ..params import check_bool
+from ..params import check_bool, check_float
 from ..state import (ClaimCheck, TensorStore, pop_shapes, reject_leftovers, shape_entries, take_config,
                      tensor_arrays)
 from .codec import Codec, Prepared
@@ -41,16 +45,22 @@ class ErrorFeedback(Wrapper):
 
     inner: Codec
 
-    def __init__(self, inner: Codec, owner_feedback: bool = True):
+    def __init__(self, inner: Codec, owner_feedback: bool = True, decay: float = 1.0):
         if not isinstance(inner, Codec):
             raise TypeError(f"ErrorFeedback wraps a gradcomp Codec (a single-collective method), got "
                             f"{type(inner).__name__}; PowerSGD has error feedback built in")
         super().__init__(inner)
         self.owner_feedback = check_bool("owner_feedback", owner_feedback)
+        self.decay = check_float("decay", decay, above=0, maximum=1)
         self.store = TensorStore()
         self.owner_residuals = TensorStore()
         self._owner_tensors: dict[str, frozenset[str]] = {}  # owner key -> its layout's tensors
         self._claims = ClaimCheck()
+
+    def config(self) -> dict[str, Any]:
+        # decay only where set: the states saved before it existed still load
+        return {"inner": self.inner, "owner_feedback": self.owner_feedback,
+                **({"decay": self.decay} if self.decay != 1.0 else {})}
 
     @property
     def error_feedback_on(self) -> bool:
@@ -68,11 +78,19 @@ class ErrorFeedback(Wrapper):
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> Prepared:
         if self._owner_tensors and (key := self._owner_key(bucket, comm)) not in self._owner_tensors:
             self._drop_owners(bucket.keys, but=key)  # a new layout: its tensors' old ones are stale
+        if self.decay != 1.0:
+            self._decay(bucket.keys)
         prepared = self.inner.prepare(bucket, comm, workspace, feedback=self)
         if self._claims.pending and self.owner_feedback and prepared.layout is not None:
             self._check_loaded_owner(bucket, comm, prepared.layout.slice_len)
         self._claims.saw(bucket, [self.store], type(self).__name__)
         return prepared
+
+    def _decay(self, keys: Iterable[str]) -> None:
+        """The workers' residuals of ``keys`` scaled by ``decay``, before this step adds them."""
+        for key in keys:
+            if (residual := self.store.view(key)) is not None:
+                residual *= residual.dtype.type(self.decay)
 
     def _check_loaded_owner(self, bucket: Bucket, comm: Communicator, slice_len: int) -> None:
         """A loaded owner residual for this bucket must be as long as this rank's slice of it: in

@@ -38,12 +38,13 @@ class DiLoCo:
 
     ``params``: the starting parameters, the same bits on every rank (checked). The other
     arguments are ``gradcomp.optim.DiLoCo``'s: ``sync_every``, ``compressor`` (a compressor or
-    registry name), the outer optimizer's ``lr``/``momentum``/``nesterov``, ``fragments``, ``overlap``,
+    registry name, or ``"sparseloco"``), the outer optimizer's ``lr``/``momentum``/``nesterov`` (their
+    defaults are the exchange's), ``fragments``, ``overlap``,
     ``budget`` (the exchange's governor).
     """
 
     def __init__(self, params: Any, sync_every: int = core.SYNC_EVERY, compressor: Compressor | str = "int8",
-                 lr: float = core.OUTER_LR, momentum: float = core.OUTER_MOMENTUM, nesterov: bool = True,
+                 lr: float | None = None, momentum: float | None = None, nesterov: bool = True,
                  fragments: int = 1, comm: Communicator | None = None, bucket_cap_mb: float = 25.0,
                  overlap: int = 0, budget: float | None = core.GOVERNOR_BUDGET):
         leaves, self.treedef = jax.tree_util.tree_flatten(params)

@@ -72,6 +72,7 @@ from ..reducer import GradientReducer
 from ..registry import make, steady
 from ..state import reject_leftovers, saved_by, take_config, take_int
 from .optimizer import Hyper, Optimizer, _Agreed, governor_stats
+from .sparseloco import EXCHANGES, exchange, is_sparse_exchange
 
 #: the defaults, measured on examples/torch_lm.py's TinyLM (docs/guides/local-steps.md)
 SYNC_EVERY = 20
@@ -114,8 +115,11 @@ class DiLoCo(Optimizer):
     optimizer), the same values on every rank at construction. ``compressor``: a gradcomp
     compressor or a registry name (a name's own exact warm-up is dropped unless the name sets it:
     ``"int8"`` sends codes from the first outer step; ``"allreduce"`` averages exactly).
+    ``"sparseloco"`` (``"sparseloco:density=0.03,bits=4"``): SparseLoCo's exchange
+    (``gradcomp.optim.sparseloco``), 2-bit chunked top-k under a decaying accumulator, never governed.
     ``lr``/``momentum``/``nesterov``: the outer optimizer (default Nesterov, lr 0.7, momentum 0.5,
-    measured best on the LM; ``lr=1, momentum=0``: plain averaging).
+    measured best on the LM; with ``"sparseloco"``, lr 1 and no momentum, the method's own;
+    ``lr=1, momentum=0``: plain averaging); given, they win over the exchange's defaults.
     ``fragments``, ``overlap``: streaming, see the module docstring. ``step(lr=...)`` may override
     the outer learning rate for one call. ``coordinator``: ranks that come and go (the module
     docstring; ``gradcomp.torch.ft``). ``budget``: the exchange's governor
@@ -129,10 +133,14 @@ class DiLoCo(Optimizer):
     runaway_advice = "sync more often (a smaller sync_every) or lower the outer learning rate"
 
     def __init__(self, params: Sequence[Array], sync_every: int = SYNC_EVERY,
-                 compressor: Compressor | str = "int8", lr: Hyper = OUTER_LR,
-                 momentum: float = OUTER_MOMENTUM, nesterov: bool = True, fragments: int = 1,
+                 compressor: Compressor | str = "int8", lr: Hyper | None = None,
+                 momentum: float | None = None, nesterov: bool = True, fragments: int = 1,
                  comm: Communicator | None = None, bucket_cap_mb: float = 25.0, overlap: int = 0,
                  coordinator: Coordinator | None = None, budget: float | None = GOVERNOR_BUDGET):
+        sparse = exchange(compressor) if isinstance(compressor, str) else None
+        outer = sparse[1] if sparse else {"lr": OUTER_LR, "momentum": OUTER_MOMENTUM}
+        lr = outer["lr"] if lr is None else lr
+        momentum = outer["momentum"] if momentum is None else momentum
         super().__init__(params, lr, 0.0, comm, bucket_cap_mb)
         self.coordinator = coordinator
         self.sync_every = check_int("sync_every", sync_every, 1)
@@ -144,11 +152,16 @@ class DiLoCo(Optimizer):
         #: reductions' futures or None once waited for, the outer rates taken at the sync)
         self.flight: dict[int, tuple[int, list | None, list[float]]] = {}
         self.landed: list[int] = []  # the fragments whose outer step landed at the last step()
-        inner = make(steady(compressor, keep_given=True)) if isinstance(compressor, str) else compressor
+        if sparse:
+            inner = sparse[0]
+        else:
+            inner = make(steady(compressor, keep_given=True)) if isinstance(compressor, str) else compressor
         if not isinstance(inner, Compressor):
-            raise TypeError(f"compressor must be a gradcomp Compressor or a registry name, got {compressor!r}")
+            raise TypeError(f"compressor must be a gradcomp Compressor, a registry name or a local-steps "
+                            f"exchange ({', '.join(EXCHANGES)}), got {compressor!r}")
         self.budget = None if budget is None else check_float("budget", budget, above=0)
-        if self.budget is not None and not isinstance(inner, Governed) and has_safer_rungs(inner):
+        if (self.budget is not None and not isinstance(inner, Governed) and has_safer_rungs(inner)
+                and not is_sparse_exchange(inner)):
             inner = Governed(inner, budget=self.budget, every=GOVERNOR_EVERY, window=GOVERNOR_WINDOW,
                              hold=GOVERNOR_HOLD, start=GOVERNOR_START, delay=1)
         self.outer_compressor = inner

@@ -44,9 +44,11 @@ class DiLoCo:
     (``"int8"``: 8-bit codes with error feedback kept across outer steps; ``"allreduce"``: exact).
     ``budget``: the exchange's governor, for a compressor that sends fewer bytes than ``"int8"``
     (``gradcomp.optim.DiLoCo``; None: off).
+    ``"sparseloco"`` (``"sparseloco:density=0.03"``): SparseLoCo's 2-bit chunked top-k under a
+    decaying accumulator (``gradcomp.optim.sparseloco``), never governed.
     ``lr``, ``momentum``, ``nesterov``: the outer optimizer (default Nesterov with lr 0.7 and
-    momentum 0.5; ``lr=1, momentum=0`` averages the replicas; docs/guides/local-steps.md has the
-    measurements behind the defaults).
+    momentum 0.5; with ``"sparseloco"`` lr 1 and no momentum; ``lr=1, momentum=0`` averages the
+    replicas; docs/guides/local-steps.md has the measurements behind the defaults).
     ``fragments``: streaming DiLoCo, fragments of the parameters synced on staggered steps;
     ``overlap``: their exchange runs while the next ``overlap`` inner steps compute, and lands then
     (``gradcomp.optim.DiLoCo``).
@@ -58,7 +60,7 @@ class DiLoCo:
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
                  sync_every: int = core.diloco.SYNC_EVERY, compressor: Any = "int8",
-                 lr: float = core.diloco.OUTER_LR, momentum: float = core.diloco.OUTER_MOMENTUM,
+                 lr: float | None = None, momentum: float | None = None,
                  nesterov: bool = True, fragments: int = 1, comm: Communicator | None = None,
                  bucket_cap_mb: float = 25.0, overlap: int = 0, manager: Any = None,
                  budget: float | None = core.diloco.GOVERNOR_BUDGET):
