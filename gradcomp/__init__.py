@@ -7,6 +7,7 @@
 
 Launch with ``mpiexec -n N python train.py``. PyTorch users: ``gradcomp.torch``. Writing a
 compressor: ``gradcomp.Codec`` and the conformance kit, ``python -m gradcomp.conformance``.
+What compression did, as flat scalars for any logger: ``gradcomp.metrics(stats)``, ``gradcomp.Meter``.
 """
 from .bucket import Bucket
 from .comm import (CollectiveError, Communicator, CommunicatorBroken, MPICommunicator,
@@ -20,6 +21,7 @@ from .schedule import Schedule
 from .planning import Recipe
 from .planning.names import register_builtins as _register_builtins
 from . import optim  # DGC, OneBitAdam: methods that need the optimizer
+from .metrics import Meter, backoffs, metrics  # stats() as flat scalars for a logger (binds the function)
 
 _register_builtins()
 
@@ -29,4 +31,5 @@ __all__ = ["Bucket", "Communicator", "MPICommunicator", "CollectiveError", "Comm
            "default_communicator", "Compressor", "Codec", "ErrorFeedback", "Allreduce", "Allgather",
            "FP16", "BF16", "QuantizePerTensor", "QuantizePerChannel", "QuantizedAllreduce", "OneBit",
            "TopK", "RandomK", "PowerSGD", "BatchedPowerSGD",
-           "Schedule", "Recipe", "REGISTRY", "make", "register", "GradientReducer", "allreduce_gradients"]
+           "Schedule", "Recipe", "REGISTRY", "make", "register", "GradientReducer", "allreduce_gradients",
+           "metrics", "Meter", "backoffs"]
