@@ -354,6 +354,37 @@ def test_capped_runs_ranks_in_their_own_namespaces_and_cleans_up(fail_with):
     assert _our_namespaces() == before
 
 
+PROBE_PROGRAM = r"""
+import json, time
+import gradcomp
+from gradcomp.planning.measurements import probe_link
+comm = gradcomp.MPICommunicator()
+before = comm.bytes_sent
+start = time.perf_counter()
+link = probe_link(comm, 6_500_000)  # a 25 MB first bucket, as GPT-2's
+print(json.dumps({"rank": comm.rank, "beta": link.beta, "alpha": link.alpha,
+                  "probe_bytes": comm.bytes_sent - before, "seconds": time.perf_counter() - start}), flush=True)
+"""
+
+
+def test_link_probe_is_sized_to_the_link():
+    """On a 1 Mbit/s link (2 emulated hosts) ``auto``'s link probe stops at small sizes: it sends
+    under what two seconds of the link carry in all (probing up to the first bucket's 25 MB
+    sent megabytes, minutes of that link), and the bandwidth it fits is the cap's order."""
+    why = _capped_available()
+    if why:
+        pytest.skip(why)
+    done = subprocess.run([CAPPED, "1mbit", "2", sys.executable, "-c", PROBE_PROGRAM],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    ranks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(ranks) == 2, done.stdout
+    for r in ranks:
+        assert r["probe_bytes"] < 250_000, r  # under two seconds of the link's bytes
+        assert 125_000 / 3 < r["beta"] < 125_000 * 3, r  # 1 Mbit/s is 125 KB/s
+    print(ranks)
+
+
 def test_worker_records_what_is_not_a_default_configuration(monkeypatch):
     """MPICH and allocator variables and the comparison knobs (jumbo frames, whole two-stage
     slices, ...) go into the job's ``settings``, which the report prints; capped.sh's own

@@ -1,7 +1,8 @@
 """What ``auto`` measures once per job before it chooses: the link, the compute and the topology.
 
 * **the link**: timed allreduces of a few sizes, up to the first bucket's, on the real
-  communicator, each started together (``probe_link``); every rank's medians are gathered and the
+  communicator, each started together (``probe_link``), sized to the link (a slow link stops at
+  small sizes: a few seconds at most on any link); every rank's medians are gathered and the
   slowest taken, so every rank fits the same latency and bandwidth (the alpha-beta model of
   ``cost``). On one host this is the link the exchange is priced on;
 * **the compute**: each candidate's whole reduction of a bucket of the first bucket's layout (its
@@ -35,9 +36,12 @@ from ..comm.protocol import note_probe
 from ..compressors.contract import run_stage
 from . import cost
 
-#: message sizes of the link probe (float32 values) and its repeats
-PROBE_SIZES = (1024, 65536, 1048576)
+#: the link probe's first size and its default largest (float32 values), its repeats per size,
+#: about how long it may take in all, and a size's time at which its fit is precise enough
+#: (``probe_link``)
+PROBE_SIZES = (1024, 1048576)
 PROBE_REPEATS = 5
+PROBE_BUDGET_S, PROBE_ENOUGH_S = 2.0, 0.25
 #: the compute is timed on a bucket of the first bucket's layout, within these bounds (float32
 #: values; ``timed_shapes``): a bucket that fits in the caches would time a memory-bound method
 #: (fp16's casts) at cache speed, several times faster than on a real bucket
@@ -156,14 +160,23 @@ def ranks_per_core(comm: Communicator) -> float:
     return float(np.max(comm.allgather(np.array([mine]))))
 
 
-def probe_link(comm: Communicator, largest: int = PROBE_SIZES[-1], agree: Communicator | None = None) -> cost.Link:
+def probe_link(comm: Communicator, largest: int = PROBE_SIZES[-1], agree: Communicator | None = None,
+               budget_s: float | None = None) -> cost.Link:
     """Latency and bandwidth of ``comm``'s allreduce, the slowest rank's, the same on every rank.
 
     Args:
         comm: the communicator whose allreduce is timed (collective).
-        largest: the largest bucket probed, in float32 values, besides ``PROBE_SIZES``.
+        largest: the largest bucket probed, in float32 values.
         agree: the communicator over which the slowest rank is agreed (every host's link inside
             it, probed on a host's own communicator); None: ``comm``.
+        budget_s: about how long the probe may take (default ``PROBE_BUDGET_S``).
+
+    Probes are sized to the link: sizes grow by 4 from ``PROBE_SIZES[0]`` towards ``largest``,
+    and the ladder stops once a size takes ``PROBE_ENOUGH_S`` (its bandwidth term dominates, the
+    fit is precise enough) or the next one would not fit in the budget; a size whose first run
+    takes long gets fewer repeats. A fast link probes up to ``largest`` in well under a second;
+    a 1 Mbit/s one stops after a few kilobytes instead of sending megabytes. Every such decision
+    is taken from times agreed as the slowest rank's, so every rank probes the same sizes.
 
     Each size is reduced as the reducer reduces an fp32 bucket (``Allreduce``'s ordered stage: the
     agreement, the allreduce in place, the division), not by a bare ``comm.allreduce``, whose
@@ -177,29 +190,50 @@ def probe_link(comm: Communicator, largest: int = PROBE_SIZES[-1], agree: Commun
 
     if comm.size == 1:
         return cost.Link(0.0, float("inf"))
-    sizes = sorted(set(PROBE_SIZES) | {largest})
+    over = comm if agree is None else agree
+    budget = PROBE_BUDGET_S if budget_s is None else budget_s
     sync = np.zeros(1, np.float32)
     fp32 = Allreduce()
-    medians = []
-    for i, n in enumerate(sizes):
+    sizes: list[int] = []
+    worst: list[float] = []
+    spent = 0.0
+    n = PROBE_SIZES[0]
+    while True:
         x = np.zeros(n, np.float32)  # zeros: summed in place, they stay zeros
-        bucket = Bucket(x, i, [(n,)], scratch=True)
-        fp32.checked_run(bucket, comm)  # warm
+        bucket = Bucket(x, len(sizes), [(n,)], scratch=True)
+        comm.allreduce(sync)
+        start = time.perf_counter()
+        fp32.checked_run(bucket, comm)  # warm, and a first estimate of this size's time
+        first = _slowest(over, time.perf_counter() - start)
+        repeats = int(min(PROBE_REPEATS, max(1, (budget - spent - first) // max(first, 1e-9) // 2)))
         times = []
-        for _ in range(PROBE_REPEATS):
+        for _ in range(repeats):
             comm.allreduce(sync)
             start = time.perf_counter()
             fp32.checked_run(bucket, comm)
             times.append(time.perf_counter() - start)
-        medians.append(float(np.median(times)))
-    worst = np.max((comm if agree is None else agree).allgather(np.array(medians)), axis=0)
+        median = _slowest(over, float(np.median(times)))
+        sizes.append(n)
+        worst.append(median)
+        spent += first + repeats * median
+        grown = min(4 * n, largest) if n < largest else 0
+        # the next size's time, at worst the same rate: 2 runs of it must fit
+        if not grown or (len(sizes) >= 2 and (median >= PROBE_ENOUGH_S
+                                              or spent + 2 * median * grown / n > budget)):
+            break
+        n = grown
     N = comm.size
     t = cost.Traffic("allreduce", 0.0)
     cluster = cost.Cluster(N, 1, cost.Link(0, 1))
     pairs = [(cost.messages(t, cluster, False), cost.rank_bytes(cost.Traffic("allreduce", 4.0 * n), N))
              for n in sizes]
-    alpha, inv_beta = cost._least_squares(pairs, [float(w) for w in worst])
+    alpha, inv_beta = cost._least_squares(pairs, worst)
     return cost.Link(max(alpha, 0.0), 1.0 / inv_beta if inv_beta > 0 else float("inf"))
+
+
+def _slowest(comm: Communicator, seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (collective): what every rank decides from."""
+    return float(np.max(comm.allgather(np.array([seconds]))))
 
 
 def memory_pass(numel: int = TIMED_MAX // 2, repeats: int = 5) -> float:
