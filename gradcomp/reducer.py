@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from . import timeline
 from .arrays import Array, ArrayModule, dtype_name
 from .bucket import Bucket, digest, group
 from .comm import CollectiveError, Communicator, default_communicator
@@ -123,8 +124,10 @@ class GradientReducer:
 
     def finish(self, futures: list[Future]) -> list[Array]:
         """Wait for ``start``'s reductions and write the means into the arrays; return them."""
+        step = self.compressor.__dict__.get("_submitted_steps", 1) - 1  # the timeline's (``Compressor.reduce``)
         for (bucket, members), future in zip(self.buckets, futures):
-            mean = future.result()
+            with timeline.span("wait", "wait", bucket=bucket.index, step=step):
+                mean = future.result()
             for view, i in zip(bucket.views(mean), members):
                 if mean is bucket.buffer and _same_memory(self.arrays[i], self._views[i]):
                     continue  # reduced where it lives

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from . import timeline
 from .arrays import Array, DTypeLike, cast
 from .bucket import Bucket, StepCount
 from .comm import Communicator, Workspace
@@ -261,6 +262,9 @@ class Schedule(Stages):
     def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> _Stage:
         step = self._steps.take(bucket)
         k = self.stage_at(step)
+        if timeline.enabled and k != self.__dict__.get("_traced_stage", 0):  # (a warm-up's end among them)
+            self.__dict__["_traced_stage"] = k
+            timeline.instant("stage change", "decision", step=step, stage=k, to=self.compressors[k].describe())
         bucket = hand_over(self, self.compressors, [self._last_stage.get(key, -1) for key in bucket.keys], k,
                            bucket, workspace)
         if bucket.step is not None:  # routed to it: its stages too may see only some of a step

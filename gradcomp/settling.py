@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from . import timeline
 from .params import check_float, check_int
 from .state import check_array, reject_leftovers, take_int
 
@@ -130,6 +131,7 @@ class Settling:
     def _end(self, reason: str) -> bool:
         self.ended_at = self._steps
         self.reason = reason
+        timeline.instant("warm-up end", "decision", step=self._steps, reason=reason, drift=self.drift)
         self._sum, self._seen, self._before, self._sizes = {}, {}, {}, {}
         return True
 

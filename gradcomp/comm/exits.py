@@ -35,6 +35,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import timeline
+
 _TAG = 7301
 _MAX_COMMS = 31  # (communicator id, collectives) pairs carried per goodbye message
 _POLL_S = 0.2
@@ -66,6 +68,7 @@ def end_job(comm, code: int) -> None:
     connections to it fail."""
     sys.stdout.flush()
     sys.stderr.flush()
+    timeline.flush()  # a timeline's trace, up to here (left unclosed: its readers accept that)
     try:
         faulthandler.dump_traceback_later(ABORT_EXIT_S, exit=True, file=sys.__stderr__ or 2)
     except (ValueError, OSError, AttributeError):  # no stderr to write to: abort all the same

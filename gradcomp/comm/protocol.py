@@ -12,6 +12,7 @@ import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Hashable, Iterable, Protocol, runtime_checkable
 
+from .. import timeline
 from ..arrays import Array
 from .pipeline import CommunicatorBroken, Pipeline, Workspace, report_failure
 
@@ -202,6 +203,9 @@ class OrderedCommunicator:
         self._pipeline.close()
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if timeline.enabled:  # a wire span per collective (a timeline's: ``gradcomp.timeline``)
+            with timeline.span(fn.__name__.lstrip("_"), "wire", array_bytes=int(getattr(args[0] if args else None, "nbytes", 0))):
+                return self._pipeline.call(fn, *args)
         return self._pipeline.call(fn, *args)
 
     def partition(self, n: int, counts: list[int] | None = None) -> tuple[list[int], list[int]]:

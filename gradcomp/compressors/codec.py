@@ -43,6 +43,7 @@ from typing import Any, ClassVar, Protocol, Sequence
 
 import numpy as np
 
+from .. import timeline
 from ..arrays import Array, DTypeLike, add_into, array_module, cast, dtype_name
 from ..bucket import Bucket
 from ..comm import Communicator, Workspace
@@ -297,18 +298,15 @@ def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: Prepared
             xp.divide(message, message.dtype.type(size), out=message)
         summed = comm.allreduce(message, overwrite=True)
         out = _output(bucket, compute)
-        codec.decode(summed, out, ws)
+        with timeline.span("decode", "decode"):
+            codec.decode(summed, out, ws)
         return _narrow(bucket, out)
     if codec.collective == "allgather":
         rows = comm.allgather(message, out=ws.array(codec, "rows", size * message.shape[0],
                                                     message.dtype, like=g))
         acc = _output(bucket, compute)
-        if not codec.decode_mean(rows, acc, ws):
-            acc[...] = 0
-            for r in range(size):
-                codec.decode(rows[r], acc, ws, add=True)
-            if size > 1:
-                xp.divide(acc, acc.dtype.type(size), out=acc)
+        with timeline.span("decode", "decode"):
+            _mean_of_rows(codec, rows, acc, ws)
         return _narrow(bucket, acc)
     # two-stage
     layout = prepared.layout
@@ -319,10 +317,13 @@ def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: Prepared
     gathered = ws.array(codec, "gathered", message.shape[0], message.dtype, like=g)
     out = _output(bucket, compute)
     pieces = len(layout.bounds)
-    if pieces == 1:
+    if pieces == 1:  # (the timeline's wire spans are the communicator's)
         got = comm.alltoall(message, out=rows)
-        second = _owner_stage(codec, comm, feedback, residual, got, compute, layout, 0)
-        _decode_piece(codec, layout, 0, comm.allgather(second, out=gathered), out, n, ws)
+        with timeline.span("owner", "decode"):
+            second = _owner_stage(codec, comm, feedback, residual, got, compute, layout, 0)
+        back = comm.allgather(second, out=gathered)
+        with timeline.span("decode", "decode"):
+            _decode_piece(codec, layout, 0, back, out, n, ws)
         return _narrow(bucket, out)
     # Piece p's owner stage runs while piece p+1's alltoall and piece p-1's allgather are on the
     # wire; every rank starts them in the same order: A0, A1, G0, A2, G1, ...
@@ -332,17 +333,37 @@ def _finish(codec: Codec, bucket: Bucket, comm: Communicator, prepared: Prepared
     exchange = wire.start_alltoall(layout.block(message, 0, size), got[0])
     gathering = []
     for p in range(pieces):
-        exchange.wait()
+        with timeline.span("alltoall", "wire", piece=p):
+            exchange.wait()
         if p + 1 < pieces:
             exchange = wire.start_alltoall(layout.block(message, p + 1, size), got[p + 1])
-        second = _owner_stage(codec, comm, feedback, residual, got[p], compute, layout, p)
+        with timeline.span("owner", "decode", piece=p):
+            second = _owner_stage(codec, comm, feedback, residual, got[p], compute, layout, p)
         gathering.append(wire.start_allgather(second, back[p]))
         if p:
-            gathering[p - 1].wait()
-            _decode_piece(codec, layout, p - 1, back[p - 1], out, n, ws)
-    gathering[-1].wait()
-    _decode_piece(codec, layout, pieces - 1, back[-1], out, n, ws)
+            _gathered(codec, layout, p - 1, gathering[p - 1], back[p - 1], out, n, ws)
+    _gathered(codec, layout, pieces - 1, gathering[-1], back[-1], out, n, ws)
     return _narrow(bucket, out)
+
+
+def _gathered(codec: Codec, layout: piece_layout.Layout, p: int, gathering: Any, back: Array, out: Array,
+              n: int, ws: Workspace) -> None:
+    """Piece ``p``'s allgather ended, and its messages decoded into ``out``."""
+    with timeline.span("allgather", "wire", piece=p):
+        gathering.wait()
+    with timeline.span("decode", "decode", piece=p):
+        _decode_piece(codec, layout, p, back, out, n, ws)
+
+
+def _mean_of_rows(codec: Codec, rows: Array, acc: Array, ws: Workspace) -> None:
+    """``acc`` = the mean of the ``rows`` (every rank's message, in rank order): decoded and summed
+    in rank order, divided by their number; in one pass where the codec can (``decode_mean``)."""
+    if not codec.decode_mean(rows, acc, ws):
+        acc[...] = 0
+        for r in range(rows.shape[0]):
+            codec.decode(rows[r], acc, ws, add=True)
+        if rows.shape[0] > 1:
+            array_module(acc).divide(acc, acc.dtype.type(rows.shape[0]), out=acc)
 
 
 def _scatter_finish(codec: Codec, bucket: Bucket, comm: Communicator, message: Array,
@@ -354,12 +375,8 @@ def _scatter_finish(codec: Codec, bucket: Bucket, comm: Communicator, message: A
     xp = array_module(g)
     rows = comm.alltoall(message, out=ws.array(codec, "rows", message.shape[0], message.dtype, like=g))
     acc = xp.empty(bucket.numel // comm.size, compute)
-    if not codec.decode_mean(rows, acc, ws):
-        acc[...] = 0
-        for r in range(comm.size):
-            codec.decode(rows[r], acc, ws, add=True)
-        if comm.size > 1:
-            xp.divide(acc, acc.dtype.type(comm.size), out=acc)
+    with timeline.span("decode", "decode"):
+        _mean_of_rows(codec, rows, acc, ws)
     return acc if acc.dtype == g.dtype else cast(acc, g.dtype)
 
 

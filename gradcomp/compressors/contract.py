@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from .. import timeline
 from ..arrays import FLOAT_DTYPES, Array, DTypeLike, is_device_array, synchronize
 from ..bucket import Bucket, buffer_problem
 from ..comm import Communicator, Workspace, default_communicator, wire_bytes
@@ -190,6 +191,11 @@ class Compressor:
             prepare = None if prepare is None else _wrap_device(device, prepare)
 
         keys = bucket.keys if isinstance(bucket, Bucket) else ()
+        last = bucket.is_last if isinstance(bucket, Bucket) else True
+        step = self.__dict__.get("_submitted_steps", 0)  # the timeline's step (its own count:
+        self.__dict__["_submitted_steps"] = step + int(last)  # a compressor pickled before has none)
+        if timeline.enabled:
+            run, prepare = _traced(self, bucket, step, last, run, prepare)
         return comm.submit(run, prepare, keys)
 
     def checked_run(self, bucket: Bucket | Array, comm: Communicator, prepared: Any = None,
@@ -206,7 +212,8 @@ class Compressor:
         guard = getattr(self, "_guard", None)
         if guard is None and self.error_feedback_on and getattr(self, "watched", True):
             guard = self._new_guard()
-        bucket, flags = agree(comm, bucket, self, prepared, problem, guard.flag if guard is not None else 0)
+        with timeline.span("agree", "agree"):
+            bucket, flags = agree(comm, bucket, self, prepared, problem, guard.flag if guard is not None else 0)
         watch = guard is not None and guard.due(self._stats["steps"])
         if guard is not None:
             guard.announce(flags, self.describe(), self.runaway_advice)
@@ -384,6 +391,37 @@ def parts(compressor: Compressor) -> Iterator[Compressor]:
 def sends_part(compressor: Compressor) -> bool:
     """Whether ``compressor`` (or a method it wraps or schedules) sends only part of a gradient."""
     return any(p.partial_update for p in parts(compressor))
+
+
+def _traced(compressor: Compressor, bucket: Any, step: int, last: bool, run: Callable[..., Any],
+            prepare: Callable[[Workspace], Any] | None) -> tuple[Callable[..., Any], Any]:
+    """``reduce``'s two stages as timeline tasks (``gradcomp.timeline``): ``compress`` on the
+    compute thread, ``reduce`` on the wire thread (the collectives and the decode inside it carry
+    its arguments); a step's last bucket wakes the timeline's writer."""
+    args = dict(bucket=getattr(bucket, "index", 0), bytes=int(getattr(bucket, "buffer", bucket).nbytes),
+                step=step, method=_name(compressor))
+
+    def traced_run(prepared: Any, error: BaseException | None) -> Array:
+        with timeline.task("reduce", "reduce", **args):
+            out = run(prepared, error)
+        if last:
+            timeline.step_done()
+        return out
+
+    def traced_prepare(workspace: Workspace) -> Any:
+        assert prepare is not None
+        with timeline.task("compress", "compress", **args):
+            return prepare(workspace)
+
+    return traced_run, (traced_prepare if prepare is not None else None)
+
+
+def _name(compressor: Compressor) -> str:
+    """``describe()``, kept on the compressor after the first traced bucket (it walks the config)."""
+    name = compressor.__dict__.get("_timeline_name")
+    if name is None:
+        name = compressor.__dict__["_timeline_name"] = compressor.describe()
+    return name
 
 
 def _wrap_device(device: Any, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -30,6 +30,7 @@ import math
 import warnings
 from typing import Any, Mapping
 
+from .. import timeline
 from ..arrays import Array, array_module, to_host
 from ..bucket import Bucket
 
@@ -96,6 +97,8 @@ class Guard:
             return
         self.warned = True
         ranks = [r for r, f in enumerate(flags) if int(f)]
+        timeline.instant("runaway residual", "decision", method=method, ranks=ranks,
+                         here={k: round(v, 3) for k, v in list(self.runaway.items())[:8]})
         mine = ", ".join(f"{k} ({v:.0f}x its gradient)" for k, v in list(self.runaway.items())[:3])
         warnings.warn_explicit(
             f"gradcomp: {method}: the error-feedback residual is running away on rank(s) {ranks}"

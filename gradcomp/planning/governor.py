@@ -42,6 +42,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .. import timeline
 from ..arrays import Array, array_module, to_host
 from ..bucket import Bucket, StepCount, digest
 from ..comm import Communicator, Workspace
@@ -228,7 +229,8 @@ class Governed(Stages):
         the window's end the decision."""
         assert prepared.audited is not None
         before, _ = method_traffic(comm)
-        total = comm.allreduce(prepared.sample, overwrite=True)
+        with timeline.span("audit", "audit"):
+            total = comm.allreduce(prepared.sample, overwrite=True)
         after, _ = method_traffic(comm)
         self.audit_bytes += after - before
         total = np.asarray(to_host(total), np.float64)
@@ -280,6 +282,8 @@ class Governed(Stages):
             self._note(step, moved, RUNGS[self._tensor(moved[0]).level], cost, why)
         self.audits.append((int(step), int(ran), float(cost)))
         del self.audits[:-KEPT]
+        timeline.instant("audit", "decision", step=int(step), rung=RUNGS[ran], cost=float(cost), budget=limit,
+                         over=over, worst=worst, tensors=len(w.keys), bytes=self.audit_bytes)
 
     def _step_down_all(self, step: int, why: str) -> None:
         for key, t in self._tensors.items():
@@ -291,6 +295,8 @@ class Governed(Stages):
         self.decisions.append({"step": int(step), "tensors": list(keys)[:8], "to": to, "cost": float(cost),
                                "why": why})
         del self.decisions[:-KEPT]
+        timeline.instant("rung change", "decision", step=int(step), to=to, cost=float(cost), budget=self.limit,
+                         tensors=list(keys), why=why)
 
     def after_runaway(self, prepared: Any) -> None:
         """Every bucket a rung down, once (the guard watches this governor, or the optimizer's

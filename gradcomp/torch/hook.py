@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+from .. import timeline
 from ..arrays import array_module, is_device_array, synchronize
 from ..bucket import Bucket
 from ..comm import Communicator
@@ -148,6 +149,7 @@ class HookState:
 def _hook(state: HookState, bucket):
     """Average ``bucket`` over ranks with ``state.compressor``; a Future of the bucket's buffer,
     overwritten with the mean."""
+    called = timeline.now() if timeline.enabled else None
     tensor = bucket.buffer()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[tensor.device] if tensor.is_cuda else None)
@@ -191,6 +193,7 @@ def _hook(state: HookState, bucket):
         _fail(future, exc)
         return result
     state.buckets_reduced += 1
+    waited = _traced_call(state, bucket, called) if called is not None else None
 
     def write_back(done: Future[Any]) -> None:
         try:
@@ -213,11 +216,24 @@ def _hook(state: HookState, bucket):
             if is_device_array(array):
                 synchronize(array)  # the copy must be finished before DDP reads the buffer
             future.set_result(tensor)
+            if waited is not None:  # the training thread waited for the step's means since then
+                timeline.complete("wait", "wait", waited[0], timeline.now(), waited[1], step=waited[2])
         except BaseException as exc:
             _fail(future, exc)
 
     pending.add_done_callback(write_back)
     return result
+
+
+def _traced_call(state: HookState, bucket: Any, called: float) -> tuple[float, int | None, int] | None:
+    """The timeline's ``hook`` span of this call, on the training thread; for a step's last
+    bucket, when the training thread starts to wait for the means, its track and the step."""
+    tid = timeline.thread_id()
+    last = bucket.is_last()
+    step = state.compressor.__dict__.get("_submitted_steps", 0) - int(last)  # (``Compressor.reduce`` counts)
+    ended = timeline.now()
+    timeline.complete("hook", "hook", called, ended, tid, bucket=bucket.index(), step=step)
+    return (ended, tid, step) if last else None
 
 
 class NamedHook:

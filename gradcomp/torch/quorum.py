@@ -14,6 +14,7 @@ import torch
 from torch.distributed.distributed_c10d import (AllgatherOptions, AllreduceOptions, AllToAllOptions,
                                                 BroadcastOptions, ReduceOp)
 
+from .. import timeline
 from ..comm.protocol import default_depth
 from ..state import OWN_ERROR, own_error
 from .communicator import TorchCommunicator
@@ -149,6 +150,10 @@ class StepQuorum:
         except Exception as exc:  # no process group: this replica's quorum failed
             self.usable = False
             self.manager.report_error(exc)
+        if timeline.enabled:
+            timeline.instant("quorum", "decision", step=self.manager.current_step(), usable=self.usable,
+                             rank=self.comm.rank if self.usable else -1, size=self.comm.size if self.usable else 0,
+                             error=None if self.quorum_error is None else repr(self.quorum_error))
 
     def keep(self, state: Any, restore: Callable[[Any], None]) -> None:
         """``restore(state)`` at ``settle`` unless the manager commits the step that begins now."""
@@ -162,6 +167,7 @@ class StepQuorum:
             assert self.before is not None
             self.before[2](self.before[1])
             self.rolled_back += 1
+            timeline.instant("step discarded", "decision", step=self.before[0], rolled_back=self.rolled_back)
         self.before = None
         return undone
 
