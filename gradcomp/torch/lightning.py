@@ -12,6 +12,12 @@ the strategy has started the process group and wrapped the model in DDP by then 
 runs just before), and no backward has run yet. Another ``fit`` wraps the model anew; the callback
 registers its same state on the new wrapper.
 
+Logging (``log=True``, the default): at the steps Lightning logs (``log_every_n_steps``), the
+callback hands ``gradcomp.metrics`` of the compressor's ``stats()`` to ``pl_module.log_dict``, so
+they reach every logger the Trainer has (CSV, TensorBoard, W&B, ...) and ``trainer.logged_metrics``
+under ``gradcomp/`` (docs/guides/observing.md), and warns once (``rank_zero_warn``) when the method
+backs off (``gradcomp.backoffs``). ``log=False``: neither.
+
 Checkpoints: the callback's ``state_dict()`` is every rank's compressor state (residuals are per
 rank, Lightning writes rank 0's file: ``gradcomp.torch.ranks``), stored under the key
 ``gradcomp.Compression`` in Lightning's own checkpoint. ``trainer.fit(..., ckpt_path=...)`` loads
@@ -27,6 +33,7 @@ from typing import Any
 
 from ..comm import Communicator
 from ..compressors import Compressor
+from ..metrics import Meter
 from .hook import HookState, register
 from .ranks import gather_every_rank, own_rank_state
 
@@ -44,14 +51,18 @@ class Compression(pl.Callback):
     """Compress the gradients a Lightning DDP strategy averages, with ``compressor`` (a gradcomp
     ``Compressor`` or a registry name: ``"int8"``, ``"powersgd:rank=4"``, ...). ``comm``,
     ``hierarchical``, ``allow_partial`` and ``all_gather`` (FSDP2: the parameter all-gathers in int8
-    codes) are ``gradcomp.torch.register``'s. ``stats()`` is the compressor's traffic
+    codes) are ``gradcomp.torch.register``'s. ``log``: log the compressor's metrics and back-off
+    warnings at Lightning's logging steps (see the module). ``stats()`` is the compressor's traffic
     figures; ``hook_state`` the registered ``HookState`` (None before ``fit`` starts)."""
 
     STATE_KEY = "gradcomp.Compression"
 
     def __init__(self, compressor: Compressor | str, comm: Communicator | None = None,
-                 hierarchical: bool | None = None, allow_partial: bool = False, all_gather: str | None = None):
+                 hierarchical: bool | None = None, allow_partial: bool = False, all_gather: str | None = None,
+                 log: bool = True):
         self.compressor = compressor
+        self.log_enabled = log  # (not `log`: Lightning sets a callback's `log` to the module's)
+        self.meter = Meter()  # the previous logged reading: the recent figures and events are since it
         self.all_gather = all_gather
         self.comm = comm
         self.hierarchical = hierarchical
@@ -98,6 +109,19 @@ class Compression(pl.Callback):
         if self._loaded is not None:
             self.hook_state.load_state_dict(own_rank_state(self._loaded))
             self._loaded = None
+
+    # -- logging ----------------------------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        # Lightning's own monitors (LearningRateMonitor, DeviceStatsMonitor) ask the same question;
+        # what is logged here reaches the loggers right after this hook, at this step
+        if not self.log_enabled or self.hook_state is None or not trainer._logger_connector.should_update_logs:
+            return
+        values = self.meter.update(self.stats())
+        for line in self.meter.events:  # the same on every rank (agreed decisions): rank 0 says it
+            pl.utilities.rank_zero_warn(line)
+        if trainer.loggers:  # (no logger: Lightning would warn that log_dict has nowhere to go)
+            pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
