@@ -135,9 +135,20 @@ def _audits(seen: list[tuple[int, str, float]], limit: float | None) -> Any:
     return fig
 
 
+def _usual(split: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    """``split`` without the steps that took over 5 times the median step (the first steps
+    compile the kernels; ``auto`` probes the link): they would hide the others."""
+    totals = sorted(sum(row.values()) for row in split.values())
+    if not totals:
+        return split
+    median = totals[len(totals) // 2]
+    return {s: row for s, row in split.items() if sum(row.values()) <= 5 * median}
+
+
 def _split(splits: dict[int, dict[int, dict[str, float]]]) -> Any:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [3, 1]})
+    splits = {r: _usual(v) for r, v in splits.items()}
     rank = min(r for r, v in splits.items() if v)
     steps = list(splits[rank])
     bottom = [0.0] * len(steps)
@@ -146,7 +157,8 @@ def _split(splits: dict[int, dict[int, dict[str, float]]]) -> Any:
         if any(values):
             axes[0].bar(steps, values, bottom=bottom, color=COLORS[part], label=part, width=1.0)
             bottom = [b + v for b, v in zip(bottom, values)]
-    axes[0].set(xlabel="step", ylabel="ms (summed over buckets)", title=f"rank {rank}: each step's parts")
+    axes[0].set(xlabel="step", ylabel="ms (summed over buckets)",
+                title=f"rank {rank}: each step's parts (steps over 5x the median left out: compiling, probes)")
     axes[0].legend(fontsize=8, ncol=3)
     ranks = [r for r, v in splits.items() if v]
     left = [0.0] * len(ranks)

@@ -215,9 +215,9 @@ def _hook(state: HookState, bucket):
                     at += size
             if is_device_array(array):
                 synchronize(array)  # the copy must be finished before DDP reads the buffer
-            future.set_result(tensor)
             if waited is not None:  # the training thread waited for the step's means since then
                 timeline.complete("wait", "wait", waited[0], timeline.now(), waited[1], step=waited[2])
+            future.set_result(tensor)
         except BaseException as exc:
             _fail(future, exc)
 
