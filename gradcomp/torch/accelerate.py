@@ -9,6 +9,11 @@ Why not ``DistributedDataParallelKwargs(comm_hook=...)``: Accelerate takes only 
 there (``DDPCommunicationHookType``); a callable is silently ignored. ``accelerator.prepare``
 returns the DDP-wrapped model in a multi-process job, which ``gradcomp.torch.register`` takes.
 
+Logging: Accelerate has no callbacks; its trackers log what ``accelerator.log`` is handed, where
+the training loop calls it. ``log(accelerator, state, step)`` beside that call hands it
+``gradcomp.metrics`` of the compressor's ``stats()`` under ``gradcomp/`` (docs/guides/observing.md)
+and logs a warning (Python ``logging``, on the main process) once when the method backs off.
+
 Why not ``accelerator.register_for_checkpointing(state)`` on the ``HookState`` itself: Accelerate
 writes the main process's ``state_dict()`` only, and every rank loads that file, so every rank
 would resume with rank 0's error-feedback residuals. ``register`` hands Accelerate an
@@ -19,6 +24,7 @@ objects differs).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..comm import Communicator
@@ -26,6 +32,8 @@ from ..compressors import Compressor
 from . import hook
 from .hook import HookState
 from .ranks import EveryRankState
+
+LOG = logging.getLogger(__name__)
 
 
 def register(accelerator: Any, model: Any, compressor: Compressor | str,
@@ -51,3 +59,16 @@ def register(accelerator: Any, model: Any, compressor: Compressor | str,
     everywhere = bool(getattr(accelerator.project_configuration, "save_on_each_node", False))
     accelerator.register_for_checkpointing(EveryRankState(state, everywhere=everywhere))
     return state
+
+
+def log(accelerator: Any, state: Any, step: int | None = None) -> dict[str, float]:
+    """Log ``state``'s metrics (what ``register`` returned: ``HookState.metrics()``, with the recent
+    figures since the previous call) through ``accelerator.log(..., step=step)``, to the trackers
+    the accelerator was built with (``log_with=``, after ``accelerator.init_trackers``), and warn
+    once per back-off. Call it on every rank at the loop's logging steps; returns the values."""
+    values = state.metrics()
+    accelerator.log(values, step=step)
+    if accelerator.is_main_process:  # the same lines on every rank (agreed decisions)
+        for line in state.meter.events:
+            LOG.warning(line)
+    return values

@@ -50,6 +50,7 @@ from ..comm import CollectiveError, Communicator
 from ..compressors import Compressor
 from ..compressors.agreement import texts_if_different
 from ..compressors.contract import parts, sends_part
+from ..metrics import Meter
 from ..registry import REGISTRY, make
 from .checkpoint import from_torch_state, to_torch_state
 from .communicator import default_comm
@@ -80,7 +81,17 @@ class FSDPState:
         state = dict(self.__dict__)
         state["comm"] = None  # threads and MPI handles never travel
         state["gathers"] = []  # nor FSDP modules
+        state.pop("_meter", None)
         return state
+
+    def metrics(self) -> dict[str, float]:
+        """``HookState.metrics``: the compressor's figures as flat scalars for a logger."""
+        return self.meter.update(self.compressor.stats())
+
+    @property
+    def meter(self) -> Meter:
+        """The ``gradcomp.Meter`` that ``metrics()`` reads through."""
+        return self.__dict__.setdefault("_meter", Meter())
 
     def comm_of(self) -> Communicator:
         """The communicator (gradcomp's default one, made at first use, if none was given)."""

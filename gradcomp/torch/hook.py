@@ -46,6 +46,7 @@ from ..bucket import Bucket
 from ..comm import Communicator
 from ..compressors import Compressor
 from ..compressors.hierarchical import scheduled
+from ..metrics import Meter
 from ..registry import make
 from ..state import check_saved_here
 from . import advice
@@ -71,7 +72,8 @@ class HookState:
     the whole state (``torch.save(state)``), or the compressor alone (``ModelRecord``), drops the
     communicator, as PyTorch's ``PowerSGDState`` drops its process group; a loaded state picks the
     default transport at its first bucket.
-    ``buckets_reduced`` counts hook calls on this rank.
+    ``buckets_reduced`` counts hook calls on this rank. ``metrics()``: the compressor's figures as
+    flat scalars for a logger.
     """
 
     def __init__(self, compressor: Compressor, comm: Communicator | None,
@@ -92,6 +94,7 @@ class HookState:
         state = dict(self.__dict__)
         state["comm"] = None   # threads and MPI handles never travel
         state["names"] = {}    # ids mean nothing in another process; re-made by register()
+        state.pop("_meter", None)  # a loaded state's recent figures start at its load
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -106,6 +109,17 @@ class HookState:
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
+
+    def metrics(self) -> dict[str, float]:
+        """``gradcomp.metrics`` of the compressor's ``stats()`` with the ``recent_*`` figures since
+        the previous call (``meter``): ``writer.add_scalar(name, value, step)`` for each item, at a
+        logging step. ``meter.events``: the back-off lines since the previous call."""
+        return self.meter.update(self.compressor.stats())
+
+    @property
+    def meter(self) -> Meter:
+        """The ``gradcomp.Meter`` that ``metrics()`` reads through."""
+        return self.__dict__.setdefault("_meter", Meter())
 
     def state_dict(self) -> dict[str, Any]:
         """The compressor's state as tensors and plain values (``torch.save``-able), and the last

@@ -12,6 +12,15 @@ the model, the DDP wrapper, gets gradcomp's hook before any backward, and the pr
 itself. If the model itself is called first, nothing wrapped it: ``gradcomp.torch.register`` gets
 the model as it is, and a clear error says when it is not a kind it takes (one process, DeepSpeed).
 
+Logging (``log=True``, the default): at each of the Trainer's training logs (``logging_steps``:
+the ``logs`` that carry ``loss``), ``on_log`` adds ``gradcomp.metrics`` of the compressor's
+``stats()`` under ``gradcomp/`` (docs/guides/observing.md) to them and to ``state.log_history``, and
+logs a warning (Python ``logging``, ``gradcomp.torch.transformers``, on the main process) once
+when the method backs off (``gradcomp.backoffs``). ``log=False``: neither. The Trainer hands the logs
+to its ``report_to`` integrations before the callbacks passed to it, so to have the figures in
+TensorBoard, W&B, ... pass the integration's callback after this one, with ``report_to="none"``
+(``callbacks=[Compression("int8"), TensorBoardCallback()]``).
+
 Checkpoints: on ``on_save`` (every rank) each rank writes its own compressor state,
 ``gradcomp_rank<process_index>.pt``, into ``<output_dir>/checkpoint-<global_step>``, beside the
 Trainer's ``rng_state_<rank>.pth`` (residuals are per rank). A resumed run (``global_step`` > 0 at
@@ -21,6 +30,7 @@ or another number of ranks is an error. ``resume=False`` starts the compressor a
 """
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from typing import Any
@@ -35,9 +45,11 @@ except ImportError as exc:
 
 from ..comm import Communicator
 from ..compressors import Compressor
+from ..metrics import Meter
 from .hook import HookState, register
 
 FORMAT = "gradcomp.torch.transformers/rank-1"
+LOG = logging.getLogger(__name__)
 
 
 def state_file(folder: str, rank: int) -> str:
@@ -49,12 +61,15 @@ class Compression(TrainerCallback):
     """Compress the gradients the Trainer's DDP model averages, with ``compressor`` (a gradcomp
     ``Compressor`` or a registry name). ``comm``, ``hierarchical``: ``gradcomp.torch.register``'s.
     ``resume``: where a resumed run finds the compressor state (True: the checkpoint folder of
-    the resumed step under ``output_dir``; a folder; False: start afresh). ``stats()``: the
+    the resumed step under ``output_dir``; a folder; False: start afresh). ``log``: add the
+    compressor's metrics to the Trainer's logs and warn when it backs off (see the module). ``stats()``: the
     compressor's traffic figures; ``hook_state``: the registered ``HookState``."""
 
     def __init__(self, compressor: Compressor | str, comm: Communicator | None = None,
-                 hierarchical: bool | None = None, resume: bool | str = True):
+                 hierarchical: bool | None = None, resume: bool | str = True, log: bool = True):
         self.compressor = compressor
+        self.log_enabled = log  # (the Lightning callback's name)
+        self.meter = Meter()  # the previous logged reading: the recent figures and events are since it
         self.comm = comm
         self.hierarchical = hierarchical
         self.resume = resume
@@ -112,6 +127,19 @@ class Compression(TrainerCallback):
         if self._watch is not None:  # training ended before any training forward (max_steps reached)
             self._watch.remove()
             self._watch = None
+
+    # -- logging ----------------------------------------------------------------------------------------------
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        if not self.log_enabled or self.hook_state is None or logs is None or "loss" not in logs:
+            return  # (evaluation's logs and the run's summary carry no "loss")
+        values = self.meter.update(self.stats())
+        logs.update(values)  # the callbacks after this one see them (the printer, a user's logger)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(values)  # the Trainer appended a copy of these logs just before
+        if state.is_world_process_zero:  # the same lines on every rank (agreed decisions)
+            for line in self.meter.events:
+                LOG.warning(line)
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

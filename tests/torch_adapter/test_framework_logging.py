@@ -43,10 +43,12 @@ def check_logged(rows: list[dict], result: dict) -> None:
         assert r["gradcomp/compression_ratio"] > 1 and r["gradcomp/recent_compression_ratio"] > 1, r
         assert r["gradcomp/warmup_done"] == 1.0 and r["gradcomp/guard_runaway"] in (0.0, 1.0), r
         assert math.isclose(sum(r[k] for k in RUNGS), 1.0, rel_tol=1e-6), r  # (Lightning logs float32)
-    assert logged[0]["gradcomp/rung_share_method"] == 1.0 and logged[-1]["gradcomp/rung_share_method"] < 1, logged
+    safer = [sum(i * r[k] for i, k in enumerate(RUNGS)) for r in logged]  # the mean rung, 0 = the method
+    assert safer[-1] > safer[0], safer  # tensors moved to safer rungs
     audited = [r for r in logged if "gradcomp/audit_cost" in r]
-    assert audited and all(math.isclose(r["gradcomp/audit_budget"], 0.05, rel_tol=1e-6) for r in audited), logged
-    assert max(r["gradcomp/audit_cost"] for r in audited) > 0.05, audited  # what made it back off
+    limit = result["limit"]  # (the budget, or its adaptive share under Adam: the HF Trainer's AdamW)
+    assert audited and all(math.isclose(r["gradcomp/audit_budget"], limit, rel_tol=1e-6) for r in audited), logged
+    assert max(r["gradcomp/audit_cost"] for r in audited) > limit, audited  # what made it back off
     # once per back-off, not per step; said through the framework's channel
     backed = [d for d in result["decisions"] if not d["cost"] <= result["limit"]]
     governor = [line for line in result["lines"] if line.startswith("gradcomp: the governor moved")]
@@ -65,3 +67,27 @@ def test_lightning_callback_logs_through_the_csv_logger(tmp_path):
     assert result["steps"] == 66, result["steps"]
     check_logged(result["rows"], result)
     check_silent(result["off_rows"], result)
+
+
+@needs("torch", "transformers", "accelerate")
+def test_hf_trainer_callback_adds_to_the_trainers_logs(tmp_path):
+    """The training logs in ``trainer_state.json``'s ``log_history`` and in the JSON lines a callback
+    after Compression wrote (evaluation logs and the run's summary are left alone)."""
+    result = torchrun_job("logging_transformers_job.py", tmp_path)
+    assert result["steps"] == 66 and result["in_memory"], result["steps"]
+    check_logged(result["history"], result)
+    check_logged(result["rows"], result)
+    summary = [r for r in result["history"] if "train_runtime" in r]
+    assert summary and not gradcomp_rows(summary), summary
+    check_silent(result["off_history"], result)
+    check_silent(result["off_rows"], result)
+
+
+@needs("torch", "accelerate")
+def test_accelerate_log_reaches_the_trackers(tmp_path):
+    """``gradcomp.torch.accelerate.log`` beside the loop's ``accelerator.log``: the figures in a
+    tracker's CSV file, at the loop's steps, beside the user's own (``loss``, in rows of its own)."""
+    result = torchrun_job("logging_accelerate_job.py", tmp_path)
+    assert result["steps"] == 66, result["steps"]
+    check_logged(result["rows"], result)
+    assert sum(bool(r["loss"]) for r in result["rows"]) == LOGGED_STEPS, result["rows"]
