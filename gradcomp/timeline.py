@@ -56,8 +56,13 @@ def file_for(path: str, rank: int) -> str:
 
 
 def _rank() -> int:
-    """This process's rank, read without importing anything: torch.distributed or MPI where the
-    job has started them, else the launcher's variables, else 0."""
+    """This process's rank, read without importing anything and without calling MPI from the
+    writer thread where it can be avoided: an MPI launcher's variables, torch.distributed once
+    started, torchrun's ``RANK``, MPI itself once initialized; else 0."""
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
     dist = sys.modules.get("torch.distributed")
     if dist is not None:
         try:
@@ -65,13 +70,11 @@ def _rank() -> int:
                 return int(dist.get_rank())
         except Exception:  # a half-imported or odd torch: fall through
             pass
+    if os.environ.get("RANK", "").isdigit():
+        return int(os.environ["RANK"])
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         return int(mpi.COMM_WORLD.Get_rank())
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK"):
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
     return 0
 
 
@@ -101,8 +104,8 @@ class _Trace:
             name = threading.current_thread().name
             if threading.current_thread() is threading.main_thread():
                 name = f"training ({name})"
-            self.events.append(("M", "thread_name", "", 0.0, 0.0, tid, {"name": name}))
-            self.events.append(("M", "thread_sort_index", "", 0.0, 0.0, tid, {"sort_index": tid}))
+            self.events.append(("M", "thread_name", "", 0.0, 0.0, tid, {"name": name}, None))
+            self.events.append(("M", "thread_sort_index", "", 0.0, 0.0, tid, {"sort_index": tid}, None))
         return tid
 
     def _loop(self) -> None:
@@ -119,22 +122,22 @@ class _Trace:
             if self.fd < 0:
                 self._open()
             lines = []
+            known: dict[int, tuple[Any, str]] = {}  # names, the tasks' shared arguments: encoded once a batch
             pid = self.rank
             pop = self.events.popleft
             for _ in range(len(self.events)):
-                ph, name, cat, ts, dur, tid, args = pop()
+                ph, name, cat, ts, dur, tid, args, context = pop()
                 head = "[\n" if self.first else ",\n"
                 self.first = False
-                event = {"ph": ph, "name": name, "pid": pid, "tid": tid}
-                if ph != "M":
-                    event.update(cat=cat, ts=round(ts, 3))
-                    if ph == "X":
-                        event["dur"] = round(dur, 3)
-                    else:
-                        event["s"] = "t"  # an instant on its thread's track
-                if args:
-                    event["args"] = args
-                lines.append(head + json.dumps(event, default=_plain, separators=(",", ":")))
+                where = f'"pid":{pid},"tid":{tid}'
+                if ph == "X":
+                    where += f',"cat":{_encoded(known, cat)},"ts":{ts:.3f},"dur":{dur:.3f}'
+                elif ph == "i":  # an instant on its thread's track
+                    where += f',"cat":{_encoded(known, cat)},"ts":{ts:.3f},"s":"t"'
+                inside = _encoded(known, context)
+                if args is not None:
+                    inside = f"{inside},{_json(args)}" if inside else _json(args)
+                lines.append(f'{head}{{"ph":"{ph}","name":{_encoded(known, name)},{where},"args":{{{inside}}}}}')
             os.write(self.fd, "".join(lines).encode())
 
     def _open(self) -> None:
@@ -145,8 +148,8 @@ class _Trace:
         if folder:
             os.makedirs(folder, exist_ok=True)
         self.fd = os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.events.appendleft(("M", "process_name", "", 0.0, 0.0, 0, {"name": f"rank {self.rank}"}))
-        self.events.appendleft(("M", "process_sort_index", "", 0.0, 0.0, 0, {"sort_index": self.rank}))
+        self.events.appendleft(("M", "process_name", "", 0.0, 0.0, 0, {"name": f"rank {self.rank}"}, None))
+        self.events.appendleft(("M", "process_sort_index", "", 0.0, 0.0, 0, {"sort_index": self.rank}, None))
 
     def close(self) -> None:
         self.stopping = True
@@ -159,6 +162,23 @@ class _Trace:
                 os.write(self.fd, b"\n]\n")
                 os.close(self.fd)
                 self.fd = -1
+
+
+def _encoded(cache: dict[Any, tuple[Any, str]], value: Any) -> str:
+    """``value`` as JSON (a mapping: its members without the braces), kept in ``cache`` by id
+    with the value itself (alive, so that no other object takes its id while the batch lasts):
+    a task's arguments are shared by every span inside it, names by many events."""
+    if value is None:
+        return ""
+    found = cache.get(id(value))
+    if found is None:
+        found = cache[id(value)] = (value, _json(value))
+    return found[1]
+
+
+def _json(value: Any) -> str:
+    text = json.dumps(value, default=_plain, separators=(",", ":"))
+    return text[1:-1] if isinstance(value, dict) else text
 
 
 def _plain(value: Any) -> Any:
@@ -256,13 +276,10 @@ class _Span:
         if self.scope:
             _local.args = self.outer
         trace = _trace
-        if trace is not None:
-            args = self.args
-            context = getattr(_local, "args", None)
-            if context and not self.scope:
-                args = {**context, **args}
+        if trace is not None:  # (the task's arguments are merged in by the writer)
+            context = None if self.scope else getattr(_local, "args", None)
             trace.events.append(("X", self.name, self.cat, self.start / 1000.0, (end - self.start) / 1000.0,
-                                 trace.tid(), args))
+                                 trace.tid(), self.args or None, context))
 
 
 class _Off:
@@ -303,7 +320,7 @@ def complete(name: str, cat: str, start_us: float, end_us: float, thread: int | 
     trace = _trace
     if trace is not None:
         trace.events.append(("X", name, cat, start_us, end_us - start_us,
-                             trace.tid() if thread is None else thread, args))
+                             trace.tid() if thread is None else thread, args or None, None))
 
 
 def thread_id() -> int | None:
@@ -317,7 +334,7 @@ def instant(name: str, category: str = "gradcomp", **args: Any) -> None:
     a warm-up's end, a quorum). Nothing when off."""
     trace = _trace
     if trace is not None:
-        trace.events.append(("i", name, category, now(), 0.0, trace.tid(), _finite(args)))
+        trace.events.append(("i", name, category, now(), 0.0, trace.tid(), _finite(args) or None, None))
 
 
 # -- reading ---------------------------------------------------------------------------------------------
