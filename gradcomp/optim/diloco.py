@@ -53,16 +53,15 @@ data moves. Ranks must start from the same parameters: checked (a digest) at con
 from __future__ import annotations
 
 import copy
-import hashlib
-import itertools
 from concurrent.futures import Future, wait
 from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from .. import timeline
 from ..arrays import Array, array_module, to_host
 from ..bucket import group
-from ..comm import CollectiveError, Communicator, wire_bytes
+from ..comm import Communicator, wire_bytes
 from ..compressors.contract import Compressor
 from ..params import check_bool, check_float, check_int
 from ..planning.governor import BUDGET as GOVERNOR_BUDGET
@@ -72,6 +71,8 @@ from ..reducer import GradientReducer
 from ..registry import make, steady
 from ..state import reject_leftovers, saved_by, take_config, take_int
 from .optimizer import Hyper, Optimizer, _Agreed, governor_stats
+from .fit import FittedExchange, Fitting
+from .replicas import check_same_start, parameters_digest, split  # noqa: F401 (parameters_digest: ft's)
 from .sparseloco import EXCHANGES, exchange, is_sparse_exchange
 
 #: the defaults, measured on examples/torch_lm.py's TinyLM (docs/guides/local-steps.md)
@@ -139,6 +140,12 @@ class DiLoCo(Optimizer):
                  coordinator: Coordinator | None = None, budget: float | None = GOVERNOR_BUDGET):
         sparse = exchange(compressor) if isinstance(compressor, str) else None
         outer = sparse[1] if sparse else {"lr": OUTER_LR, "momentum": OUTER_MOMENTUM}
+        fitted = isinstance(compressor, str) and compressor.strip() == "auto"
+        #: ``compressor="auto"``: the exchange chosen at the first outer step (``optim.fit``)
+        self.fitting = Fitting(lr is not None, momentum is not None, outer) if fitted else None
+        if fitted and coordinator is not None:
+            raise ValueError("DiLoCo: compressor='auto' chooses the exchange from a probe of the link, "
+                             "which a coordinator's changing ranks would not share; name the exchange")
         lr = outer["lr"] if lr is None else lr
         momentum = outer["momentum"] if momentum is None else momentum
         super().__init__(params, lr, 0.0, comm, bucket_cap_mb)
@@ -154,6 +161,8 @@ class DiLoCo(Optimizer):
         self.landed: list[int] = []  # the fragments whose outer step landed at the last step()
         if sparse:
             inner = sparse[0]
+        elif fitted:
+            inner = FittedExchange()
         else:
             inner = make(steady(compressor, keep_given=True)) if isinstance(compressor, str) else compressor
         if not isinstance(inner, Compressor):
@@ -168,15 +177,18 @@ class DiLoCo(Optimizer):
         self.outer_steps = 0
         xp = array_module(self.params[0])
         if coordinator is None:  # (a coordinator sees to the same start: no collective here)
-            _check_same_start(self.comm, self.params)
+            check_same_start(self.comm, self.params)
         self.synced = [p.copy() for p in self.params]
         self.buf = [xp.zeros(p.shape, p.dtype) for p in self.params] if self.momentum else []
         self._arrays = {"synced": self.synced, **({"momentum": self.buf} if self.momentum else {})}
         self.groups = split(self.params, self.fragments)
         self.reducers: list[GradientReducer] = []
+        self.fitted: list[FittedExchange] = []  # compressor="auto": each fragment's chosen exchange
         for f, members in enumerate(self.groups):
             # one compressor per fragment: each keeps its own residuals, keyed by position in it
             code = inner if f == 0 else copy.deepcopy(inner)
+            if isinstance(code, FittedExchange):
+                self.fitted.append(code)
             arrays = [self.params[i] for i in members]
             # coordinated: the buckets are planned here, their check left to the agreement
             plan = None if coordinator is None else group(arrays, self.bucket_cap_mb)
@@ -189,8 +201,9 @@ class DiLoCo(Optimizer):
 
     # -- configuration and agreement -------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
+        momentum = "auto" if self.fitting is not None and not self.fitting.momentum_given else self.momentum
         return {"sync_every": self.sync_every, "compressor": self.outer_compressor.describe(),
-                "momentum": self.momentum, "nesterov": self.nesterov, "fragments": self.fragments,
+                "momentum": momentum, "nesterov": self.nesterov, "fragments": self.fragments,
                 **({"overlap": self.overlap} if self.overlap else {})}
 
     def phase(self) -> str:
@@ -218,8 +231,12 @@ class DiLoCo(Optimizer):
         if grads is not None or weight_decay is not None:
             raise TypeError("DiLoCo.step takes no gradients or weight decay: the inner optimizer "
                             "steps the gradients, DiLoCo.step() counts that step and syncs when due")
-        rates, _ = self._hyper(lr, None)
         due = self.due()
+        if self.fitting is not None:
+            self.fitting.tick()
+            if due and self._fit_pending():
+                self.fitting.run(self)
+        rates, _ = self._hyper(lr, None)
         self.steps += 1
         landed = self._land_due()
         if due:
@@ -232,8 +249,14 @@ class DiLoCo(Optimizer):
         the same point."""
         for at in sorted({at for at, _, _ in self.flight.values()}):
             self._land_due(at)
+        if self._fit_pending():
+            self.fitting.run(self)  # type: ignore[union-attr]
         rates, _ = self._hyper(lr, None)
         self.sync(list(range(self.fragments)), rates, self.steps)
+
+    def _fit_pending(self) -> bool:
+        """Whether ``compressor="auto"`` has yet to choose (at the first outer step)."""
+        return self.fitting is not None and self.fitted[0].chosen < 0
 
     def sync(self, fragments: list[int], rates: list[float], lands_at: int) -> list[int]:
         """One outer step of ``fragments``: their exchange started, landing after inner step
@@ -275,9 +298,13 @@ class DiLoCo(Optimizer):
             scale = self.coordinator.end(self, fragments, self._finish_all(fragments))
         rates = {f: self.flight.pop(f)[2] for f in fragments}
         if scale is None:
+            timeline.instant("outer step discarded", "decision", step=at, fragments=fragments)
             return []  # discarded: the coordinator undid the exchange; the replica is left as it is
         for f in fragments:
             self._land(f, rates[f], scale)
+        if timeline.enabled:
+            timeline.instant("outer step", "decision", step=at, outer_step=self.outer_steps, fragments=fragments,
+                             bytes=float(sum(self.reducers[f].compressor.stats()["bytes_sent"] for f in fragments)))
         return fragments
 
     def _finish_all(self, fragments: list[int]) -> BaseException | None:
@@ -336,7 +363,8 @@ class DiLoCo(Optimizer):
                 "bytes_sent_per_step": sent / max(self.steps, 1), "steps": self.steps,
                 "outer_steps": self.outer_steps, "optimizer_step": self.steps, "phase": self.phase(),
                 "exchange_compression_ratio": (sum(s["reference_bytes"] for s in parts) / sent) if sent else 1.0,
-                **_governors(self.reducers)}
+                **_governors(self.reducers),
+                **({"fit": self.fitting.stats(self)} if self.fitting is not None else {})}
 
     def state_dict(self) -> dict[str, Any]:
         """The inner step, the outer step, the synced parameters, the outer momentum, each
@@ -379,6 +407,8 @@ class DiLoCo(Optimizer):
         reject_leftovers(state, owner)
         for r, exchange in zip(self.reducers, exchanges):
             r.compressor.load_state_dict(exchange, r.shapes)
+        if self.fitting is not None and not self._fit_pending():
+            self.fitting.apply(self, self.fitted[0].chosen)
         for name, arrays in self._arrays.items():
             for a, value in zip(arrays, loaded[name]):
                 a[...] = array_module(a).asarray(value)
@@ -417,41 +447,3 @@ def _governors(reducers: Sequence[GradientReducer]) -> dict[str, Any]:
     streaming); nothing where it is not governed."""
     found = [g for g in (governor_stats(r.compressor) for r in reducers) if g is not None]
     return {"governor": found[0] if len(found) == 1 else found} if found else {}
-
-
-def split(params: Sequence[Array], fragments: int) -> list[list[int]]:
-    """Parameter positions in ``fragments`` consecutive groups of about equal size, none empty."""
-    sizes = [int(p.size) for p in params]
-    total, n = sum(sizes), len(sizes)
-    cuts = [0]
-    seen = 0
-    for f in range(1, fragments):
-        j = cuts[-1] + 1  # at least one parameter in the group before
-        seen = sum(sizes[:j])
-        while j < n - (fragments - f) and seen + sizes[j] / 2 <= total * f / fragments:
-            seen += sizes[j]
-            j += 1
-        cuts.append(j)
-    cuts.append(n)
-    return [list(range(a, b)) for a, b in itertools.pairwise(cuts)]
-
-
-def parameters_digest(params: Sequence[Array]) -> int:
-    """64 bits of a SHA-256 over the parameters' bytes: equal where the bits are."""
-    h = hashlib.sha256()
-    for p in params:
-        h.update(np.ascontiguousarray(to_host(p)).reshape(-1).view(np.uint8).data)
-    return int(np.frombuffer(h.digest()[:8], np.int64)[0])
-
-
-def _check_same_start(comm: Communicator, params: Sequence[Array]) -> None:
-    """``CollectiveError`` on every rank unless every rank starts from the same parameter bits:
-    the outer step applies one averaged update to synced parameters that must be the same."""
-    mine = np.array([parameters_digest(params)], np.int64)
-    table = comm.allgather(mine)
-    if (table != table[0]).any():
-        groups = sorted({int(v) for v in table[:, 0]})
-        who = "; ".join(f"rank {r}: digest {groups.index(int(table[r, 0]))}" for r in range(comm.size))
-        raise CollectiveError(f"DiLoCo: the parameters differ across ranks at construction ({who}); "
-                              "initialise them from the same seed on every rank (or broadcast rank 0's; "
-                              "gradcomp.torch.DiLoCo does)")

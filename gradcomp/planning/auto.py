@@ -38,6 +38,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from .. import timeline
 from ..arrays import Array
 from ..bucket import Bucket, StepCount, digest
 from ..comm import Communicator, Workspace
@@ -212,6 +213,8 @@ class Auto(Compressor):
             if not one_host and paced[self._labels[c]] < paced[self._labels[best]] * (1 - TIE):
                 best = c
         self._choices[key] = best
+        timeline.instant("auto choice", "decision", bucket=bucket.index, numel=bucket.numel, method=self._labels[best],
+                         predicted_s=paced[self._labels[best]])
         self._why[key] = {"bucket": bucket.index, "numel": bucket.numel, "chosen": self._labels[best],
                           "predicted_s": times, "pipelined_s": paced, "stages_s": stages,
                           "why": (f"one host ({comm.size} ranks): no link to spare, the first allowed "

@@ -186,3 +186,90 @@ def rank_sparseloco_bytes_and_resume():
 
 def test_sparseloco_bytes_and_resume():
     run_ranks(4, "tests.optim.test_sparseloco:rank_sparseloco_bytes_and_resume")
+
+
+# ---------------------------------------------------------------------------------------------
+# compressor="auto": the exchange fitted to the link and the local steps
+# ---------------------------------------------------------------------------------------------
+def test_fit_picks_the_densest_exchange_that_fits():
+    """Priced on a link and an inner step: the densest candidate whose exchange fits the window
+    (10% of the local steps' compute, or the overlapped steps), else the sparsest."""
+    from gradcomp.optim.fit import CANDIDATES, FittedExchange, fit
+    from gradcomp.planning.cost import Link
+
+    buckets = [[(256, 64), (256,), (3 * 160, 64), (3 * 160, 160), (256, 160)]] * 2  # about 0.4M values
+    fast, home = Link(5e-5, 125e6), Link(2e-3, 125e3)  # 1 Gbit/s, 1 Mbit/s
+    chosen = {}
+    for link in (fast, Link(2e-3, 1.25e6), home):
+        for step_s in (0.01, 0.15, 2.0):
+            for overlap in (0, 5):
+                exchange = FittedExchange()
+                k = fit(exchange, buckets, 4, link, step_s, 20, overlap)
+                why = exchange.why
+                seconds = list(why["predicted_s"].values())
+                assert seconds == sorted(seconds, reverse=True)  # densest first
+                window = overlap * step_s if overlap else 0.1 * 20 * step_s
+                fits = [j for j, t in enumerate(seconds) if t <= window]
+                assert k == (fits[0] if fits else len(CANDIDATES) - 1) and why["chosen"] == CANDIDATES[k], why
+                assert why["window_s"] == pytest.approx(window)
+                chosen[link.beta, step_s, overlap] = CANDIDATES[k]
+    assert chosen[125e6, 0.15, 0] == "int8"  # a fast link: the densest
+    assert chosen[125e3, 0.15, 0].startswith("sparseloco")  # the issue's LM at 1 Mbit/s
+    assert chosen[125e3, 0.01, 0] == CANDIDATES[-1]  # nothing fits: the sparsest
+    assert len(set(chosen.values())) >= 4, chosen
+
+
+def rank_auto_exchange(pause: float):
+    """``compressor="auto"`` on real ranks: the same choice everywhere at the first outer step,
+    the chosen exchange's outer defaults, identical replicas, ``stats()["fit"]``, and a resume
+    that keeps the choice; ``pause`` seconds of inner step decide what fits."""
+    import time
+
+    import gradcomp as gc
+
+    comm = gc.MPICommunicator()
+    shapes = [(128, 64), (64,)]
+
+    def start():
+        g = np.random.default_rng(0)
+        return [g.standard_normal(s).astype(np.float32) for s in shapes]
+
+    params = start()
+    outer = gc.optim.DiLoCo(params, sync_every=10, compressor="auto", comm=comm)
+    saved = None
+    for step in range(1, 31):
+        time.sleep(pause)
+        for i, p in enumerate(params):
+            p -= np.float32(0.01) * (p + np.random.default_rng([comm.rank, step, i]).standard_normal(p.shape).astype(np.float32))
+        outer.step()
+        if step == 15:
+            saved = ([p.copy() for p in params], {k: np.array(v, copy=True) for k, v in outer.state_dict().items()})
+    fit = outer.stats()["fit"]
+    chosen = fit["chosen"]
+    names = comm.allgather(np.frombuffer(chosen.ljust(40).encode(), np.uint8).copy())
+    assert (names == names[0]).all(), "ranks chose differently"
+    expect_sparse = chosen.startswith("sparseloco")
+    assert (outer.momentum == 0.0) == expect_sparse and (outer.lr[0] == 1.0) == expect_sparse, (chosen, outer.momentum)
+    assert (chosen == "int8") == (pause > 0), fit
+    assert fit["probe_bytes_sent"] > 0 and "fits" in fit["why"]
+    digest = hashlib.sha256(b"".join(p.tobytes() for p in params)).digest()[:8]
+    everyone = comm.allgather(np.frombuffer(digest, np.int64).copy())
+    assert (everyone == everyone[0]).all(), "replicas differ after the last outer step"
+    again_params = start()
+    again = gc.optim.DiLoCo(again_params, sync_every=10, compressor="auto", comm=comm)
+    for p, q in zip(again_params, saved[0]):
+        p[...] = q
+    again.load_state_dict(saved[1])
+    assert again.stats()["fit"]["chosen"] == chosen and again.momentum == outer.momentum
+    for step in range(16, 31):
+        for i, p in enumerate(again_params):
+            p -= np.float32(0.01) * (p + np.random.default_rng([comm.rank, step, i]).standard_normal(p.shape).astype(np.float32))
+        again.step()
+    for p, q in zip(params, again_params):
+        np.testing.assert_array_equal(p, q)
+    print(f"rank {comm.rank}: chose {chosen}: {fit['why']}", flush=True)
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.02])
+def test_auto_exchange(pause):
+    run_ranks(2, "tests.optim.test_sparseloco:rank_auto_exchange", pause)

@@ -1,0 +1,191 @@
+"""``DiLoCo(..., compressor="auto")``: the outer exchange chosen to fit the link under the local steps.
+
+Local steps leave ``sync_every`` inner steps of compute between exchanges; the exchange that fits
+is the densest one (the least error) whose transfer those steps can pay for. At the first outer
+step every rank has timed its inner steps (the intervals between ``DiLoCo.step`` calls: their
+median, the slowest rank's) and the link is probed (``planning.measurements.probe_link``, sized to
+the link: about two seconds at most on any link, a 1 Mbit/s one included). Each candidate's
+exchange of every fragment's buckets is priced on that link as the cost model prices a bucket
+(``planning.cost``: a latency per message step and the bytes a rank sends, as the candidate
+declares its traffic), and the densest one whose exchange fits the window is chosen:
+
+* with ``overlap=T``, the ``T`` inner steps the exchange runs behind (it hides under them);
+* without, ``SHARE`` of the ``sync_every`` steps' compute (the exchange blocks, costing at most
+  that share of the run).
+
+Where none fits, the sparsest. Candidates, densest first: ``CANDIDATES``. The choice is taken from
+agreed values only (the same on every rank), joins every bucket's agreement (``FittedExchange``'s
+state), is checkpointed, and ``DiLoCo.stats()["fit"]`` reports it with every candidate's
+predicted seconds and the reason. The outer optimizer's defaults follow the chosen exchange
+(Nesterov for the dense codes, SparseLoCo's lr 1 without momentum for the sparse ones, unless
+``lr=``/``momentum=`` were given).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from .. import timeline
+from ..bucket import Bucket
+from ..comm import Communicator, Workspace
+from ..compressors.contract import Compressor, run_stage
+from ..compressors.wrapper import Wrapper
+from ..planning import cost
+from ..registry import make, steady
+from ..state import reject_leftovers, take_int
+from .sparseloco import exchange
+
+#: the candidates, densest first: 8- and 4-bit codes (two stages), then SparseLoCo's exchange at
+#: 1/16, 1/64 and 1/256 of each chunk (bytes per float32 value: about 0.5, 0.25, 0.031, 0.0071,
+#: 0.0018)
+CANDIDATES = ("int8", "int4", "sparseloco:density=0.0625", "sparseloco", "sparseloco:density=0.00390625")
+#: without overlap, the share of the local steps' compute the exchange may take
+SHARE = 0.1
+
+
+def build(spec: str) -> tuple[Compressor, dict[str, float] | None]:
+    """A candidate and its outer defaults (None: DiLoCo's own)."""
+    sparse = exchange(spec)
+    if sparse is not None:
+        return sparse
+    return make(steady(spec, keep_given=True)), None
+
+
+class FittedExchange(Wrapper):
+    """One of ``allowed`` (registry names or local-steps exchanges, densest first), chosen once by
+    ``choose`` (see the module docstring); every bucket before the choice is refused."""
+
+    def __init__(self, allowed: Sequence[str] = CANDIDATES):
+        built = [build(spec) for spec in allowed]
+        super().__init__(built[0][0])
+        self.allowed = tuple(allowed)
+        self.options = [c for c, _ in built]
+        self.outer = [o for _, o in built]
+        self.chosen = -1
+        self.why: dict[str, Any] = {}
+
+    def config(self) -> dict[str, Any]:
+        return {"allowed": self.allowed}
+
+    def choose(self, k: int, why: Mapping[str, Any] | None = None) -> None:
+        self.chosen = k
+        self.inner = self.options[k]
+        self.why = dict(why or {})
+
+    def prepare(self, bucket: Bucket, comm: Communicator, workspace: Workspace) -> Any:
+        if self.chosen < 0:
+            raise RuntimeError("FittedExchange: no exchange chosen yet (DiLoCo chooses it at its first outer step)")
+        return self.inner.prepare(bucket, comm, workspace)
+
+    def finish(self, bucket: Bucket, comm: Communicator, prepared: Any) -> Any:
+        return run_stage(self.inner, bucket, comm, prepared)
+
+    def agreement_state(self, bucket: Bucket, prepared: Any) -> dict[str, Any]:
+        return {"chosen": self.chosen, **self.inner.agreement_state(bucket, prepared)}
+
+    def stats(self) -> dict[str, Any]:
+        return self.inner.stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.chosen < 0:
+            return {}
+        return {"chosen": self.chosen, **{f"chosen/{k}": v for k, v in self.inner.state_dict().items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, tuple] | None = None) -> None:
+        state = dict(state)
+        owner = "FittedExchange"
+        if not state:
+            self.chosen, self.inner = -1, self.options[0]
+            return
+        k = take_int(state, "chosen", owner)
+        if not 0 <= k < len(self.options):
+            raise ValueError(f"{owner} state: 'chosen' is {k}, but there are {len(self.options)} candidates")
+        inner = {name[len("chosen/"):]: state.pop(name) for name in [n for n in state if n.startswith("chosen/")]}
+        reject_leftovers(state, owner)
+        self.options[k].load_state_dict(inner, shapes)
+        self.choose(k, {"chosen": self.allowed[k], "why": "loaded from a checkpoint"})
+
+
+def predict(candidate: Compressor, buckets: Sequence[Sequence[Sequence[int]]], ranks: int, link: cost.Link) -> float:
+    """Seconds of one exchange of ``buckets`` (each a list of tensor shapes) on ``link``."""
+    cluster = cost.Cluster(ranks, 1, link)
+    total = 0.0
+    for shapes in buckets:
+        t = cost.traffic(candidate, shapes, ranks)
+        total += link.time(cost.rank_bytes(t, ranks), cost.messages(t, cluster, False))
+    return total
+
+
+def fit(exchange: FittedExchange, buckets: Sequence[Sequence[Sequence[int]]], ranks: int, link: cost.Link,
+        step_s: float, sync_every: int, overlap: int) -> int:
+    """The densest option whose exchange fits its window (see the module docstring), else the
+    sparsest; its index, with the reason kept in ``exchange.why``."""
+    window = overlap * step_s if overlap else SHARE * sync_every * step_s
+    seconds = {spec: predict(c, buckets, ranks, link) for spec, c in zip(exchange.allowed, exchange.options)}
+    fits = [k for k, spec in enumerate(exchange.allowed) if seconds[spec] <= window]
+    k = fits[0] if fits else len(exchange.options) - 1
+    where = (f"under the {overlap} overlapped inner steps" if overlap else
+             f"in {SHARE:.0%} of the {sync_every} inner steps' compute")
+    reason = (f"the densest exchange that fits {where} ({window:.3g} s)" if fits else
+              f"none fits {where} ({window:.3g} s): the sparsest")
+    exchange.choose(k, {"chosen": exchange.allowed[k], "why": reason, "window_s": window,
+                        "predicted_s": seconds, "inner_step_s": step_s,
+                        "link": {"alpha_s": link.alpha, "beta_bytes_per_s": link.beta}})
+    return k
+
+
+class Fitting:
+    """What ``DiLoCo(compressor="auto")`` keeps until its first outer step: the intervals between
+    its ``step`` calls (its inner steps), and whether the outer optimizer's settings were given."""
+
+    def __init__(self, lr_given: bool, momentum_given: bool, dense: Mapping[str, float]):
+        self.lr_given, self.momentum_given = lr_given, momentum_given
+        self.dense = dict(dense)  # the outer defaults of the options that set none (DiLoCo's own)
+        self.intervals: list[float] = []
+        self._last: float | None = None
+        self.probe_bytes = 0.0
+
+    def tick(self) -> None:
+        """One inner step ended (``DiLoCo.step`` was called)."""
+        import time
+
+        now = time.perf_counter()
+        if self._last is not None:
+            self.intervals.append(now - self._last)
+        self._last = now
+
+    def run(self, outer: Any) -> None:
+        """Measure, choose for every fragment of ``outer`` (a ``DiLoCo``, nothing in flight) and
+        apply the chosen exchange's outer defaults (collective: every rank at its first outer step)."""
+        import numpy as np
+
+        from ..planning.measurements import probe_link
+
+        comm = outer.comm
+        mine = float(np.median(self.intervals)) if self.intervals else 0.0
+        step_s = float(np.max(comm.allgather(np.array([mine]))))
+        before = comm.bytes_sent
+        largest = max(1, min(outer._total, int(outer.bucket_cap_mb * (1 << 20) / 4)))
+        link = probe_link(comm, largest)
+        self.probe_bytes += comm.bytes_sent - before
+        exchanges = outer.fitted
+        buckets = [[tuple(s) for s in bucket.shapes] for r in outer.reducers for bucket, _ in r.buckets]
+        k = fit(exchanges[0], buckets, comm.size, link, step_s, outer.sync_every, outer.overlap)
+        for other in exchanges[1:]:
+            other.choose(k, exchanges[0].why)
+        self.apply(outer, k)
+        why = exchanges[0].why
+        timeline.instant("exchange fitted", "decision", step=outer.steps, chosen=why["chosen"], reason=why["why"],
+                         window_s=why["window_s"], inner_step_s=step_s, probe_bytes=self.probe_bytes)
+
+    def apply(self, outer: Any, k: int) -> None:
+        """The outer optimizer's defaults of option ``k`` (where not given)."""
+        from .optimizer import per_param
+
+        defaults = outer.fitted[0].outer[k] or self.dense
+        if not self.lr_given:
+            outer.lr = per_param("lr", defaults["lr"], len(outer.params))
+        if not self.momentum_given:
+            outer.momentum = defaults["momentum"]
+
+    def stats(self, outer: Any) -> dict[str, Any]:
+        return {**outer.fitted[0].why, "probe_bytes_sent": self.probe_bytes}
