@@ -36,8 +36,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=("ddp", "diloco"), default="diloco")
     p.add_argument("--sync-every", type=int, default=20)
-    p.add_argument("--outer-lr", type=float, default=gradcomp.optim.diloco.OUTER_LR)
-    p.add_argument("--outer-momentum", type=float, default=gradcomp.optim.diloco.OUTER_MOMENTUM)
+    p.add_argument("--outer-lr", type=float, help="default: the exchange's (DiLoCo's 0.7; sparseloco's 1)")
+    p.add_argument("--outer-momentum", type=float, help="default: the exchange's (DiLoCo's 0.5; sparseloco's 0)")
     p.add_argument("--nesterov", type=int, default=1)
     p.add_argument("--fragments", type=int, default=1)
     p.add_argument("--overlap", type=int, default=0, help="inner steps an outer exchange runs behind")
@@ -137,6 +137,8 @@ def main(argv=None) -> None:
     if args.mode == "diloco":
         stats = outer.stats()
         result["stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
+        if "fit" in stats:  # compressor="auto": what it chose and why
+            result["fit"] = stats["fit"]
         if "governor" in stats:
             result["governor"] = {k: stats["governor"][k] for k in ("tensor_steps", "decisions", "audit_share")}
     if comm.rank == 0:

@@ -193,8 +193,8 @@ def test_sparseloco_bytes_and_resume():
 # ---------------------------------------------------------------------------------------------
 def test_fit_picks_the_densest_exchange_that_fits():
     """Priced on a link and an inner step: the densest candidate whose exchange fits the window
-    (10% of the local steps' compute, or the overlapped steps), else the sparsest."""
-    from gradcomp.optim.fit import CANDIDATES, FittedExchange, fit
+    (half the local steps' compute, or the overlapped steps), else the sparsest."""
+    from gradcomp.optim.fit import CANDIDATES, SHARE, FittedExchange, fit
     from gradcomp.planning.cost import Link
 
     buckets = [[(256, 64), (256,), (3 * 160, 64), (3 * 160, 160), (256, 160)]] * 2  # about 0.4M values
@@ -208,7 +208,7 @@ def test_fit_picks_the_densest_exchange_that_fits():
                 why = exchange.why
                 seconds = list(why["predicted_s"].values())
                 assert seconds == sorted(seconds, reverse=True)  # densest first
-                window = overlap * step_s if overlap else 0.1 * 20 * step_s
+                window = overlap * step_s if overlap else SHARE * 20 * step_s
                 fits = [j for j, t in enumerate(seconds) if t <= window]
                 assert k == (fits[0] if fits else len(CANDIDATES) - 1) and why["chosen"] == CANDIDATES[k], why
                 assert why["window_s"] == pytest.approx(window)
