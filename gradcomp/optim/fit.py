@@ -1,24 +1,26 @@
 """``DiLoCo(..., compressor="auto")``: the outer exchange chosen to fit the link under the local steps.
 
-Local steps leave ``sync_every`` inner steps of compute between exchanges; the exchange that fits
-is the densest one (the least error) whose transfer those steps can pay for. At the first outer
-step every rank has timed its inner steps (the intervals between ``DiLoCo.step`` calls: their
-median, the slowest rank's) and the link is probed (``planning.measurements.probe_link``, sized to
-the link: about two seconds at most on any link, a 1 Mbit/s one included). Each candidate's
-exchange of every fragment's buckets is priced on that link as the cost model prices a bucket
-(``planning.cost``: a latency per message step and the bytes a rank sends, as the candidate
-declares its traffic), and the densest one whose exchange fits the window is chosen:
+A sparser exchange costs less link time per outer step but more steps to the same loss; the one
+to choose is the one that reaches a loss soonest. At the first outer step every rank has timed
+its inner steps (the intervals between ``DiLoCo.step`` calls: their median, the slowest rank's)
+and the link is probed (``planning.measurements.probe_link``, sized to the link: about two
+seconds at most on any link, a 1 Mbit/s one included). Each candidate's exchange of every
+fragment's buckets is priced on that link as the cost model prices a bucket (``planning.cost``:
+a latency per message step and the bytes a rank sends, as the candidate declares its traffic),
+and its time to a loss predicted as
 
-* with ``overlap=T``, the ``T`` inner steps the exchange runs behind (it hides under them);
-* without, ``SHARE`` of the ``sync_every`` steps' compute (the exchange blocks, costing at most
-  that share of the run: fewer steps to the same loss pay for it).
+    STEPS[candidate] * (sync_every * inner step + max(0, exchange - overlap * inner step))
 
-Where none fits, the sparsest. Candidates, densest first: ``CANDIDATES``. The choice is taken from
-agreed values only (the same on every rank), joins every bucket's agreement (``FittedExchange``'s
-state), is checkpointed, and ``DiLoCo.stats()["fit"]`` reports it with every candidate's
-predicted seconds and the reason. The outer optimizer's defaults follow the chosen exchange
-(Nesterov for the dense codes, SparseLoCo's lr 1 without momentum for the sparse ones, unless
-``lr=``/``momentum=`` were given).
+per ``sync_every`` steps: ``STEPS`` is how many more steps than ``int8`` the candidate needed to
+reach DDP's final loss on the repository's LM (measured, BENCHMARKS.md section 12), and an
+exchange hides under the ``overlap`` steps it runs behind. The least wins; a candidate within
+``TIE`` of a denser one loses to it. Candidates, densest first: ``CANDIDATES``.
+
+The choice is taken from agreed values only (the same on every rank), joins every bucket's
+agreement (``FittedExchange``'s state), is checkpointed, and ``DiLoCo.stats()["fit"]`` reports
+it with every candidate's predicted seconds and the reason. The outer optimizer's defaults
+follow the chosen exchange (Nesterov for the dense codes, SparseLoCo's lr 1 without momentum for
+the sparse ones, unless ``lr=``/``momentum=`` were given).
 """
 from __future__ import annotations
 
@@ -38,11 +40,13 @@ from .sparseloco import exchange
 #: 1/16, 1/64 and 1/256 of each chunk (bytes per float32 value: about 0.5, 0.25, 0.031, 0.0071,
 #: 0.0018)
 CANDIDATES = ("int8", "int4", "sparseloco:density=0.0625", "sparseloco", "sparseloco:density=0.00390625")
-#: without overlap, the share of the local steps' compute the exchange may take. A denser exchange
-#: needs fewer steps for the same loss, which pays for a slower one: on the repository's LM at
-#: 10 Mbit/s (2 hosts of 2 ranks) a 0.1 share chose sparseloco at 1/16 (6% of the compute) and
-#: took 2000 steps to DDP's final loss, where int4 (15%) takes about 1400
-SHARE = 0.5
+#: steps to DDP's final loss on the repository's LM relative to int8's (4 ranks, H = 20, a
+#: 3000-step schedule; BENCHMARKS.md section 12): int8 and int4 reached it at step 1400, sparseloco
+#: at 1/16 at 2000, at 1/64 at 2800; at 1/256 not by step 3000 (counted as 3000)
+STEPS = {"int8": 1.0, "int4": 1.0, "sparseloco:density=0.0625": 2000 / 1400, "sparseloco": 2800 / 1400,
+         "sparseloco:density=0.00390625": 3000 / 1400}
+#: a candidate must be this much faster than a denser one to be chosen over it
+TIE = 0.02
 
 
 def build(spec: str) -> tuple[Compressor, dict[str, float] | None]:
@@ -120,19 +124,23 @@ def predict(candidate: Compressor, buckets: Sequence[Sequence[Sequence[int]]], r
 
 def fit(exchange: FittedExchange, buckets: Sequence[Sequence[Sequence[int]]], ranks: int, link: cost.Link,
         step_s: float, sync_every: int, overlap: int) -> int:
-    """The densest option whose exchange fits its window (see the module docstring), else the
-    sparsest; its index, with the reason kept in ``exchange.why``."""
-    window = overlap * step_s if overlap else SHARE * sync_every * step_s
+    """The option predicted to reach a loss soonest (see the module docstring); its index, with
+    the predictions and the reason kept in ``exchange.why``."""
     seconds = {spec: predict(c, buckets, ranks, link) for spec, c in zip(exchange.allowed, exchange.options)}
-    fits = [k for k, spec in enumerate(exchange.allowed) if seconds[spec] <= window]
-    k = fits[0] if fits else len(exchange.options) - 1
-    where = (f"under the {overlap} overlapped inner steps" if overlap else
-             f"in {SHARE:.0%} of the {sync_every} inner steps' compute")
-    reason = (f"the densest exchange that fits {where} ({window:.3g} s)" if fits else
-              f"none fits {where} ({window:.3g} s): the sparsest")
-    exchange.choose(k, {"chosen": exchange.allowed[k], "why": reason, "window_s": window,
-                        "predicted_s": seconds, "inner_step_s": step_s,
-                        "link": {"alpha_s": link.alpha, "beta_bytes_per_s": link.beta}})
+    compute = sync_every * step_s
+    hidden = overlap * step_s
+    paced = {spec: STEPS.get(spec, 1.0) * (compute + max(0.0, t - hidden)) for spec, t in seconds.items()}
+    k = 0
+    for j, spec in enumerate(exchange.allowed):
+        if paced[spec] < paced[exchange.allowed[k]] * (1 - TIE):
+            k = j
+    chosen = exchange.allowed[k]
+    reason = (f"the least predicted time to a loss: {paced[chosen]:.3g} s per {sync_every} inner steps' "
+              f"progress of int8 ({compute:.3g} s of compute, {seconds[chosen]:.3g} s of exchange"
+              + (f", {hidden:.3g} s of it hidden under {overlap} overlapped steps" if overlap else "")
+              + f", {STEPS.get(chosen, 1.0):.3g}x int8's steps)")
+    exchange.choose(k, {"chosen": chosen, "why": reason, "predicted_s": seconds, "paced_s": paced,
+                        "inner_step_s": step_s, "link": {"alpha_s": link.alpha, "beta_bytes_per_s": link.beta}})
     return k
 
 
@@ -178,7 +186,7 @@ class Fitting:
         self.apply(outer, k)
         why = exchanges[0].why
         timeline.instant("exchange fitted", "decision", step=outer.steps, chosen=why["chosen"], reason=why["why"],
-                         window_s=why["window_s"], inner_step_s=step_s, probe_bytes=self.probe_bytes)
+                         inner_step_s=step_s, probe_bytes=self.probe_bytes)
 
     def apply(self, outer: Any, k: int) -> None:
         """The outer optimizer's defaults of option ``k`` (where not given)."""

@@ -557,7 +557,7 @@ def torchrun_rank() -> None:
     torch, net = _torch_problem(seed=launch.rank)
     torch.set_num_threads(1)
     inner = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    diloco = gt.DiLoCo(net, inner, sync_every=3, compressor="int8")
+    diloco = gt.DiLoCo(net, inner, sync_every=3, compressor=os.environ.get("TEST_DILOCO_EXCHANGE", "int8"))
     agree = []
     for step in range(1, 10):
         x, y = _torch_batch(torch, launch.rank, step)
@@ -567,7 +567,8 @@ def torchrun_rank() -> None:
         seen: list = [None] * launch.size
         torch.distributed.all_gather_object(seen, _torch_digest(net))
         agree.append([synced, len(set(seen)) == 1])
-    result = {"comm": type(diloco.comm).__name__, "agree": agree, "outer_steps": diloco.stats()["outer_steps"]}
+    result = {"comm": type(diloco.comm).__name__, "agree": agree, "outer_steps": diloco.stats()["outer_steps"],
+              "bytes_sent": diloco.stats()["bytes_sent"], "momentum": diloco.outer.momentum}
     if launch.rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
     sys.stdout.flush()
@@ -575,7 +576,9 @@ def torchrun_rank() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
-def test_torch_diloco_under_torchrun():
+@pytest.mark.parametrize("exchange", ["int8", "sparseloco"])
+def test_torch_diloco_under_torchrun(exchange):
+    """(``sparseloco``: its allgathered messages over torch.distributed, counted.)"""
     import json
     import os
     import subprocess
@@ -584,7 +587,7 @@ def test_torch_diloco_under_torchrun():
     from tests.mpi_launch import ROOT
 
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TEST_DILOCO_EXCHANGE=exchange)
     for var in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "HYDI_CONTROL_FD"):  # one torchrun job, not an MPI rank's
         env.pop(var, None)
     done = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "tests.optim.test_diloco"],
@@ -596,6 +599,7 @@ def test_torch_diloco_under_torchrun():
     result = json.loads(lines[0][len("RESULT "):])
     assert result["comm"] == "TorchCommunicator" and result["outer_steps"] == 3, result
     assert result["agree"] == [[s % 3 == 0, s % 3 == 0] for s in range(1, 10)], result
+    assert result["bytes_sent"] > 0 and result["momentum"] == (0.0 if exchange == "sparseloco" else 0.5), result
 
 
 if __name__ == "__main__":
