@@ -13,7 +13,7 @@ from gradcomp.compressors.wrapper import FORWARDED, OWN, Wrapper
 
 #: the modules that hold wrappers (gradcomp.jax.kit only where JAX is installed)
 MODULES = ["gradcomp.compressors.half_precision", "gradcomp.compressors.feedback", "gradcomp.compressors.hierarchical",
-           "gradcomp.schedule", "gradcomp.planning.recipes", "gradcomp.planning.governor", "gradcomp.optim.optimizer"]
+           "gradcomp.schedule", "gradcomp.planning.recipes", "gradcomp.planning.governor", "gradcomp.optim.optimizer", "gradcomp.optim.fit"]
 
 #: what each wrapper changes on purpose; every other contract member is its inner method's
 OVERRIDES = {
@@ -25,6 +25,7 @@ OVERRIDES = {
     "Hierarchical": {"nan_effect", "scatters", "memory_passes", "take_residual", "regime"},
     "ThroughJax": {"scatters"},
     "_Agreed": {"runaway_advice", "agreement_state"},              # the optimizer's, as well
+    "FittedExchange": {"agreement_state", "state_dict", "load_state_dict"},  # the choice, as well
     # several stages: what holds for all of them, and their state; the rest is the steady method's
     "Stages": {"nan_effect", "relative_error_limit", "scatters", "error_bound", "regime", "take_residual",
                "residuals"},
