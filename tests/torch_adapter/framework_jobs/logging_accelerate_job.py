@@ -16,8 +16,8 @@ from accelerate.tracking import GeneralTracker
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 import gradcomp.torch.accelerate  # noqa: E402
-from tests.torch_adapter.framework_jobs.accelerate_job import X, Y, batches  # noqa: E402
-from tests.torch_adapter.framework_jobs.task import LR, mlp, report  # noqa: E402
+from tests.torch_adapter.framework_jobs.accelerate_job import batches  # noqa: E402
+from tests.torch_adapter.framework_jobs.task import LR, governor_of, leave, mlp, report  # noqa: E402
 from tests.torch_adapter.framework_jobs.logging_transformers_job import Lines  # noqa: E402
 
 warnings.filterwarnings("ignore", module="accelerate")
@@ -73,11 +73,8 @@ def main(folder):
     if accelerator.is_main_process:
         with open(path) as f:
             rows = list(csv.DictReader(f))
-        report(rows=rows, lines=handler.lines, steps=step, decisions=stats["governor"]["decisions"],
-               limit=stats["governor"]["limit"])
-    torch.distributed.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # past torch 2.13's gloo teardown, which aborts now and then (tests.mpi_launch)
+        report(rows=rows, lines=handler.lines, steps=step, **governor_of(stats))
+    leave()
 
 
 if __name__ == "__main__":

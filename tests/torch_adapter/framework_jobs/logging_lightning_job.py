@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 from gradcomp.torch.lightning import Compression  # noqa: E402
 from tests.torch_adapter.framework_jobs.lightning_job import X, Y, Digits  # noqa: E402
-from tests.torch_adapter.framework_jobs.task import BATCH, report  # noqa: E402
+from tests.torch_adapter.framework_jobs.task import BATCH, governor_of, leave, report  # noqa: E402
 
 METHOD = "topk:warmup=0,budget=0.05"
 torch.set_num_threads(1)
@@ -57,11 +57,8 @@ def main(folder):
     _, silent = fit(os.path.join(folder, "off"), Compression("int8:warmup=2", log=False), 12)
     if torch.distributed.get_rank() == 0:
         report(rows=rows(os.path.join(folder, "on")), off_rows=rows(os.path.join(folder, "off")), lines=lines,
-               off_lines=silent, steps=trainer.global_step, decisions=stats["governor"]["decisions"],
-               limit=stats["governor"]["limit"])
-    torch.distributed.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # past torch 2.13's gloo teardown, which aborts now and then (tests.mpi_launch)
+               off_lines=silent, steps=trainer.global_step, **governor_of(stats))
+    leave()
 
 
 if __name__ == "__main__":

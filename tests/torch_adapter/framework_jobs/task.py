@@ -4,6 +4,8 @@ compressor and one without differ only by the compression."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import torch
 from torch import nn
@@ -41,6 +43,21 @@ def flat(model: nn.Module) -> torch.Tensor:
 def report(**values) -> None:
     """One line the test reads (rank 0 only; the ranks share a pipe)."""
     print("RESULT " + json.dumps(values), flush=True)
+
+
+def governor_of(stats: dict) -> dict:
+    """A governed compressor's decisions and budget, as the logging jobs report them."""
+    return {"decisions": stats["governor"]["decisions"], "limit": stats["governor"]["limit"]}
+
+
+def leave() -> None:
+    """Every rank done: out past torch 2.13's gloo teardown, which aborts now and then
+    (tests.mpi_launch)."""
+    import torch
+
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def same_state(a: dict, b: dict) -> bool:
