@@ -5,9 +5,9 @@ to choose is the one that reaches a loss soonest. At the first outer step every 
 its inner steps (the intervals between ``DiLoCo.step`` calls: their median, the slowest rank's)
 and the link is probed (``planning.measurements.probe_link``, sized to the link: about two
 seconds at most on any link, a 1 Mbit/s one included). Each candidate's exchange of every
-fragment's buckets is priced on that link as the cost model prices a bucket (``planning.cost``:
-a latency per message step and the bytes a rank sends, as the candidate declares its traffic),
-and its time to a loss predicted as
+fragment's buckets is priced on that link as ``auto`` prices a bucket (``planning.cost``: a
+latency per message step and the bytes through a host's link, which carries its ranks' share, as
+the candidate declares its traffic), and its time to a loss predicted as
 
     STEPS[candidate] * (sync_every * inner step + max(0, exchange - overlap * inner step))
 
@@ -113,21 +113,22 @@ class FittedExchange(Wrapper):
         self.choose(k, {"chosen": self.allowed[k], "why": "loaded from a checkpoint"})
 
 
-def predict(candidate: Compressor, buckets: Sequence[Sequence[Sequence[int]]], ranks: int, link: cost.Link) -> float:
-    """Seconds of one exchange of ``buckets`` (each a list of tensor shapes) on ``link``."""
-    cluster = cost.Cluster(ranks, 1, link)
+def predict(candidate: Compressor, buckets: Sequence[Sequence[Sequence[int]]], cluster: cost.Cluster) -> float:
+    """Seconds of one exchange of ``buckets`` (each a list of tensor shapes) over ``cluster``'s
+    network, as ``auto`` prices a flat schedule (``cost.wire_bytes``: a host's link carries every
+    rank of the host's share)."""
     total = 0.0
     for shapes in buckets:
-        t = cost.traffic(candidate, shapes, ranks)
-        total += link.time(cost.rank_bytes(t, ranks), cost.messages(t, cluster, False))
+        t = cost.traffic(candidate, shapes, cluster.ranks)
+        total += cluster.network.time(cost.wire_bytes(t, cluster, False), cost.messages(t, cluster, False))
     return total
 
 
-def fit(exchange: FittedExchange, buckets: Sequence[Sequence[Sequence[int]]], ranks: int, link: cost.Link,
+def fit(exchange: FittedExchange, buckets: Sequence[Sequence[Sequence[int]]], cluster: cost.Cluster,
         step_s: float, sync_every: int, overlap: int) -> int:
     """The option predicted to reach a loss soonest (see the module docstring); its index, with
     the predictions and the reason kept in ``exchange.why``."""
-    seconds = {spec: predict(c, buckets, ranks, link) for spec, c in zip(exchange.allowed, exchange.options)}
+    seconds = {spec: predict(c, buckets, cluster) for spec, c in zip(exchange.allowed, exchange.options)}
     compute = sync_every * step_s
     hidden = overlap * step_s
     paced = {spec: STEPS.get(spec, 1.0) * (compute + max(0.0, t - hidden)) for spec, t in seconds.items()}
@@ -141,7 +142,8 @@ def fit(exchange: FittedExchange, buckets: Sequence[Sequence[Sequence[int]]], ra
               + (f", {hidden:.3g} s of it hidden under {overlap} overlapped steps" if overlap else "")
               + f", {STEPS.get(chosen, 1.0):.3g}x int8's steps)")
     exchange.choose(k, {"chosen": chosen, "why": reason, "predicted_s": seconds, "paced_s": paced,
-                        "inner_step_s": step_s, "link": {"alpha_s": link.alpha, "beta_bytes_per_s": link.beta}})
+                        "inner_step_s": step_s, "hosts": cluster.hosts, "ranks_per_host": cluster.per_host,
+                        "link": {"alpha_s": cluster.network.alpha, "beta_bytes_per_s": cluster.network.beta}})
     return k
 
 
@@ -170,7 +172,7 @@ class Fitting:
         apply the chosen exchange's outer defaults (collective: every rank at its first outer step)."""
         import numpy as np
 
-        from ..planning.measurements import probe_link
+        from ..planning.measurements import probe_link, topology
 
         comm = outer.comm
         mine = float(np.median(self.intervals)) if self.intervals else 0.0
@@ -181,7 +183,8 @@ class Fitting:
         self.probe_bytes += comm.bytes_sent - before
         exchanges = outer.fitted
         buckets = [[tuple(s) for s in bucket.shapes] for r in outer.reducers for bucket, _ in r.buckets]
-        k = fit(exchanges[0], buckets, comm.size, link, step_s, outer.sync_every, outer.overlap)
+        hosts, per_host = topology(comm)
+        k = fit(exchanges[0], buckets, cost.Cluster(hosts, per_host, link), step_s, outer.sync_every, outer.overlap)
         for other in exchanges[1:]:
             other.choose(k, exchanges[0].why)
         self.apply(outer, k)

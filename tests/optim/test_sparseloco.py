@@ -196,7 +196,7 @@ def test_fit_picks_the_least_predicted_time_to_a_loss():
     exchange not hidden)``, a denser one winning ties within 2%; the codes on fast links, 4-bit
     codes at 10 Mbit/s, a sparse exchange at 1 Mbit/s."""
     from gradcomp.optim.fit import CANDIDATES, STEPS, FittedExchange, fit
-    from gradcomp.planning.cost import Link
+    from gradcomp.planning.cost import Cluster, Link
 
     buckets = [[(256, 96), (256,), (3 * 96, 96), (96, 384), (384, 96)]] * 4  # about 0.4M values
     chosen = {}
@@ -204,7 +204,7 @@ def test_fit_picks_the_least_predicted_time_to_a_loss():
         for step_s in (0.01, 0.1, 2.0):
             for overlap in (0, 5):
                 exchange = FittedExchange()
-                k = fit(exchange, buckets, 4, Link(1e-3, beta), step_s, 20, overlap)
+                k = fit(exchange, buckets, Cluster(4, 1, Link(1e-3, beta)), step_s, 20, overlap)
                 why = exchange.why
                 seconds = list(why["predicted_s"].values())
                 assert seconds == sorted(seconds, reverse=True)  # densest first
@@ -218,6 +218,11 @@ def test_fit_picks_the_least_predicted_time_to_a_loss():
     assert chosen[1.25e6, 0.1, 0] == "int4"  # 10 Mbit/s, the LM's step
     assert chosen[125e3, 0.1, 0].startswith("sparseloco")  # 1 Mbit/s
     assert chosen[125e3, 2.0, 0] == "int4"  # a long step pays for the slow link's codes
+    # the run that chose int4 at 1 Mbit/s on 2 hosts of 2 ranks when priced as 4 hosts (the probe
+    # fitted 175 KB/s for an allreduce, which crosses a host's link once, not once a rank)
+    shared = FittedExchange()
+    fit(shared, buckets, Cluster(2, 2, Link(1.3e-3, 175e3)), 0.099, 20, 0)
+    assert shared.why["chosen"] == "sparseloco", shared.why
     for (beta, step_s, overlap), spec in chosen.items():  # hiding part of the exchange never makes it sparser
         if overlap:
             assert CANDIDATES.index(spec) <= CANDIDATES.index(chosen[beta, step_s, 0]), (beta, step_s)
