@@ -102,6 +102,13 @@ class DiLoCo:
     def stats(self) -> dict[str, Any]:
         return self.outer.stats()
 
+    def metrics(self) -> dict[str, float]:
+        """``gradcomp.metrics`` of ``stats()`` with the ``recent_*`` figures since the previous call,
+        for a logger (``gradcomp.Meter``; its ``events``: the back-off lines)."""
+        from ..metrics import Meter
+
+        return self.__dict__.setdefault("_meter", Meter()).update(self.stats())
+
     def state_dict(self) -> dict[str, Any]:
         """The outer state (``gradcomp.optim.DiLoCo.state_dict``): plain arrays and numbers."""
         return self.outer.state_dict()

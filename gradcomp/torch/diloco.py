@@ -164,6 +164,13 @@ class DiLoCo:
                        failures=self.ft.comm.failures)
         return out
 
+    def metrics(self) -> dict[str, float]:
+        """``gradcomp.metrics`` of ``stats()`` with the ``recent_*`` figures since the previous call,
+        for a logger (``gradcomp.Meter``; its ``events``: the back-off lines)."""
+        from ..metrics import Meter
+
+        return self.__dict__.setdefault("_meter", Meter()).update(self.stats())
+
     def state_dict(self) -> dict[str, Any]:
         """``{"inner": the inner optimizer's state_dict, "outer": DiLoCo's state as tensors}``
         (``torch.save``-able, loads with ``weights_only=True``). Save the model's own with it."""

@@ -568,7 +568,8 @@ def torchrun_rank() -> None:
         torch.distributed.all_gather_object(seen, _torch_digest(net))
         agree.append([synced, len(set(seen)) == 1])
     result = {"comm": type(diloco.comm).__name__, "agree": agree, "outer_steps": diloco.stats()["outer_steps"],
-              "bytes_sent": diloco.stats()["bytes_sent"], "momentum": diloco.outer.momentum}
+              "bytes_sent": diloco.stats()["bytes_sent"], "momentum": diloco.outer.momentum,
+              "metrics": diloco.metrics(), "ratio": diloco.stats()["compression_ratio"]}
     if launch.rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
     sys.stdout.flush()
@@ -600,6 +601,8 @@ def test_torch_diloco_under_torchrun(exchange):
     assert result["comm"] == "TorchCommunicator" and result["outer_steps"] == 3, result
     assert result["agree"] == [[s % 3 == 0, s % 3 == 0] for s in range(1, 10)], result
     assert result["bytes_sent"] > 0 and result["momentum"] == (0.0 if exchange == "sparseloco" else 0.5), result
+    assert result["metrics"]["gradcomp/compression_ratio"] == result["ratio"] > 1  # DiLoCo.metrics() for a logger
+    assert result["metrics"]["gradcomp/outer_steps"] == 3.0
 
 
 if __name__ == "__main__":
