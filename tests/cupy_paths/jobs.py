@@ -327,7 +327,8 @@ def reducer_and_optimizers() -> None:
 def _optimizers(host, dev) -> None:
     from gradcomp.conformance.optimizers import INNER_LR, OptimizerKit, optimizer_factory
 
-    for spec in ("dgc:warmup=2", "onebitadam:warmup=3", "diloco:sync_every=3,overlap=1"):
+    for spec in ("dgc:warmup=2", "onebitadam:warmup=3", "diloco:sync_every=3,overlap=1",
+                 "diloco:sync_every=3,compressor=sparseloco"):
         build = optimizer_factory(spec)
         kit = OptimizerKit(build, host)
         hp, dp = kit.start(), [cupy.asarray(p) for p in kit.start()]
