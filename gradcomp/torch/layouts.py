@@ -5,14 +5,11 @@ parameter in one bucket) cut into bucket-sized pieces, and a consecutive part re
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..arrays import array_module, is_device_array
 from ..bucket import Bucket
-from .naming import record_of
-
-if TYPE_CHECKING:
-    from .hook import HookState
+from .naming import HookParts, record_of
 
 
 #: the size of the pieces the hook reduces where DDP hands it every parameter in one bucket (its
@@ -38,7 +35,7 @@ def pieces(keys: list[str], shapes: list[tuple], itemsize: int) -> list[tuple[in
     return parts + ([(len(parts), tuple(reversed(run)))] if run else [])
 
 
-def replay_parts(state: HookState, keys: list[str]) -> list[tuple[int, tuple[str, ...]]] | None:
+def replay_parts(state: HookParts, keys: list[str]) -> list[tuple[int, tuple[str, ...]]] | None:
     """After a resume, the loaded layouts (index, keys) that make up this DDP bucket, when it is
     not one of them but exactly their union (a fresh model's first buckets); else None."""
     if not state.replay or tuple(keys) in state.replay:
@@ -50,7 +47,7 @@ def replay_parts(state: HookState, keys: list[str]) -> list[tuple[int, tuple[str
     return parts
 
 
-def reduce_parts(state: HookState, array: Any, keys: list[str], shapes: list[tuple],
+def reduce_parts(state: HookParts, array: Any, keys: list[str], shapes: list[tuple],
                   parts: list[tuple[int, tuple[str, ...]]], is_last: bool) -> list[tuple[Any, Any]]:
     """Reduce ``array``'s tensors as the buckets ``parts``: each gathered into a bucket of its
     own, in the loaded order. Returns (where each tensor goes back in ``array``, the part's
@@ -85,7 +82,7 @@ def same_place(mean: Any, array: Any, start: int) -> bool:
     return bool(mean.__array_interface__["data"][0] == view.__array_interface__["data"][0])
 
 
-def record_layouts(state: HookState, layouts: list[tuple[str, ...]], is_last: bool) -> None:
+def record_layouts(state: HookParts, layouts: list[tuple[str, ...]], is_last: bool) -> None:
     """Keep this step's bucket layouts; a whole step's become ``state.layouts`` (checkpointed).
     The loaded ones are replayed for one step only: DDP has rebuilt its buckets after it."""
     state._step_layouts.extend(layouts)

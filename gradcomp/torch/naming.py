@@ -5,12 +5,22 @@ model once (``names_from_model``) and keys tensors by name as ``register`` did.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..compressors import Compressor
 
-if TYPE_CHECKING:
-    from .hook import HookState
+
+class HookParts(Protocol):
+    """What this module and ``layouts`` read and write of a ``hook.HookState``: typed here, so that
+    neither imports the hook that imports them."""
+
+    compressor: Compressor
+    comm: Any
+    names: dict[int, str]
+    shapes: dict[str, tuple]
+    layouts: list[tuple[str, ...]]
+    replay: list[tuple[str, ...]]
+    _step_layouts: list[tuple[str, ...]]
 
 
 #: where ``register`` leaves a ``ModelRecord`` on the compressor itself (pickled with it)
@@ -50,7 +60,7 @@ def record_of(compressor: Compressor) -> ModelRecord | None:
     return record if isinstance(record, ModelRecord) else None
 
 
-def names_from_model(state: HookState, params: list[Any]) -> None:
+def names_from_model(state: HookParts, params: list[Any]) -> None:
     """Name the parameters as ``register`` does, in a hook attached without the model
     (``comm_hook``) to a compressor that ``register`` attached before: its state is keyed by
     parameter name (``ModelRecord``).
@@ -75,7 +85,7 @@ def names_from_model(state: HookState, params: list[Any]) -> None:
     adopt(state, list(model.module.named_parameters()))
 
 
-def adopt(state: HookState, named: list[tuple[str, Any]], *others: Any) -> None:
+def adopt(state: HookParts, named: list[tuple[str, Any]], *others: Any) -> None:
     """Key ``state``'s tensors by the names of ``named`` (a DDP model's
     ``module.named_parameters()``) and record them on its compressor (and ``others``, the object
     the user holds where ``register`` wrapped it): ``ModelRecord``. A loaded compressor whose
