@@ -92,7 +92,7 @@ class ChunkedTopK(Codec):
         if not n:
             return
         xp = array_module(x)
-        chunks, kept, _, _ = self._sizes(n)
+        chunks = self._sizes(n)[0]
         scales, codes, positions = self._views(message, n)
         magnitude = workspace.array(self, "magnitude", chunks * self.chunk, np.float32, like=x)
         xp.abs(x, out=magnitude[:n])
@@ -103,8 +103,7 @@ class ChunkedTopK(Codec):
         flat = place + (xp.arange(chunks, dtype=np.int64) * self.chunk)[:, None]
         inside = flat < n
         values = xp.where(inside, x[xp.minimum(flat, n - 1)], np.float32(0)).astype(np.float32)
-        top = xp.abs(values).max(axis=1)
-        top[xp.isnan(values).any(axis=1)] = np.nan
+        top = xp.abs(values).max(axis=1)  # (NaN where a kept value is)
         levels = 1 << (self.bits - 1)
         scale = (top / np.float32(levels - 0.5)).astype(np.float32)
         scales[...] = scale
@@ -145,11 +144,3 @@ class ChunkedTopK(Codec):
         flat = (place + (xp.arange(chunks, dtype=np.int64) * self.chunk)[:, None]).reshape(-1)
         inside = flat < n
         out[flat[inside]] += values.reshape(-1)[inside]
-
-    def decode_mean(self, rows: Array, out: Array, workspace: Workspace) -> bool:
-        """The rows decoded into ``out`` in rank order, divided by their number."""
-        for r in range(rows.shape[0]):
-            self.decode(rows[r], out, workspace, add=r > 0)
-        if rows.shape[0] > 1:
-            array_module(out).divide(out, out.dtype.type(rows.shape[0]), out=out)
-        return True

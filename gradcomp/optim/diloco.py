@@ -72,8 +72,8 @@ from ..registry import make, steady
 from ..state import reject_leftovers, saved_by, take_config, take_int
 from .optimizer import Hyper, Optimizer, _Agreed, governor_stats
 from .fit import FittedExchange, Fitting
-from .replicas import check_same_start, parameters_digest, split  # noqa: F401 (parameters_digest: ft's)
-from .sparseloco import EXCHANGES, exchange, is_sparse_exchange
+from .replicas import check_same_start, split
+from .sparseloco import EXCHANGES, exchange
 
 #: the defaults, measured on examples/torch_lm.py's TinyLM (docs/guides/local-steps.md)
 SYNC_EVERY = 20
@@ -169,8 +169,7 @@ class DiLoCo(Optimizer):
             raise TypeError(f"compressor must be a gradcomp Compressor, a registry name or a local-steps "
                             f"exchange ({', '.join(EXCHANGES)}), got {compressor!r}")
         self.budget = None if budget is None else check_float("budget", budget, above=0)
-        if (self.budget is not None and not isinstance(inner, Governed) and has_safer_rungs(inner)
-                and not is_sparse_exchange(inner)):
+        if self.budget is not None and not sparse and not isinstance(inner, Governed) and has_safer_rungs(inner):
             inner = Governed(inner, budget=self.budget, every=GOVERNOR_EVERY, window=GOVERNOR_WINDOW,
                              hold=GOVERNOR_HOLD, start=GOVERNOR_START, delay=1)
         self.outer_compressor = inner
@@ -232,10 +231,10 @@ class DiLoCo(Optimizer):
             raise TypeError("DiLoCo.step takes no gradients or weight decay: the inner optimizer "
                             "steps the gradients, DiLoCo.step() counts that step and syncs when due")
         due = self.due()
-        if self.fitting is not None:
-            self.fitting.tick()
-            if due and self._fit_pending():
-                self.fitting.run(self)
+        if self._fit_pending():
+            self.fitting.tick()  # type: ignore[union-attr]
+            if due:
+                self.fitting.run(self)  # type: ignore[union-attr]
         rates, _ = self._hyper(lr, None)
         self.steps += 1
         landed = self._land_due()
@@ -405,8 +404,8 @@ class DiLoCo(Optimizer):
             exchanges.append({k[len(prefix):]: state.pop(k) for k in [k for k in state if k.startswith(prefix)]})
         self._check_saved_here(state, {k: v for e in exchanges for k, v in e.items()}, owner)
         reject_leftovers(state, owner)
-        for r, exchange in zip(self.reducers, exchanges):
-            r.compressor.load_state_dict(exchange, r.shapes)
+        for r, part in zip(self.reducers, exchanges):
+            r.compressor.load_state_dict(part, r.shapes)
         if self.fitting is not None and not self._fit_pending():
             self.fitting.apply(self, self.fitted[0].chosen)
         for name, arrays in self._arrays.items():

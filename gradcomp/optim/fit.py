@@ -24,7 +24,10 @@ the sparse ones, unless ``lr=``/``momentum=`` were given).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 from .. import timeline
 from ..bucket import Bucket
@@ -32,8 +35,10 @@ from ..comm import Communicator, Workspace
 from ..compressors.contract import Compressor, run_stage
 from ..compressors.wrapper import Wrapper
 from ..planning import cost
+from ..planning.measurements import probe_link, slowest, topology
 from ..registry import make, steady
 from ..state import reject_leftovers, take_int
+from .optimizer import per_param
 from .sparseloco import exchange
 
 #: the candidates, densest first: 8- and 4-bit codes (two stages), then SparseLoCo's exchange at
@@ -160,8 +165,6 @@ class Fitting:
 
     def tick(self) -> None:
         """One inner step ended (``DiLoCo.step`` was called)."""
-        import time
-
         now = time.perf_counter()
         if self._last is not None:
             self.intervals.append(now - self._last)
@@ -170,15 +173,11 @@ class Fitting:
     def run(self, outer: Any) -> None:
         """Measure, choose for every fragment of ``outer`` (a ``DiLoCo``, nothing in flight) and
         apply the chosen exchange's outer defaults (collective: every rank at its first outer step)."""
-        import numpy as np
-
-        from ..planning.measurements import probe_link, topology
-
         comm = outer.comm
-        mine = float(np.median(self.intervals)) if self.intervals else 0.0
-        step_s = float(np.max(comm.allgather(np.array([mine]))))
+        step_s = slowest(comm, float(np.median(self.intervals)) if self.intervals else 0.0)
         before = comm.bytes_sent
-        largest = max(1, min(outer._total, int(outer.bucket_cap_mb * (1 << 20) / 4)))
+        total = sum(int(p.size) for p in outer.params)
+        largest = max(1, min(total, int(outer.bucket_cap_mb * (1 << 20) / 4)))
         link = probe_link(comm, largest)
         self.probe_bytes += comm.bytes_sent - before
         exchanges = outer.fitted
@@ -194,8 +193,6 @@ class Fitting:
 
     def apply(self, outer: Any, k: int) -> None:
         """The outer optimizer's defaults of option ``k`` (where not given)."""
-        from .optimizer import per_param
-
         defaults = outer.fitted[0].outer[k] or self.dense
         if not self.lr_given:
             outer.lr = per_param("lr", defaults["lr"], len(outer.params))

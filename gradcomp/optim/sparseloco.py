@@ -23,13 +23,12 @@ would always step down to 4- and 8-bit codes (docs/guides/local-steps.md has the
 """
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable
+from typing import Callable
 
 from ..compressors.chunked_topk import BITS, CHUNK, ChunkedTopK
 from ..compressors.contract import Compressor
 from ..compressors.feedback import ErrorFeedback
-from ..registry import parse_spec
+from ..registry import parameters, parse_spec
 
 #: SparseLoCo's accumulator decay and density (64 of each 4096 values), and the outer optimizer
 #: its accumulator replaces the momentum of
@@ -53,13 +52,8 @@ def exchange(spec: str) -> tuple[Compressor, dict[str, float]] | None:
     if name not in EXCHANGES:
         return None
     factory, outer = EXCHANGES[name]
-    accepted = [p for p in inspect.signature(factory).parameters]
+    accepted = parameters(factory) or []
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
         raise ValueError(f"exchange {name!r} does not take {unknown}; it takes {accepted}")
     return factory(**kwargs), dict(outer)
-
-
-def is_sparse_exchange(compressor: Any) -> bool:
-    """Whether ``compressor`` is one of ``EXCHANGES``' kind (not governed, see the module)."""
-    return isinstance(compressor, ErrorFeedback) and isinstance(compressor.inner, ChunkedTopK)

@@ -204,7 +204,7 @@ def probe_link(comm: Communicator, largest: int = PROBE_SIZES[-1], agree: Commun
         comm.allreduce(sync)
         start = time.perf_counter()
         fp32.checked_run(bucket, comm)  # warm, and a first estimate of this size's time
-        first = _slowest(over, time.perf_counter() - start)
+        first = slowest(over, time.perf_counter() - start)
         repeats = int(min(PROBE_REPEATS, max(1, (budget - spent - first) // max(first, 1e-9) // 2)))
         times = []
         for _ in range(repeats):
@@ -212,7 +212,7 @@ def probe_link(comm: Communicator, largest: int = PROBE_SIZES[-1], agree: Commun
             start = time.perf_counter()
             fp32.checked_run(bucket, comm)
             times.append(time.perf_counter() - start)
-        median = _slowest(over, float(np.median(times)))
+        median = slowest(over, float(np.median(times)))
         sizes.append(n)
         worst.append(median)
         spent += first + repeats * median
@@ -231,8 +231,8 @@ def probe_link(comm: Communicator, largest: int = PROBE_SIZES[-1], agree: Commun
     return cost.Link(max(alpha, 0.0), 1.0 / inv_beta if inv_beta > 0 else float("inf"))
 
 
-def _slowest(comm: Communicator, seconds: float) -> float:
-    """The largest of every rank's ``seconds`` (collective): what every rank decides from."""
+def slowest(comm: Communicator, seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (collective): a time every rank decides from alike."""
     return float(np.max(comm.allgather(np.array([seconds]))))
 
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..comm import CollectiveError
-from ..optim.diloco import parameters_digest
+from ..optim.replicas import parameters_digest
 from ..state import own_error
 from .checkpoint import from_torch_state, to_torch_state
 from .quorum import QuorumCommunicator, StepQuorum, manager_group
