@@ -362,8 +362,11 @@ comm = gradcomp.MPICommunicator()
 before = comm.bytes_sent
 start = time.perf_counter()
 link = probe_link(comm, 6_500_000)  # a 25 MB first bucket, as GPT-2's
-print(json.dumps({"rank": comm.rank, "beta": link.beta, "alpha": link.alpha,
-                  "probe_bytes": comm.bytes_sent - before, "seconds": time.perf_counter() - start}), flush=True)
+mine = {"rank": comm.rank, "beta": link.beta, "alpha": link.alpha,
+        "probe_bytes": comm.bytes_sent - before, "seconds": time.perf_counter() - start}
+every = comm.comm.gather(mine, root=0)  # one line from rank 0: two ranks' prints can interleave
+if comm.rank == 0:
+    print(json.dumps(every), flush=True)
 """
 
 
@@ -377,8 +380,9 @@ def test_link_probe_is_sized_to_the_link():
     done = subprocess.run([CAPPED, "1mbit", "2", sys.executable, "-c", PROBE_PROGRAM],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    ranks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(ranks) == 2, done.stdout
+    ranks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    assert len(ranks) == 1 and len(ranks[0]) == 2, done.stdout
+    ranks = ranks[0]
     for r in ranks:
         assert r["probe_bytes"] < 250_000, r  # under two seconds of the link's bytes
         assert 125_000 / 3 < r["beta"] < 125_000 * 3, r  # 1 Mbit/s is 125 KB/s
