@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--nesterov", type=int, default=1)
     p.add_argument("--fragments", type=int, default=1)
     p.add_argument("--overlap", type=int, default=0, help="inner steps an outer exchange runs behind")
+    p.add_argument("--keep-local", action="store_true",
+                   help="landing keeps the overlapped steps' progress (evaluated: the synced model)")
     p.add_argument("--compressor", default="int8")
     p.add_argument("--budget", type=lambda v: None if v.lower() == "none" else float(v),
                    default=gradcomp.optim.GOVERNOR_BUDGET,
@@ -89,7 +91,8 @@ def main(argv=None) -> None:
         spec = args.compressor
         outer = gt.DiLoCo(model, opt, sync_every=args.sync_every, compressor=spec, lr=args.outer_lr,
                           momentum=args.outer_momentum, nesterov=bool(args.nesterov),
-                          fragments=args.fragments, overlap=args.overlap, comm=comm, budget=args.budget)
+                          fragments=args.fragments, overlap=args.overlap, comm=comm, budget=args.budget,
+                          keep_local=args.keep_local)
     else:
         grads = [torch.zeros_like(p) for p in model.parameters()]
         reducer = gradcomp.GradientReducer([as_array(g) for g in grads], gradcomp.Allreduce(), comm)
@@ -123,7 +126,11 @@ def main(argv=None) -> None:
                     continue  # the replicas differ between outer steps (some fragment always does)
             before = time.perf_counter()
             training = before - start - evaluating
-            loss = validation_loss(model, val_text, val_starts, args.context, comm)
+            if args.mode == "diloco" and args.keep_local and step + 1 < args.steps:
+                with outer.synced():  # the replicas differ by their steps since the last sync
+                    loss = validation_loss(model, val_text, val_starts, args.context, comm)
+            else:
+                loss = validation_loss(model, val_text, val_starts, args.context, comm)
             evaluating += time.perf_counter() - before
             curve.append([step + 1, loss, training])
             if comm.rank == 0:

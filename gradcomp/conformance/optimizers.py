@@ -102,9 +102,11 @@ class OptimizerKit:
 
     def agreed(self, opt, params) -> list[np.ndarray]:
         """The parameters every rank must hold the same bits of after a step: all of them, or for
-        local steps those of the fragments whose outer step just landed."""
+        local steps those of the fragments whose outer step just landed (their synced copies
+        where landing keeps the replicas' local steps)."""
         if _local(opt):
-            return [params[i] for f in opt.landed for i in opt.groups[f]]
+            source = opt.synced if opt.keep_local else params
+            return [source[i] for f in opt.landed for i in opt.groups[f]]
         return params
 
     def same_everywhere(self, arrays) -> bool:

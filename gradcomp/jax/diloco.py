@@ -39,14 +39,14 @@ class DiLoCo:
     ``params``: the starting parameters, the same bits on every rank (checked). The other
     arguments are ``gradcomp.optim.DiLoCo``'s: ``sync_every``, ``compressor`` (a compressor or
     registry name, or ``"sparseloco"``), the outer optimizer's ``lr``/``momentum``/``nesterov`` (their
-    defaults are the exchange's), ``fragments``, ``overlap``,
+    defaults are the exchange's), ``fragments``, ``overlap``, ``keep_local``,
     ``budget`` (the exchange's governor).
     """
 
     def __init__(self, params: Any, sync_every: int = core.SYNC_EVERY, compressor: Compressor | str = "int8",
                  lr: float | None = None, momentum: float | None = None, nesterov: bool = True,
                  fragments: int = 1, comm: Communicator | None = None, bucket_cap_mb: float = 25.0,
-                 overlap: int = 0, budget: float | None = core.GOVERNOR_BUDGET):
+                 overlap: int = 0, budget: float | None = core.GOVERNOR_BUDGET, keep_local: bool = False):
         leaves, self.treedef = jax.tree_util.tree_flatten(params)
         if traced(leaves):
             raise TypeError("gradcomp.jax.DiLoCo: build it outside jit (it copies the parameters to the host)")
@@ -59,7 +59,7 @@ class DiLoCo:
         _agree_values(self.comm, self.host, "DiLoCo")
         self.outer = core.DiLoCo(self.host, sync_every=sync_every, compressor=compressor, lr=lr,
                                  momentum=momentum, nesterov=nesterov, fragments=fragments, overlap=overlap, comm=self.comm,
-                                 bucket_cap_mb=bucket_cap_mb, budget=budget)
+                                 bucket_cap_mb=bucket_cap_mb, budget=budget, keep_local=keep_local)
 
     @property
     def steps(self) -> int:

@@ -32,9 +32,13 @@ the bytes, which spreads the traffic out. ``overlap=T`` (0 by default) lets a fr
 on the communicator's pipeline while the next T inner steps compute: the pseudo-gradient is taken
 at the sync step, and the outer step lands T steps later. It then overwrites the fragment's
 parameters with the new synced ones, so the replicas are the same bits again, and the T steps of
-local progress on that fragment are dropped (the Streaming DiLoCo paper's mixing weight 0). A
-checkpoint taken with an exchange in flight waits for it and saves the averaged pseudo-gradient,
-to land at the same step after a resume.
+local progress on that fragment are dropped (the Streaming DiLoCo paper's mixing weight 0).
+``keep_local=True`` keeps them instead: the outer step lands as a correction, the replica moved by
+its own pseudo-gradient back and by the outer update on (the synced parameters are the same bits
+everywhere, the replicas differ by their last T steps), and ``overlap`` may then be H, the whole
+interval: the update is one outer step late (DiLoCoX's one-step-delay overlap). A checkpoint
+taken with an exchange in flight waits for it and saves the averaged pseudo-gradient (and the own
+one), to land at the same step after a resume (``optim.flight``).
 
 **Coordinated** (``coordinator=``): ranks that come and go, such as torchft's replica groups
 (``gradcomp.torch.ft``). The coordinator is asked before each outer step's pseudo-gradients are
@@ -71,6 +75,7 @@ from ..reducer import GradientReducer
 from ..registry import make, steady
 from ..state import reject_leftovers, saved_by, take_config, take_int
 from .optimizer import Hyper, Optimizer, _Agreed, governor_stats
+from . import flight
 from .fit import FittedExchange, Fitting
 from .replicas import check_same_start, split
 from .sparseloco import EXCHANGES, exchange
@@ -121,7 +126,7 @@ class DiLoCo(Optimizer):
     ``lr``/``momentum``/``nesterov``: the outer optimizer (default Nesterov, lr 0.7, momentum 0.5,
     measured best on the LM; with ``"sparseloco"``, lr 1 and no momentum, the method's own;
     ``lr=1, momentum=0``: plain averaging); given, they win over the exchange's defaults.
-    ``fragments``, ``overlap``: streaming, see the module docstring. ``step(lr=...)`` may override
+    ``fragments``, ``overlap``, ``keep_local``: streaming, see the module docstring. ``step(lr=...)`` may override
     the outer learning rate for one call. ``coordinator``: ranks that come and go (the module
     docstring; ``gradcomp.torch.ft``). ``budget``: the exchange's governor
     (``gradcomp.planning.governor``, audits counted in outer steps: ``GOVERNOR_EVERY``,
@@ -137,7 +142,8 @@ class DiLoCo(Optimizer):
                  compressor: Compressor | str = "int8", lr: Hyper | None = None,
                  momentum: float | None = None, nesterov: bool = True, fragments: int = 1,
                  comm: Communicator | None = None, bucket_cap_mb: float = 25.0, overlap: int = 0,
-                 coordinator: Coordinator | None = None, budget: float | None = GOVERNOR_BUDGET):
+                 coordinator: Coordinator | None = None, budget: float | None = GOVERNOR_BUDGET,
+                 keep_local: bool = False):
         sparse = exchange(compressor) if isinstance(compressor, str) else None
         outer = sparse[1] if sparse else {"lr": OUTER_LR, "momentum": OUTER_MOMENTUM}
         fitted = isinstance(compressor, str) and compressor.strip() == "auto"
@@ -154,7 +160,10 @@ class DiLoCo(Optimizer):
         self.momentum = check_float("momentum", momentum, minimum=0, maximum=0.999999)
         self.nesterov = check_bool("nesterov", nesterov)
         self.fragments = check_int("fragments", fragments, 1, len(self.params))
-        self.overlap = check_int("overlap", overlap, 0, self.sync_every - 1)
+        self.keep_local = check_bool("keep_local", keep_local)
+        # (dropping the local steps, an exchange that lands at the next sync would drop them all)
+        self.overlap = check_int("overlap", overlap, 0, self.sync_every - (not self.keep_local))
+        self.own: dict[int, list[Array]] = {}  # keep_local: each fragment's own pseudo-gradients in flight
         #: fragments whose exchange is in flight: fragment -> (the step it lands after, the
         #: reductions' futures or None once waited for, the outer rates taken at the sync)
         self.flight: dict[int, tuple[int, list | None, list[float]]] = {}
@@ -203,7 +212,8 @@ class DiLoCo(Optimizer):
         momentum = "auto" if self.fitting is not None and not self.fitting.momentum_given else self.momentum
         return {"sync_every": self.sync_every, "compressor": self.outer_compressor.describe(),
                 "momentum": momentum, "nesterov": self.nesterov, "fragments": self.fragments,
-                **({"overlap": self.overlap} if self.overlap else {})}
+                **({"overlap": self.overlap} if self.overlap else {}),
+                **({"keep_local": True} if self.keep_local else {})}
 
     def phase(self) -> str:
         """The outer steps so far: agreed on by every rank with the inner step at each sync."""
@@ -226,7 +236,7 @@ class DiLoCo(Optimizer):
         ``sync_every``-th (per fragment, when streaming) run the outer step, or start its exchange
         and land it ``overlap`` steps later. ``grads`` must be None (the inner optimizer consumed
         them); ``lr``: the outer rate for this call. ``landed`` then lists the fragments whose outer
-        step landed (their parameters are the same bits on every rank)."""
+        step landed (their parameters are the same bits on every rank unless ``keep_local``)."""
         if grads is not None or weight_decay is not None:
             raise TypeError("DiLoCo.step takes no gradients or weight decay: the inner optimizer "
                             "steps the gradients, DiLoCo.step() counts that step and syncs when due")
@@ -276,6 +286,10 @@ class DiLoCo(Optimizer):
         """Fragment ``f``'s pseudo-gradients, their mean started on the pipeline."""
         for d, i in zip(self._deltas[f], self.groups[f]):
             array_module(d).subtract(self.synced[i], self.params[i], out=d)
+        if self.keep_local and lands_at > self.steps:
+            flight.keep_own(self.own, f, self._deltas[f])
+        else:
+            self.own.pop(f, None)
         reducer = self.reducers[f]
         futures = reducer.start() if self.coordinator is None else self.coordinator.start(self, reducer)
         self.flight[f] = (lands_at, [] if futures is None else futures, rates)  # []: withheld
@@ -327,9 +341,11 @@ class DiLoCo(Optimizer):
     def _land(self, f: int, rates: list[float], scale: float = 1.0) -> None:
         """Fragment ``f``'s outer step from its mean pseudo-gradient (the same bits on every rank),
         times ``scale`` (a coordinator's: the mean over the ranks that contributed), written into
-        the synced parameters and the replica."""
+        the synced parameters and the replica (``keep_local``, landing after the sync: added to
+        the replica with its own pseudo-gradient, which keeps the local steps taken since)."""
         mu = self.momentum
-        for d, i in zip(self._deltas[f], self.groups[f]):
+        own = self.own.get(f)
+        for j, (d, i) in enumerate(zip(self._deltas[f], self.groups[f])):
             kind = d.dtype.type
             if scale != 1.0:
                 d *= kind(scale)
@@ -342,11 +358,14 @@ class DiLoCo(Optimizer):
                     d += kind(mu) * b
                 else:
                     update = b
-            if rates[i] == 1.0:
-                self.synced[i] -= update
+            if rates[i] != 1.0:
+                update = kind(rates[i]) * update
+            self.synced[i] -= update
+            if own is None:
+                self.params[i][...] = self.synced[i]
             else:
-                self.synced[i] -= kind(rates[i]) * update
-            self.params[i][...] = self.synced[i]
+                self.params[i] += own[j]
+                self.params[i] -= update
 
     # -- traffic and checkpoints ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -371,14 +390,7 @@ class DiLoCo(Optimizer):
         and each exchange in flight under ``flight/<f>/`` (waited for: its averaged
         pseudo-gradient, its outer rates and the step it lands after)."""
         out: dict[str, Any] = {"config": self.describe(), "step": self.steps, "outer_step": self.outer_steps}
-        for f, (at, futures, rates) in sorted(self.flight.items()):
-            if futures is not None:
-                self.reducers[f].finish(futures)
-                self.flight[f] = (at, None, rates)
-            out[f"flight/{f}/lands_at"] = at
-            out[f"flight/{f}/rates"] = np.array(rates, dtype=np.float64)
-            for d, i in zip(self._deltas[f], self.groups[f]):
-                out[f"flight/{f}/mean/{i}"] = np.array(to_host(d), copy=True)
+        out.update(flight.save(self))
         for name, arrays in self._arrays.items():
             for i, a in enumerate(arrays):
                 out[f"{name}/{i}"] = np.array(to_host(a), copy=True)
@@ -397,7 +409,7 @@ class DiLoCo(Optimizer):
         step = take_int(state, "step", owner)
         outer = take_int(state, "outer_step", owner)
         loaded = self._take_arrays(state, owner)
-        flight = self._take_flight(state, owner, step)
+        in_flight = flight.take(self, state, owner, step)
         exchanges = []
         for f in range(self.fragments):
             prefix = "exchange/" if self.fragments == 1 else f"exchange/{f}/"
@@ -412,33 +424,7 @@ class DiLoCo(Optimizer):
             for a, value in zip(arrays, loaded[name]):
                 a[...] = array_module(a).asarray(value)
         self.steps, self.outer_steps = step, outer
-        self.flight = {}
-        for f, (at, rates, means) in flight.items():
-            for d, mean in zip(self._deltas[f], means):
-                d[...] = array_module(d).asarray(mean)
-            self.flight[f] = (at, None, rates)
-
-    def _take_flight(self, state: dict[str, Any], owner: str, step: int) -> dict[int, tuple[int, list[float], list]]:
-        """The exchanges in flight in ``state`` (popped), checked against this configuration."""
-        flight = {}
-        for f in sorted({int(k.split("/")[1]) for k in state if k.startswith("flight/") and k.split("/")[1].isdigit()}):
-            if f >= self.fragments or not self.overlap:
-                raise ValueError(f"{owner}: the state has an exchange in flight for fragment {f}, but this "
-                                 f"optimizer has {self.fragments} fragment(s) and overlap {self.overlap}")
-            at = take_int(state, f"flight/{f}/lands_at", owner)
-            if not step < at <= step + self.overlap:
-                raise ValueError(f"{owner}: flight/{f}/lands_at is {at}, outside steps {step + 1}..{step + self.overlap}")
-            rates = np.asarray(state.pop(f"flight/{f}/rates", None), dtype=np.float64).reshape(-1)
-            if rates.shape != (len(self.params),):
-                raise ValueError(f"{owner}: flight/{f}/rates must hold {len(self.params)} rates")
-            means = []
-            for d, i in zip(self._deltas[f], self.groups[f]):
-                mean = state.pop(f"flight/{f}/mean/{i}", None)
-                if mean is None or tuple(np.shape(mean)) != tuple(d.shape):
-                    raise ValueError(f"{owner}: flight/{f}/mean/{i} is missing or not of shape {tuple(d.shape)}")
-                means.append(mean)
-            flight[f] = (at, [float(r) for r in rates], means)
-        return flight
+        flight.restore(self, in_flight)
 
 
 def _governors(reducers: Sequence[GradientReducer]) -> dict[str, Any]:

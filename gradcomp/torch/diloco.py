@@ -27,7 +27,8 @@ and docs/guides/fault-tolerance.md say how.
 """
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -50,8 +51,8 @@ class DiLoCo:
     momentum 0.5; with ``"sparseloco"`` lr 1 and no momentum; ``lr=1, momentum=0`` averages the
     replicas; docs/guides/local-steps.md has the measurements behind the defaults).
     ``fragments``: streaming DiLoCo, fragments of the parameters synced on staggered steps;
-    ``overlap``: their exchange runs while the next ``overlap`` inner steps compute, and lands then
-    (``gradcomp.optim.DiLoCo``).
+    ``overlap``: their exchange runs while the next ``overlap`` inner steps compute, and lands then;
+    ``keep_local``: landing keeps those steps' local progress (``gradcomp.optim.DiLoCo``).
     ``manager``: a ``torchft.Manager`` (``use_async_quorum=False``): the outer steps run over its
     quorum, failures discard them, joining replica groups heal (``gradcomp.torch.ft``; not with
     ``comm``). The construction then joins the job: a restarted group heals here and takes part
@@ -63,7 +64,7 @@ class DiLoCo:
                  lr: float | None = None, momentum: float | None = None,
                  nesterov: bool = True, fragments: int = 1, comm: Communicator | None = None,
                  bucket_cap_mb: float = 25.0, overlap: int = 0, manager: Any = None,
-                 budget: float | None = core.diloco.GOVERNOR_BUDGET):
+                 budget: float | None = core.diloco.GOVERNOR_BUDGET, keep_local: bool = False):
         from torch.nn.parallel import DistributedDataParallel
 
         from .communicator import default_comm
@@ -100,7 +101,8 @@ class DiLoCo:
         self.outer = core.DiLoCo([as_array(p) for p in self._tensors], sync_every=sync_every,
                                  compressor=compressor, lr=lr, momentum=momentum, nesterov=nesterov,
                                  fragments=fragments, comm=self.comm, bucket_cap_mb=bucket_cap_mb,
-                                 overlap=overlap, coordinator=self.ft, budget=budget)
+                                 overlap=overlap, coordinator=self.ft, budget=budget,
+                                 keep_local=keep_local)
         if self.ft is not None:
             with torch.no_grad():
                 self.ft.attach(self.outer, self._buffers)  # joins the job (a heal, or its start)
@@ -117,7 +119,7 @@ class DiLoCo:
     @property
     def landed(self) -> list[int]:
         """The fragments whose outer step landed at the last step (their parameters are the same
-        bits on every rank); empty between outer steps."""
+        bits on every rank, unless ``keep_local``: see ``synced``); empty between outer steps."""
         return self.outer.landed
 
     @torch.no_grad()
@@ -145,6 +147,22 @@ class DiLoCo:
             self._broadcast_buffers()
             return True
         return bool(self.ft.last.get("committed"))
+
+    @contextmanager
+    def synced(self) -> Iterator[torch.nn.Module]:
+        """The model holding the synced parameters (the same bits on every rank) inside the block,
+        its replica's own again after it: where to evaluate with ``keep_local``, whose replicas
+        differ by the steps taken since their last sync. No communication."""
+        with torch.no_grad():
+            replica = [t.detach().clone() for t in self._tensors]
+            for t, s in zip(self._tensors, self.outer.synced):
+                as_array(t)[...] = s
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                for t, mine in zip(self._tensors, replica):
+                    t.copy_(mine)
 
     def _broadcast_buffers(self) -> None:
         for b in self._buffers:

@@ -330,6 +330,52 @@ def test_overlapped_exchange():
     run_ranks(2, "tests.optim.test_diloco:rank_overlapped_exchange")
 
 
+def rank_delayed_exchange():
+    """keep_local with overlap = H: the exchange of sync s lands at sync s + H as a correction,
+    the replica moved by its own pseudo-gradient back and the outer step on (averaging: to the
+    mean at s plus its own steps since), the synced parameters the same bits everywhere; a state
+    taken in flight resumes bit for bit; overlap = H without keep_local is refused."""
+    import gradcomp as gc
+
+    comm = gc.MPICommunicator()
+    params = _start()
+    outer = gc.optim.DiLoCo(params, sync_every=4, compressor="allreduce", lr=1.0, momentum=0.0, overlap=4,
+                            keep_local=True, comm=comm)
+    for step in range(1, 13):
+        _inner(params, comm.rank, step)
+        if step in (8, 12):
+            expected = [p - mine + mean for p, mine, mean in zip(params, at_sync, means)]
+        outer.step()
+        if step % 4 == 0:  # the replicas the pseudo-gradients are taken from (after a landing)
+            at_sync = [p.copy() for p in params]
+            means = [comm.allgather(p).astype(np.float64).mean(axis=0) for p in params]
+        assert outer.landed == ([0] if step in (8, 12) else []), (step, outer.landed)
+        assert _same_everywhere(comm, outer.synced), step
+        assert not _same_everywhere(comm, params), step  # the replicas keep their own steps
+        if step in (8, 12):
+            for p, e in zip(params, expected):
+                np.testing.assert_allclose(p, e, rtol=1e-5, atol=1e-5)
+    outer.sync_now()
+    assert _same_everywhere(comm, params) and not outer.flight
+
+    def build(params):
+        return gc.optim.DiLoCo(params, sync_every=4, compressor="int8", lr=0.7, momentum=0.5, fragments=2,
+                               overlap=4, keep_local=True, comm=comm)
+
+    final, saved, again, _ = _resumed(comm, build, last=15, save_at=9)
+    assert {"flight/0/own/0", "flight/1/mean/2"} <= set(saved), sorted(saved)
+    assert _digest(again.params) == final, "the resumed run differs from the uninterrupted one"
+    with pytest.raises(ValueError, match="flight/0/own"):
+        build(_start()).load_state_dict({k: v for k, v in saved.items() if k != "flight/0/own/0"})
+    with pytest.raises(ValueError, match="overlap"):
+        gc.optim.DiLoCo(_start(), sync_every=4, overlap=4, comm=comm)
+    print(f"rank {comm.rank}: ok", flush=True)
+
+
+def test_delayed_exchange():
+    run_ranks(2, "tests.optim.test_diloco:rank_delayed_exchange")
+
+
 def rank_ranks_must_agree():
     """Ranks that disagree on the configuration, on where they are (a resumed state on one rank
     only) or on the starting parameters get a CollectiveError on every rank, before data moves."""
@@ -458,6 +504,19 @@ def rank_torch_diloco():
         other.load_state_dict(state["diloco"])
     with pytest.raises(ValueError, match="'outer'"):
         again.load_state_dict({"inner": state["diloco"]["inner"]})
+    # keep_local: the replicas differ after a landing; synced() lends the model the synced
+    # parameters (the same bits everywhere) and gives the replica back after
+    delayed = gt.DiLoCo(fresh, inner2, sync_every=2, overlap=2, keep_local=True, compressor="int8", comm=comm)
+    for step in range(1, 7):
+        x, y = _torch_batch(torch, comm.rank, step)
+        inner2.zero_grad()
+        torch.nn.functional.mse_loss(fresh(x), y).backward()
+        assert delayed.step() == (step in (4, 6)), step
+    mine = _torch_digest(fresh)
+    assert not _same_everywhere(comm, [p.detach().numpy() for p in fresh.parameters()])
+    with delayed.synced() as model:
+        assert model is fresh and _same_everywhere(comm, [p.detach().numpy() for p in fresh.parameters()])
+    assert _torch_digest(fresh) == mine
     print(f"rank {comm.rank}: ok", flush=True)
 
 

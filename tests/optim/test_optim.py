@@ -172,7 +172,8 @@ def test_onebit_adam_freezes_the_variance():
                                   "onebitadam", "onebitadam:warmup=6",
                                   "onebitadam:warmup=5,warmup_compressor='int8:warmup=0'",
                                   "onebitadam:warmup=4,local_momentum=True,compressor='topk:warmup=0'",
-                                  "diloco:sync_every=3", "diloco:sync_every=4,fragments=2,overlap=1,compressor='int4'"])
+                                  "diloco:sync_every=3", "diloco:sync_every=4,fragments=2,overlap=1,compressor='int4'",
+                                  "diloco:sync_every=4,fragments=2,overlap=4,keep_local=True"])
 def test_optimizers_conform(spec):
     failures = [o for o in run_kit(f"optimizer:{spec}", ranks=(1, 2, 3), timeout=600) if not o.ok]
     assert not failures, "\n".join(f"{o.ranks} ranks: {o.failed}" for o in failures)
