@@ -161,6 +161,9 @@ class DiLoCo(Optimizer):
         self.nesterov = check_bool("nesterov", nesterov)
         self.fragments = check_int("fragments", fragments, 1, len(self.params))
         self.keep_local = check_bool("keep_local", keep_local)
+        if self.keep_local and coordinator is not None:
+            raise ValueError("DiLoCo: keep_local is not supported with a coordinator (torchft): a rank that "
+                             "heals takes its peers' state, whose own pseudo-gradient is not its own")
         # (dropping the local steps, an exchange that lands at the next sync would drop them all)
         self.overlap = check_int("overlap", overlap, 0, self.sync_every - (not self.keep_local))
         self.own: dict[int, list[Array]] = {}  # keep_local: each fragment's own pseudo-gradients in flight

@@ -176,7 +176,7 @@ def _hook(state: HookState, bucket):
     try:
         if tensor.is_sparse:
             pending = reduce_sparse(state.compressor, state.comm, tensor)
-            array = None
+            array, earlier, last = None, [], None
         else:
             array = as_array(tensor)
             params = bucket.parameters()
@@ -203,6 +203,12 @@ def _hook(state: HookState, bucket):
                 jobs = layouts.reduce_parts(state, array, keys, shapes, parts, bucket.is_last())  # type: ignore[arg-type]
             layouts.record_layouts(state, [p for _, p in parts], bucket.is_last())
             pending = jobs[-1][1]
+            # what ``write_back`` holds: the earlier parts, and the last one's place only, as it is
+            # handed the last Future; holding that Future too would make a reference cycle (the
+            # Future keeps its callbacks) that keeps this bucket alive until Python's cycle collector
+            # runs, DDP's first-step bucket (every gradient) alongside the buckets it rebuilds
+            earlier, last = jobs[:-1], jobs[-1][0]
+            del jobs
     except BaseException as exc:  # surfaces from backward(), like an error inside the compressor
         _fail(future, exc)
         return result
@@ -215,7 +221,7 @@ def _hook(state: HookState, bucket):
             if array is None:  # sparse: a new tensor
                 future.set_result(mean)
                 return
-            for where, part in jobs:  # the pipeline is ordered: the earlier parts are done
+            for where, part in [*earlier, (last, done)]:  # the pipeline is ordered: the earlier parts are done
                 mean = part.result()
                 if where is None:
                     if mean is not array:  # already in place when the compressor reduced into the bucket
