@@ -291,6 +291,15 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
     ranks). Every rank agrees on the method and ``all_gather`` here, before any data moves.
     Returns the state (see ``FSDPState``).
     """
+    earlier = getattr(model, "_gradcomp_state", None)
+    if earlier is not None and earlier is not state:
+        from .hook import HookRegisteredTwice
+
+        raise HookRegisteredTwice(
+            f"gradcomp.torch.register: this FSDP model already has gradcomp's reduce-scatter "
+            f"({earlier.compressor.describe()}), and a second one would leave the first one's step check "
+            "behind. Keep the FSDPState the first register returned (restore a checkpoint with its "
+            "load_state_dict), or pass it as state= to register again")
     if state is not None:
         compressor = state.compressor
     if isinstance(compressor, str):
@@ -367,7 +376,9 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
             scatter = _ReduceScatter(state, module_name, shards)
             module.set_custom_reduce_scatter(scatter)
             scatter.layout(len(shard_ranks))  # so that a checkpoint loads before the first step
-    model.register_forward_pre_hook(_step_check(state))
+    if earlier is None:
+        model.register_forward_pre_hook(_step_check(state))
+    model._gradcomp_state = state  # what a second register names
     return state
 
 

@@ -262,6 +262,10 @@ def rank_refusals():
         assert "FSDPState.state_dict" in str(exc), exc
     else:
         raise AssertionError("a DDP-shaped state loaded")
+    # a second register on the same model: a RuntimeError, as DDP's (its own state may come again)
+    with pytest.raises(RuntimeError, match="already has gradcomp's reduce-scatter"):
+        gt.register(model, "int4")
+    assert gt.register(model, None, state=state) is state
     leave_before_torch_teardown(state.comm)
 
 
