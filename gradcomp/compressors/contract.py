@@ -361,9 +361,11 @@ class Compressor:
 
         clone = object.__new__(type(self))
         memo[id(self)] = clone
-        for key, value in self.__getstate__().items():
-            setattr(clone, key, copy.deepcopy(value, memo))
+        clone.__setstate__({key: copy.deepcopy(value, memo) for key, value in self.__getstate__().items()})
         return clone
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
 
 def scatter_problem(compressor: Compressor, bucket: Bucket, comm: Communicator) -> str | None:

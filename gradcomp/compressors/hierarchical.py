@@ -196,5 +196,9 @@ class Hierarchical(Wrapper):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_levels"] = weakref.WeakKeyDictionary()
+        state.pop("_levels")  # (per-communicator levels never travel; a WeakKeyDictionary cannot)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._levels = weakref.WeakKeyDictionary()

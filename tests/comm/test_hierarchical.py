@@ -264,3 +264,17 @@ def rank_cost_model_bytes():
 
 def test_cost_model_bytes_match_the_counters():
     run_ranks(4, "tests.comm.test_hierarchical:rank_cost_model_bytes", env={"GRADCOMP_RANKS_PER_HOST": "2"})
+
+
+def test_hierarchical_pickles_and_copies():
+    """torch.save of a hook state pickles its compressor: ``Hierarchical``'s per-communicator
+    levels (a WeakKeyDictionary, which pickle refuses) stay behind, and the copy works again."""
+    import copy
+    import pickle
+
+    import gradcomp as gc
+    from gradcomp.compressors.hierarchical import Hierarchical
+
+    wrapped = Hierarchical(gc.make("int8:warmup=0"))
+    for again in (pickle.loads(pickle.dumps(wrapped)), copy.deepcopy(wrapped)):
+        assert again.describe() == wrapped.describe() and not again._levels and again._levels is not wrapped._levels
