@@ -161,10 +161,53 @@ def heatmap(steps: int, runs: dict[str, dict[str, dict[int, dict]]], workloads: 
     return path
 
 
+def loss_vs_bytes(found: dict[int, dict[str, dict[str, dict[int, dict]]]], workloads: list[W.Workload],
+                  path: Path) -> Path | None:
+    """One panel per loss workload: each method's final loss (mean over seeds) against its
+    whole-run compression ratio, one series per run length: what each byte saved costs (the
+    sparse local-steps exchanges against the dense ones and DDP). None where no loss workload ran."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [w for w in workloads if w.metric == "loss" and any(w.name in runs for runs in found.values())]
+    if not shown:
+        return None
+    fig, axes = plt.subplots(1, len(shown), figsize=(6.2 * len(shown), 4.2), squeeze=False)
+    for ax, w in zip(axes[0], shown):
+        for n in sorted(found):
+            points = []
+            for method, by_seed in found[n].get(w.name, {}).items():
+                done = [r for r in by_seed.values() if isinstance(r.get("final"), dict) and "loss" in r["final"]]
+                if done:
+                    points.append((sum(r.get("compression_ratio", 1.0) for r in done) / len(done),
+                                   sum(r["final"]["loss"] for r in done) / len(done), method))
+            points.sort()
+            if not points:
+                continue
+            line, = ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=f"{n} steps")
+            for x, y, method in points:
+                ax.annotate(method.replace("diloco:compressor=", "").replace("sparseloco:density=", "sparseloco ")
+                            .replace("'", ""), (x, y),
+                            fontsize=6.5, color=line.get_color(), xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("fewer bytes than DDP's fp32 allreduce (whole run)")
+        ax.set_ylabel("final validation loss")
+        ax.set_title(f"{w.name} ({w.half} half): loss against bytes", fontsize=9.5)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def report(out: Path, workloads: list[W.Workload] | None = None, methods: list[str] | None = None,
            steps: list[int] | None = None, plots: bool = True) -> tuple[str, list[Path]]:
     """Every length's table (also written to ``OUT/zoo-STEPS.md``) and heatmap
-    (``OUT/zoo-STEPS.png``); ``workloads`` and ``steps`` narrow it down; ``methods``: the rows
+    (``OUT/zoo-STEPS.png``), and the loss workloads' ``loss_vs_bytes`` (``OUT/zoo-loss-vs-bytes.png``); ``workloads`` and ``steps`` narrow it down; ``methods``: the rows
     (with ``none``), even those without a result (default: every method found)."""
     found = load(out)
     texts, figures = [], []
@@ -183,4 +226,8 @@ def report(out: Path, workloads: list[W.Workload] | None = None, methods: list[s
         texts.append(t)
         if plots:
             figures.append(heatmap(n, runs, shown_w, shown_m, out / f"zoo-{n}.png"))
+    if plots:
+        chosen = {n: runs for n, runs in found.items() if not steps or n in steps}
+        drawn = loss_vs_bytes(chosen, workloads or W.WORKLOADS, out / "zoo-loss-vs-bytes.png")
+        figures += [drawn] if drawn is not None else []
     return "\n\n".join(texts) if texts else f"no zoo results under {out}", figures
