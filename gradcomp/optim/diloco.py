@@ -201,10 +201,13 @@ class DiLoCo(Optimizer):
             if isinstance(code, FittedExchange):
                 self.fitted.append(code)
             arrays = [self.params[i] for i in members]
+            # a sparse exchange chunks each tensor on its own, as SparseLoCo does: a chunk across
+            # tensors of other scales would send the larger one's values only (BENCHMARKS.md, 12)
+            own = [[i] for i in range(len(arrays))] if sparse else None
             # coordinated: the buckets are planned here, their check left to the agreement
-            plan = None if coordinator is None else group(arrays, self.bucket_cap_mb)
+            plan = None if coordinator is None else own or group(arrays, self.bucket_cap_mb)
             self.reducers.append(GradientReducer(arrays, _Agreed(code, self), self.comm, self.bucket_cap_mb,
-                                                 hierarchical=False, _groups=plan))
+                                                 hierarchical=False, buckets=None if plan else own, _groups=plan))
         self.reducer = self.reducers[0]
         self.compressor = self.reducer.compressor
         self._deltas = [r.gradients for r in self.reducers]

@@ -20,7 +20,9 @@ The choice is taken from agreed values only (the same on every rank), joins ever
 agreement (``FittedExchange``'s state), is checkpointed, and ``DiLoCo.stats()["fit"]`` reports
 it with every candidate's predicted seconds and the reason. The outer optimizer's defaults
 follow the chosen exchange (Nesterov for the dense codes, SparseLoCo's lr 1 without momentum for
-the sparse ones, unless ``lr=``/``momentum=`` were given).
+the sparse ones, unless ``lr=``/``momentum=`` were given). The buckets are planned before the
+choice, DiLoCo's usual ones, so a sparse choice chunks across tensors where a named sparse
+exchange chunks each tensor on its own (``optim.sparseloco``): ``STEPS`` was measured so.
 """
 from __future__ import annotations
 
