@@ -196,20 +196,28 @@ class Pipeline:
                 return False
         return True
 
+    # Neither loop keeps a job in its frame while it waits for the next one: a job holds its
+    # bucket (through its stages and its Future's result and callbacks), and between steps that
+    # would keep the last bucket of the step alive, DDP's first-step bucket (every gradient) past
+    # DDP's rebuild of its buckets.
     def _compute_loop(self) -> None:
         while True:
             job = self._compute_q.get()
             if job is _STOP:
                 self._wire_q.put(_STOP)
                 return
-            if job.prepare is not None:
-                with self._lock:
-                    self._lock.wait_for(lambda: self._may_prepare(job))
-                try:
-                    job.prepared = job.prepare(self.workspaces[job.slot])
-                except BaseException as exc:  # handed to the ordered stage, which tells every rank
-                    job.error = exc
+            self._prepare(job)
             self._wire_q.put(job)
+            del job
+
+    def _prepare(self, job: _Job) -> None:
+        if job.prepare is not None:
+            with self._lock:
+                self._lock.wait_for(lambda: self._may_prepare(job))
+            try:
+                job.prepared = job.prepare(self.workspaces[job.slot])
+            except BaseException as exc:  # handed to the ordered stage, which tells every rank
+                job.error = exc
 
     def _wire_loop(self) -> None:
         self._running_slot = 0
@@ -217,24 +225,28 @@ class Pipeline:
             job = self._wire_q.get()
             if job is _STOP:
                 return
-            self._running_slot = job.slot
-            try:
-                if self.broken is not None:
-                    raise CommunicatorBroken(
-                        f"communicator unusable after an earlier failure: {self.broken!r}")
-                result = job.run(job.prepared, job.error)
-            except CollectiveError as exc:
-                self._finish(job)
-                job.future.set_exception(exc)
-            except BaseException as exc:
-                self.fail(exc)
-                self._finish(job)
-                job.future.set_exception(exc)
-            else:
-                self._finish(job)
-                job.future.set_result(result)
-            finally:
-                job.prepared = None
+            self._run(job)
+            del job
+
+    def _run(self, job: _Job) -> None:
+        self._running_slot = job.slot
+        try:
+            if self.broken is not None:
+                raise CommunicatorBroken(
+                    f"communicator unusable after an earlier failure: {self.broken!r}")
+            result = job.run(job.prepared, job.error)
+        except CollectiveError as exc:
+            self._finish(job)
+            job.future.set_exception(exc)
+        except BaseException as exc:
+            self.fail(exc)
+            self._finish(job)
+            job.future.set_exception(exc)
+        else:
+            self._finish(job)
+            job.future.set_result(result)
+        finally:
+            job.prepared = None
 
     def _finish(self, job: _Job) -> None:
         with self._lock:

@@ -207,7 +207,14 @@ def rank_memory_follows_the_layout():
     """What the hook keeps is sized by the model's buckets, not by DDP's first step (which hands
     it every parameter in one bucket) or by layouts gone: the first step is reduced in pieces
     (``layouts.PIECE_BYTES``, shrunk here), so no workspace grows past a piece; after the rebuild the
-    slice owners' residuals are those of the buckets in use, none of the first step's pieces."""
+    slice owners' residuals are those of the buckets in use, none of the first step's pieces. Nor
+    does anything of gradcomp hold the first step's bucket once DDP has rebuilt its buckets (in
+    the second step's forward), without Python's cycle collector: a reference cycle or the
+    pipeline's threads between two jobs kept it, every gradient once more, for a step or for
+    good."""
+    import gc
+    import weakref
+
     import torch
 
     torch.set_num_threads(1)
@@ -220,11 +227,28 @@ def rank_memory_follows_the_layout():
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])  # 16.6 KB a layer
     model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.04)
+    handed = []  # a weak reference to each bucket DDP hands the hook
+    register_comm_hook = model.register_comm_hook
+
+    def spied(hook_state, hook):
+        def spy(hook_state, bucket):
+            buffer = bucket.buffer()  # (alive through the hook's call: the hook's own is the same object)
+            handed.append(weakref.ref(buffer))
+            return hook(hook_state, bucket)
+
+        register_comm_hook(hook_state, spy)
+
+    model.register_comm_hook = spied
     state = gt.register(model, gradcomp.make("int8:warmup=0"))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     seen = []
+    gc.disable()  # only reference counts free memory, as between a real run's collections
     for step in range(4):
-        model(torch.randn(4, 64)).square().mean().backward()
+        loss = model(torch.randn(4, 64)).square().mean()
+        if step == 1:
+            assert len(handed) == 1 and handed[0]() is None, \
+                "DDP's first-step bucket is still held after DDP rebuilt its buckets"
+        loss.backward()
         opt.step()
         opt.zero_grad()
         seen.append(len(state.layouts))
@@ -232,6 +256,7 @@ def rank_memory_follows_the_layout():
             largest = max(b.nbytes for w in state.comm._pipeline.workspaces for b in w._buffers.values())
             params = sum(p.numel() for p in net.parameters())  # (a byte per value: a whole-model message)
             assert largest < params // 2, f"a workspace buffer of {largest} bytes after the first step"
+    gc.enable()
     feedback = state.compressor.compressors[-1]
     owners = feedback.owner_residuals.arrays()
     assert seen[0] > 1 and len(owners) == seen[-1], (seen, sorted(owners))
