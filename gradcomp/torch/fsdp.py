@@ -55,6 +55,7 @@ from ..registry import REGISTRY, make
 from .checkpoint import from_torch_state, to_torch_state
 from .communicator import default_comm
 from .fsdp_gather import GatherStats, QuantizedAllGather
+from .naming import HookRegisteredTwice
 from .tensors import as_array, wait_for_torch
 
 
@@ -293,8 +294,6 @@ def register(model: Any, compressor: Compressor | str | None, comm: Communicator
     """
     earlier = getattr(model, "_gradcomp_state", None)
     if earlier is not None and earlier is not state:
-        from .hook import HookRegisteredTwice
-
         raise HookRegisteredTwice(
             f"gradcomp.torch.register: this FSDP model already has gradcomp's reduce-scatter "
             f"({earlier.compressor.describe()}), and a second one would leave the first one's step check "

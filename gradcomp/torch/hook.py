@@ -53,7 +53,7 @@ from . import advice
 from .checkpoint import from_torch_state, to_torch_state
 from .communicator import default_comm
 from . import layouts
-from .naming import adopt, names_from_model, record_of
+from .naming import HookRegisteredTwice, adopt, names_from_model, record_of
 from .sparse_grads import reduce_sparse
 from .tensors import as_array, wait_for_torch
 
@@ -386,13 +386,6 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
     ddp_model._gradcomp_state = state  # what a second register names
     advice.watch(state, ddp_model.module.parameters())
     return state
-
-
-class HookRegisteredTwice(RuntimeError, ValueError):
-    """A second communication hook on one DDP model (``register``). A ``RuntimeError``, as
-    PyTorch's own refusal ("register_comm_hook ... can only be called once") that code written for
-    DDP catches; also a ``ValueError``, what ``register`` raised before, so that code written
-    against gradcomp still catches it."""
 
 
 def _check_no_hook_yet(ddp_model: DistributedDataParallel) -> None:

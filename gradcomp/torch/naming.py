@@ -23,6 +23,14 @@ class HookParts(Protocol):
     _step_layouts: list[tuple[str, ...]]
 
 
+class HookRegisteredTwice(RuntimeError, ValueError):
+    """A second communication hook on one DDP or FSDP model (``register``). A ``RuntimeError``, as
+    PyTorch's own refusal ("register_comm_hook ... can only be called once") that code written for
+    DDP catches; also a ``ValueError``, what ``register`` raised before, so that code written
+    against gradcomp still catches it. Here, beside the record ``register`` leaves, so that the
+    DDP hook and the FSDP reduce-scatter both raise it without importing each other."""
+
+
 #: where ``register`` leaves a ``ModelRecord`` on the compressor itself (pickled with it)
 RECORD = "_gradcomp_ddp_model"
 
