@@ -74,7 +74,7 @@ from ..planning.rungs import has_safer_rungs
 from ..reducer import GradientReducer
 from ..registry import make, steady
 from ..state import reject_leftovers, saved_by, take_config, take_int
-from .optimizer import Hyper, Optimizer, _Agreed, governor_stats
+from .optimizer import Hyper, Optimizer, _Agreed, governors
 from . import flight
 from .fit import FittedExchange, Fitting
 from .replicas import check_same_start, split
@@ -193,25 +193,34 @@ class DiLoCo(Optimizer):
         self.buf = [xp.zeros(p.shape, p.dtype) for p in self.params] if self.momentum else []
         self._arrays = {"synced": self.synced, **({"momentum": self.buf} if self.momentum else {})}
         self.groups = split(self.params, self.fragments)
-        self.reducers: list[GradientReducer] = []
         self.fitted: list[FittedExchange] = []  # compressor="auto": each fragment's chosen exchange
-        for f, members in enumerate(self.groups):
+        self._codes: list[Compressor] = []
+        for f in range(len(self.groups)):
             # one compressor per fragment: each keeps its own residuals, keyed by position in it
             code = inner if f == 0 else copy.deepcopy(inner)
             if isinstance(code, FittedExchange):
                 self.fitted.append(code)
+            self._codes.append(code)
+        self.plan(per_tensor=sparse is not None, checked=coordinator is None)
+        self._total = sum(int(p.size) for p in self.params)
+
+    def plan(self, per_tensor: bool, checked: bool = False) -> None:
+        """Each fragment's reducer: DiLoCo's buckets, or (``per_tensor``) one bucket per tensor for a
+        sparse exchange, which chunks each tensor on its own as SparseLoCo does (a chunk across
+        tensors of other scales would send the larger one's values only; BENCHMARKS.md, 12).
+        ``checked``: the ranks compare the buckets here (a collective); else the agreement of the
+        first exchange does (coordinated ranks, and ``auto``'s choice)."""
+        self.per_tensor = per_tensor
+        self.reducers: list[GradientReducer] = []
+        for code, members in zip(self._codes, self.groups):
             arrays = [self.params[i] for i in members]
-            # a sparse exchange chunks each tensor on its own, as SparseLoCo does: a chunk across
-            # tensors of other scales would send the larger one's values only (BENCHMARKS.md, 12)
-            own = [[i] for i in range(len(arrays))] if sparse else None
-            # coordinated: the buckets are planned here, their check left to the agreement
-            plan = None if coordinator is None else own or group(arrays, self.bucket_cap_mb)
+            own = [[i] for i in range(len(arrays))] if per_tensor else None
+            plan = None if checked else own or group(arrays, self.bucket_cap_mb)
             self.reducers.append(GradientReducer(arrays, _Agreed(code, self), self.comm, self.bucket_cap_mb,
-                                                 hierarchical=False, buckets=None if plan else own, _groups=plan))
+                                                 hierarchical=False, buckets=own if checked else None, _groups=plan))
         self.reducer = self.reducers[0]
         self.compressor = self.reducer.compressor
         self._deltas = [r.gradients for r in self.reducers]
-        self._total = sum(int(p.size) for p in self.params)
 
     # -- configuration and agreement -------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
@@ -387,7 +396,7 @@ class DiLoCo(Optimizer):
                 "bytes_sent_per_step": sent / max(self.steps, 1), "steps": self.steps,
                 "outer_steps": self.outer_steps, "optimizer_step": self.steps, "phase": self.phase(),
                 "exchange_compression_ratio": (sum(s["reference_bytes"] for s in parts) / sent) if sent else 1.0,
-                **_governors(self.reducers),
+                **governors(self.reducers),
                 **({"fit": self.fitting.stats(self)} if self.fitting is not None else {})}
 
     def state_dict(self) -> dict[str, Any]:
@@ -422,6 +431,8 @@ class DiLoCo(Optimizer):
             exchanges.append({k[len(prefix):]: state.pop(k) for k in [k for k in state if k.startswith(prefix)]})
         self._check_saved_here(state, {k: v for e in exchanges for k, v in e.items()}, owner)
         reject_leftovers(state, owner)
+        if self.fitting is not None:
+            self.fitting.replan(self, exchanges[0])
         for r, part in zip(self.reducers, exchanges):
             r.compressor.load_state_dict(part, r.shapes)
         if self.fitting is not None and not self._fit_pending():
@@ -431,10 +442,3 @@ class DiLoCo(Optimizer):
                 a[...] = array_module(a).asarray(value)
         self.steps, self.outer_steps = step, outer
         flight.restore(self, in_flight)
-
-
-def _governors(reducers: Sequence[GradientReducer]) -> dict[str, Any]:
-    """The exchange's governor in ``stats()`` (``governor_stats``; a list, one per fragment,
-    streaming); nothing where it is not governed."""
-    found = [g for g in (governor_stats(r.compressor) for r in reducers) if g is not None]
-    return {"governor": found[0] if len(found) == 1 else found} if found else {}

@@ -20,9 +20,8 @@ The choice is taken from agreed values only (the same on every rank), joins ever
 agreement (``FittedExchange``'s state), is checkpointed, and ``DiLoCo.stats()["fit"]`` reports
 it with every candidate's predicted seconds and the reason. The outer optimizer's defaults
 follow the chosen exchange (Nesterov for the dense codes, SparseLoCo's lr 1 without momentum for
-the sparse ones, unless ``lr=``/``momentum=`` were given). The buckets are planned before the
-choice, DiLoCo's usual ones, so a sparse choice chunks across tensors where a named sparse
-exchange chunks each tensor on its own (``optim.sparseloco``): ``STEPS`` was measured so.
+the sparse ones, unless ``lr=``/``momentum=`` were given), and so do the buckets: one per tensor
+for a sparse choice, as for a named sparse exchange (``DiLoCo.plan``).
 """
 from __future__ import annotations
 
@@ -50,7 +49,8 @@ CANDIDATES = ("int8", "int4", "sparseloco:density=0.0625", "sparseloco", "sparse
 #: steps to DDP's final loss on the repository's LM relative to int8's (4 ranks, H = 20, a
 #: 3000-step schedule; BENCHMARKS.md section 12): int8 and int4 reached it at step 1400, sparseloco
 #: at 1/16 at 2000, at 1/64 at 2400; 1/256 was not measured, and is counted as 1/64's plus as much
-#: again as 1/64 took over 1/16 (2800)
+#: again as 1/64 took over 1/16 (2800). (Measured with chunks across tensors; per tensor, as they
+#: run now, the sparse ones ended 0.2-2 points nearer DDP at 1000 steps: these are upper bounds.)
 STEPS = {"int8": 1.0, "int4": 1.0, "sparseloco:density=0.0625": 2000 / 1400, "sparseloco": 2400 / 1400,
          "sparseloco:density=0.00390625": 2800 / 1400}
 #: a candidate must be this much faster than a denser one to be chosen over it
@@ -189,9 +189,22 @@ class Fitting:
         for other in exchanges[1:]:
             other.choose(k, exchanges[0].why)
         self.apply(outer, k)
+        if exchanges[0].outer[k] is not None:  # sparse: chunks per tensor, as a named one (DiLoCo.plan)
+            outer.plan(per_tensor=True)
         why = exchanges[0].why
         timeline.instant("exchange fitted", "decision", step=outer.steps, chosen=why["chosen"], reason=why["why"],
                          inner_step_s=step_s, probe_bytes=self.probe_bytes)
+
+    def replan(self, outer: Any, saved: Mapping[str, Any]) -> None:
+        """Before a checkpoint's exchange state loads into ``outer``: its buckets as the choice in
+        ``saved`` (the first fragment's exchange state) needs them, one per tensor if sparse."""
+        try:
+            k = int(np.asarray(saved.get("chosen", -1)).reshape(()))
+        except (TypeError, ValueError):
+            k = -1  # (FittedExchange.load_state_dict then says what is wrong)
+        sparse = 0 <= k < len(outer.fitted[0].outer) and outer.fitted[0].outer[k] is not None
+        if sparse != outer.per_tensor:
+            outer.plan(sparse)
 
     def apply(self, outer: Any, k: int) -> None:
         """The outer optimizer's defaults of option ``k`` (where not given)."""

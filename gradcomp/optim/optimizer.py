@@ -46,6 +46,13 @@ def governor_stats(exchange: Compressor) -> dict[str, Any] | None:
     return {**governor, "audit_share": governor["audit_bytes"] / sent if sent else 0.0}
 
 
+def governors(reducers: Sequence[Any]) -> dict[str, Any]:
+    """The exchanges' governors in ``stats()`` (``governor_stats``; a list, one per reducer: DiLoCo's
+    streaming fragments); nothing where none is governed."""
+    found = [g for g in (governor_stats(r.compressor) for r in reducers) if g is not None]
+    return {"governor": found[0] if len(found) == 1 else found} if found else {}
+
+
 class _Agreed(Wrapper):
     """``inner``, with its owner optimizer's configuration and step state agreed on as well."""
 

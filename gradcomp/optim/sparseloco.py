@@ -9,10 +9,10 @@ each chunk of it in 2 bits:
     e -= sent
     synced -= lr * mean over ranks of sent,   lr = 1
 
-Chunks are cut per tensor, as the method's authors cut them: ``DiLoCo`` gives a named sparse
-exchange one bucket per tensor, since a chunk across tensors of other scales sends the larger
-one's values only (on a GRU LM that cost 1.4% of the loss at 1000 steps; BENCHMARKS.md section
-12). A tensor's last chunk still sends ``density * chunk`` values, so small tensors (biases,
+Chunks are cut per tensor, as the method's authors cut them: ``DiLoCo`` gives a sparse exchange
+(named, or ``auto``'s choice) one bucket per tensor (``DiLoCo.plan``), since a chunk across
+tensors of other scales sends the larger one's values only (on a GRU LM that cost 1.4% of the
+loss at 1000 steps; BENCHMARKS.md section 12). A tensor's last chunk still sends ``density * chunk`` values, so small tensors (biases,
 norms) go nearly whole: about 1080x fewer bytes than DDP on the repository's LM instead of 1405x.
 
 In gradcomp that is ``ErrorFeedback(ChunkedTopK(...), decay=beta)`` as DiLoCo's exchange, with

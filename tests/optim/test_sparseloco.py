@@ -276,6 +276,8 @@ def rank_auto_exchange(pause: float):
         p[...] = q
     again.load_state_dict(saved[1])
     assert again.stats()["fit"]["chosen"] == chosen and again.momentum == outer.momentum
+    # a sparse choice chunks each tensor on its own: a bucket per tensor, as a named one
+    assert [len(r.buckets) for r in (outer.reducer, again.reducer)] == [len(shapes) if expect_sparse else 1] * 2
     for step in range(16, 31):
         for i, p in enumerate(again_params):
             p -= np.float32(0.01) * (p + np.random.default_rng([comm.rank, step, i]).standard_normal(p.shape).astype(np.float32))
