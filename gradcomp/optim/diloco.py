@@ -215,9 +215,9 @@ class DiLoCo(Optimizer):
         for code, members in zip(self._codes, self.groups):
             arrays = [self.params[i] for i in members]
             own = [[i] for i in range(len(arrays))] if per_tensor else None
-            plan = None if checked else own or group(arrays, self.bucket_cap_mb)
+            planned = {"buckets": own} if checked else {"_groups": own or group(arrays, self.bucket_cap_mb)}
             self.reducers.append(GradientReducer(arrays, _Agreed(code, self), self.comm, self.bucket_cap_mb,
-                                                 hierarchical=False, buckets=own if checked else None, _groups=plan))
+                                                 hierarchical=False, **planned))
         self.reducer = self.reducers[0]
         self.compressor = self.reducer.compressor
         self._deltas = [r.gradients for r in self.reducers]
@@ -431,8 +431,6 @@ class DiLoCo(Optimizer):
             exchanges.append({k[len(prefix):]: state.pop(k) for k in [k for k in state if k.startswith(prefix)]})
         self._check_saved_here(state, {k: v for e in exchanges for k, v in e.items()}, owner)
         reject_leftovers(state, owner)
-        if self.fitting is not None:
-            self.fitting.replan(self, exchanges[0])
         for r, part in zip(self.reducers, exchanges):
             r.compressor.load_state_dict(part, r.shapes)
         if self.fitting is not None and not self._fit_pending():

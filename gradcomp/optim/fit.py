@@ -189,25 +189,17 @@ class Fitting:
         for other in exchanges[1:]:
             other.choose(k, exchanges[0].why)
         self.apply(outer, k)
-        if exchanges[0].outer[k] is not None:  # sparse: chunks per tensor, as a named one (DiLoCo.plan)
-            outer.plan(per_tensor=True)
         why = exchanges[0].why
         timeline.instant("exchange fitted", "decision", step=outer.steps, chosen=why["chosen"], reason=why["why"],
                          inner_step_s=step_s, probe_bytes=self.probe_bytes)
 
-    def replan(self, outer: Any, saved: Mapping[str, Any]) -> None:
-        """Before a checkpoint's exchange state loads into ``outer``: its buckets as the choice in
-        ``saved`` (the first fragment's exchange state) needs them, one per tensor if sparse."""
-        try:
-            k = int(np.asarray(saved.get("chosen", -1)).reshape(()))
-        except (TypeError, ValueError):
-            k = -1  # (FittedExchange.load_state_dict then says what is wrong)
-        sparse = 0 <= k < len(outer.fitted[0].outer) and outer.fitted[0].outer[k] is not None
+    def apply(self, outer: Any, k: int) -> None:
+        """The outer optimizer's defaults of option ``k`` (where not given), and its buckets: one
+        per tensor for a sparse one, as for a named sparse exchange (``DiLoCo.plan``; the
+        compressors, and what a checkpoint loaded into them, stay)."""
+        sparse = outer.fitted[0].outer[k] is not None
         if sparse != outer.per_tensor:
             outer.plan(sparse)
-
-    def apply(self, outer: Any, k: int) -> None:
-        """The outer optimizer's defaults of option ``k`` (where not given)."""
         defaults = outer.fitted[0].outer[k] or self.dense
         if not self.lr_given:
             outer.lr = per_param("lr", defaults["lr"], len(outer.params))
