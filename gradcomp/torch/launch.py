@@ -13,6 +13,8 @@ import atexit
 import datetime
 import os
 import socket
+import threading
+import time
 import warnings
 import weakref
 from typing import Any, NamedTuple
@@ -171,7 +173,49 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
     if not native:
         _keep_past_finalization(groups)
+        _let_threads_settle()
         _end_at_exit()
+
+
+def _let_threads_settle(limit_s: float = 2.0, quiet_checks: int = 3, every_s: float = 0.005) -> None:
+    """Give up the GIL until no other thread of this process is running (``quiet_checks`` looks
+    in a row, at most ``limit_s`` seconds), so that finalization never starts under a thread that
+    is about to take the GIL.
+
+    A gloo worker marks a collective done, then frees its work object; when the work held the last
+    reference to a tensor whose Python object the program already dropped (``all_gather_object``'s
+    buffers, for one), freeing it takes the GIL. On a loaded machine the worker can be preempted
+    between the two for longer than the program needs to reach its exit; once finalization has
+    begun, Python ends a thread that takes the GIL with ``pthread_exit``, whose unwinding through
+    the C++ destructor calls ``std::terminate`` (seen under gdb in a core of the exit-6 abort: a
+    gloo ``runLoop`` freeing an ``AsyncAllgatherWork`` while the main thread collected garbage in
+    ``Py_FinalizeEx``). Threads asleep (idle workers, epoll loops) are quiet; the wait is a few
+    milliseconds when all are. Reads ``/proc``; elsewhere it returns at once."""
+    me = str(threading.get_native_id())
+    deadline = time.monotonic() + limit_s
+    quiet = 0
+    while quiet < quiet_checks and time.monotonic() < deadline:
+        time.sleep(every_s)
+        quiet = quiet + 1 if not _others_running(me) else 0
+
+
+def _others_running(me: str) -> bool:
+    """Whether a thread of this process other than ``me`` (a native id) is running or runnable."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for tid in tids:
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # it ended
+        if state == "R":
+            return True
+    return False
 
 
 def _keep_past_finalization(objects: list[Any]) -> None:
