@@ -10,7 +10,9 @@ instead, per bucket (with H hosts of L ranks each, ``gradcomp.comm.topology``):
 2. **``inner`` across hosts**: local rank l reduces its group with ``inner`` over the ranks with
    local rank l on every host (L such H-rank exchanges run in parallel, as NCCL's do). ``inner``
    is any compressor, unchanged: its state (residuals, PowerSGD's factors) follows its tensors as
-   everywhere, because a group holds whole tensors with their keys and shapes;
+   everywhere, because a group holds whole tensors with their keys and shapes; when a tensor's
+   group moves to another local rank (DDP's rebuilt buckets), the residual left behind is added to
+   the old owner's gradient, and so reaches the new owner through the host's sum;
 3. **allgather inside the host**: every rank gets every group's mean over all ranks.
 
 Bytes through a host's link: what ``inner`` sends for a 1/L group, times L ranks, on an H-rank
@@ -150,6 +152,13 @@ class Hierarchical(Wrapper):
         xp = array_module(g)
         wide = dtype_name(g.dtype) in ("float16", "bfloat16")  # summed in float32 inside the host
         work = cast(g, np.float32) if wide else g
+        first, end = ranges[l]
+        handed = self._moved_here(bucket, first, end)
+        if handed and work is g and not bucket.scratch:
+            work = g.copy()  # (the caller's buffer stays as it was)
+        for at, value in handed:
+            segment = work[at:at + value.size]
+            segment += cast(value.reshape(-1), segment.dtype)
         ws = comm.workspace
         mine = ws.array(self, "group", counts[l], work.dtype, like=g)
         before = local.bytes_sent
@@ -157,7 +166,6 @@ class Hierarchical(Wrapper):
         # means at the end anyway), or the half-precision bucket's float32 copy
         local.reduce_scatter(work, out=mine, counts=counts, overwrite=bucket.scratch or work is not g)
         divide(mine, L, out=mine)
-        first, end = ranges[l]
         shapes = bucket.shapes[first:end] or [(0,)]
         keys = bucket.keys[first:end] or (f"{bucket.index}.empty{l}",)
         if wide:
@@ -170,6 +178,20 @@ class Hierarchical(Wrapper):
         local.allgather_blocks(reduced, out, counts=counts)
         self._local_bytes += local.bytes_sent - before
         return out
+
+    def _moved_here(self, bucket: Bucket, first: int, end: int) -> list[tuple[int, Array]]:
+        """(offset, value) of the residuals the inner method keeps for tensors of ``bucket`` outside
+        this rank's group ``[first, end)``: a tensor whose group moved to another local rank (DDP's
+        rebuilt buckets, a resume's layouts). Taken out of it and added to this rank's gradient
+        (``take_residual``: L times them), they reach the tensor's new owner through the host's
+        sum, so a tensor's error feedback follows it and no rank keeps state no step claims."""
+        others = [k for i, k in enumerate(bucket.keys) if not first <= i < end]
+        kept = self.inner.residuals(others) if others else {}
+        if not kept:
+            return []
+        offsets = bucket.offsets()
+        where = {k: offsets[i] for i, k in enumerate(bucket.keys)}
+        return [(where[k], value) for k, value in self.take_residual(list(kept)).items()]
 
     # -- state: the inner method's --------------------------------------------------------------
     def take_residual(self, keys: Iterable[str]) -> dict[str, Array]:

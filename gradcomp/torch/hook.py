@@ -45,7 +45,7 @@ from ..arrays import array_module, is_device_array, synchronize
 from ..bucket import Bucket
 from ..comm import Communicator
 from ..compressors import Compressor
-from ..compressors.hierarchical import scheduled
+from ..compressors.hierarchical import Hierarchical, scheduled, wrap
 from ..metrics import Meter
 from ..registry import make
 from ..state import check_saved_here
@@ -53,7 +53,7 @@ from . import advice
 from .checkpoint import from_torch_state, to_torch_state
 from .communicator import default_comm
 from . import layouts
-from .naming import HookRegisteredTwice, adopt, names_from_model, record_of
+from .naming import RECORD, HookRegisteredTwice, adopt, names_from_model, record_of
 from .sparse_grads import reduce_sparse
 from .tensors import as_array, wait_for_torch
 
@@ -302,8 +302,9 @@ def comm_hook(compressor: Compressor | str,
     state follows bucket indices (as PyTorch's hooks'); ``register`` keys it by parameter name. A
     compressor ``register`` attached before (PyTorch's flow: ``torch.save`` it, ``torch.load`` it,
     ``register_comm_hook(*comm_hook(restored))`` on a fresh model) keeps that: its state follows
-    the parameters by name (see ``naming.names_from_model``), and a resumed run equals the uninterrupted
-    one.
+    the parameters by name (see ``naming.names_from_model``), in ``Hierarchical`` again where
+    ``register`` ran it there (its state is kept per host group), and a resumed run equals the
+    uninterrupted one.
     """
     if isinstance(compressor, str):
         compressor = make(compressor)
@@ -312,8 +313,11 @@ def comm_hook(compressor: Compressor | str,
                         f"got {type(compressor).__name__}")
     if comm is None:
         comm = default_comm()
-    state = HookState(compressor, comm)
     record = record_of(compressor)
+    if record is not None and record.hierarchical:  # its state is keyed by register's host groups
+        compressor = wrap(compressor, comm, None)
+        setattr(compressor, RECORD, record)
+    state = HookState(compressor, comm)
     if record is not None:  # register attached it before (a pickled one): as after load_state_dict
         state.layouts, state.replay = list(record.layouts), list(record.layouts)
     return state, _named_hook(compressor)
@@ -382,6 +386,7 @@ def register(ddp_model: DistributedDataParallel, compressor: Compressor | str | 
             state.comm = comm if comm is not None else default_comm()
         hook = _named_hook(state.compressor)
     adopt(state, list(ddp_model.module.named_parameters()), compressor)
+    record_of(state.compressor).hierarchical = isinstance(state.compressor, Hierarchical)  # type: ignore[union-attr]
     ddp_model.register_comm_hook(state, hook)
     ddp_model._gradcomp_state = state  # what a second register names
     advice.watch(state, ddp_model.module.parameters())

@@ -40,7 +40,11 @@ class ModelRecord:
     (``RECORD``) so that ``torch.save(compressor)`` carries it: the parameters' names and shapes
     (the keys of its per-tensor state, in the model's order) and the last whole step's bucket
     layouts. A hook attached to such a compressor without the model (``comm_hook``) keys tensors by
-    name too, and cuts a fresh model's first bucket into these layouts."""
+    name too, and cuts a fresh model's first bucket into these layouts. ``hierarchical``: whether
+    ``register`` ran it inside ``Hierarchical``, whose groups key its state; ``comm_hook`` does
+    again."""
+
+    hierarchical = False  # (a class default: records pickled before it existed read False)
 
     def __init__(self, shapes: dict[str, tuple]) -> None:
         self.shapes = dict(shapes)

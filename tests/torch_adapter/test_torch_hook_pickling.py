@@ -43,10 +43,11 @@ def check_resumes_exactly(e, spec: str) -> None:
     """N steps under register, torch.save, torch.load(weights_only=False), a fresh DDP model, M
     steps == N + M straight; through both flows: the compressor alone, attached with
     register_comm_hook(*comm_hook(restored)), and PyTorch's own test's (the hook and its state
-    saved together and handed back to register_comm_hook as they are)."""
+    saved together and handed back to register_comm_hook as they are); in the schedule register
+    chose (``Hierarchical`` on several hosts of several ranks, where the method says it pays)."""
     torch, gc, gt = e.torch, e.gc, e.gt
     straight = _ddp(e, e.fresh_model())
-    gt.register(straight, gc.make(spec))
+    schedule = type(gt.register(straight, gc.make(spec)).compressor)  # Hierarchical where it pays
     opt = torch.optim.SGD(straight.parameters(), lr=0.1)
     _train(e, straight, opt, range(N + M))
     want = e.flat(straight.parameters())
@@ -73,13 +74,17 @@ def check_resumes_exactly(e, spec: str) -> None:
             state, hook = saved["comm_hook_state"], saved["comm_hook"]
             assert hook.__qualname__.startswith("gradcomp_hook[") and state.comm is None
         fresh.register_comm_hook(state, hook)
+        assert type(state.compressor) is schedule, f"{spec}, {flow}: {state.compressor} in place of {schedule}"
         opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
         _train(e, fresh, opt, range(N, N + 1))
         # the state went to the parameters by name, through the fresh model's one first bucket
         assert sorted(state.names.values()) == sorted(names), state.names
         assert len(state.layouts) == 3, f"{spec}: the rebuilt layouts are three buckets, got {state.layouts}"
-        if spec.startswith("int8"):
+        if spec.startswith("int8"):  # (in Hierarchical, each rank keeps those of its host group)
             kept = state.compressor.residuals(names)
+            if schedule.__name__ == "Hierarchical":
+                from mpi4py import MPI
+                kept = {k for held in MPI.COMM_WORLD.allgather(sorted(kept)) for k in held}
             assert sorted(kept) == sorted(names), f"{spec}: residuals lost: {sorted(set(names) - set(kept))}"
         _train(e, fresh, opt, range(N + 1, N + M))
         got = e.flat(fresh.parameters())
@@ -135,4 +140,22 @@ def rank_pickled_compressor_through_comm_hook():
 def test_pickled_compressor_attaches_through_comm_hook():
     out = run_ranks(2, "tests.torch_adapter.test_torch_hook_pickling:rank_pickled_compressor_through_comm_hook",
                     timeout=240)
+    assert out.count("bit for bit") == 4, out
+
+
+def rank_pickled_compressor_on_two_hosts():
+    e = env()
+    e.torch.manual_seed(0)
+    for spec in ("int8:warmup=0", "powersgd:start_iter=2"):
+        check_resumes_exactly(e, spec)
+
+
+def test_pickled_compressor_resumes_in_its_host_groups():
+    """On 2 hosts of 2 ranks register runs the compressor in Hierarchical, whose ranks keep the
+    state of their host groups only; restored through comm_hook (the compressor alone) or as a
+    pickled HookState, it runs there again and equals the uninterrupted run bit for bit. (It ran
+    flat, or refused its state: a tensor whose group moved to another local rank at DDP's rebuild
+    left its residual behind, now handed to the new owner through the host's sum.)"""
+    out = run_ranks(4, "tests.torch_adapter.test_torch_hook_pickling:rank_pickled_compressor_on_two_hosts",
+                    timeout=240, env={"GRADCOMP_RANKS_PER_HOST": "2"})
     assert out.count("bit for bit") == 4, out
