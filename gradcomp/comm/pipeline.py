@@ -63,31 +63,98 @@ class CollectiveError(ValueError):
     """
 
 
+#: temporaries of at least this many bytes come from the pipeline's shared pool (``Workspace``):
+#: a default bucket's (25 MB) are, the small ones of small buckets stay with their slot
+LARGE_BYTES = 4 * 2**20
+
+
 class Workspace:
-    """Temporaries of one pipeline slot, reused from job to job (grow-only).
+    """Temporaries of one pipeline slot, reused from job to job.
 
     ``array(owner, name, n, dtype, like)`` returns the first ``n`` values of a buffer that belongs to
-    ``(owner, name)``; the buffer lives as long as the communicator and is valid for the job that
-    asked for it, in both of its stages. Never return one to a caller: the next job in this slot
-    overwrites it.
+    ``(owner, name)`` for the job that asked for it, in both of its stages (asked again in the same
+    job, the same buffer). Never return one to a caller: a later job overwrites it.
+
+    Buffers under ``LARGE_BYTES`` stay with the slot (grow-only). Larger ones are lent by the
+    pipeline's ``SharedBuffers`` for the job and handed back when it finishes (``release``): each
+    slot and each codec (a governed name has several) keeping its own copy of every such temporary
+    made the memory a multiple of the largest bucket (GPT-2's 154 MB embedding is one), whichever
+    slot and codec ran it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shared: "SharedBuffers | None" = None) -> None:
         self._buffers: dict[tuple, Any] = {}
+        self._shared = shared
+        self._lent: dict[tuple, Any] = {}  # this job's buffers from ``shared``
 
     def array(self, owner: object, name: str, n: int, dtype: Any, like: Any = None) -> Any:
         from ..arrays import array_module
 
         xp = array_module(like) if like is not None else __import__("numpy")
         device = getattr(like, "device", None)
-        key = (id(owner), name, xp.dtype(dtype).str, str(device))
+        dt = xp.dtype(dtype)
+        key = (id(owner), name, dt.str, str(device))
+        n = int(n)
+        size = max(n, 1)
         buf = self._buffers.get(key)
-        if buf is None or buf.shape[0] < n:
-            buf = self._buffers[key] = xp.empty(max(int(n), 1), dtype)
+        if buf is not None and buf.shape[0] >= n:
+            return buf[:n]
+        if self._shared is not None and n * dt.itemsize >= LARGE_BYTES:
+            kind = key[2:]  # (any owner's, any name's)
+            lent = self._lent.get(key)
+            if lent is None or lent.shape[0] < n:
+                if lent is not None:
+                    self._shared.give(kind, lent)
+                lent = self._lent[key] = self._shared.take(kind, n, lambda: xp.empty(size, dt))
+            return lent[:n]
+        buf = self._buffers[key] = xp.empty(size, dt)
         return buf[:n]
+
+    def release(self) -> None:
+        """The job finished: hand its large buffers back to the pool."""
+        if self._shared is not None:
+            for key, buf in self._lent.items():
+                self._shared.give(key[2:], buf)
+        self._lent = {}
 
     def nbytes(self) -> int:
         return sum(int(b.nbytes) for b in self._buffers.values())
+
+
+class SharedBuffers:
+    """A pipeline's large temporaries, lent to one job at a time (``Workspace``) and shared by
+    every owner and name of the same dtype and device: the smallest free buffer that fits is
+    taken, never one over twice the size asked for (a small request does not hold the largest
+    bucket's buffer). The pool keeps at most twice as many free buffers per dtype as were ever
+    lent at once (the smallest go first), so steady steps allocate nothing."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[Any]] = {}
+        self._lent: dict[tuple, int] = {}
+        self._most: dict[tuple, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, kind: tuple, n: int, make: Callable[[], Any]) -> Any:
+        with self._lock:
+            self._lent[kind] = self._lent.get(kind, 0) + 1
+            self._most[kind] = max(self._most.get(kind, 0), self._lent[kind])
+            free = self._free.get(kind, [])
+            fits = [i for i, b in enumerate(free) if n <= b.shape[0] <= 2 * n]
+            if fits:
+                return free.pop(min(fits, key=lambda i: free[i].shape[0]))
+        return make()
+
+    def give(self, kind: tuple, buf: Any) -> None:
+        with self._lock:
+            self._lent[kind] -= 1
+            free = self._free.setdefault(kind, [])
+            free.append(buf)
+            while len(free) > 2 * self._most[kind]:
+                free.pop(min(range(len(free)), key=lambda i: free[i].shape[0]))  # (arrays: by place)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(int(b.nbytes) for free in self._free.values() for b in free)
 
 
 class _Job:
@@ -115,7 +182,8 @@ class Pipeline:
         if depth < 0:
             raise ValueError(f"pipeline depth must be >= 0, got {depth}")
         self.depth = depth
-        self.workspaces = [Workspace() for _ in range(depth + 1)]
+        self.shared = SharedBuffers()
+        self.workspaces = [Workspace(self.shared) for _ in range(depth + 1)]
         self.broken: BaseException | None = None
         self._on_failure = on_failure
         self._lock = threading.Condition()
@@ -249,7 +317,8 @@ class Pipeline:
             job.prepared = None
 
     def _finish(self, job: _Job) -> None:
-        with self._lock:
+        with self._lock:  # (the slot's next job waits for this: its workspace is free after it)
+            self.workspaces[job.slot].release()
             self._inflight.pop(job.number, None)
             self._finished += 1
             self._lock.notify_all()

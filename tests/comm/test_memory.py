@@ -43,3 +43,66 @@ def rank_faults(spec, views):
 def test_steady_state_allocates_nothing(spec, views):
     out = run_ranks(2, "tests.comm.test_memory:rank_faults", spec, views, timeout=180)
     assert "faults per step" in out
+
+
+def rank_large_temporaries(spec, buckets):
+    """``buckets`` buckets of one 40M-value tensor each (160 MB, far over the default cap, as GPT-2's
+    embedding): their temporaries of 4 MB and more come from the pipeline's shared pool, lent for
+    a job and shared by its slots and codecs, so no slot keeps one of its own, the pool keeps at
+    most twice what was lent at once, and steady steps allocate nothing."""
+    import resource
+
+    import gradcomp as gc
+    from gradcomp.comm.pipeline import LARGE_BYTES
+
+    comm = gc.MPICommunicator()
+    rng = np.random.default_rng(comm.rank)
+    grads = [rng.standard_normal(40 * 2**20).astype(np.float32) for _ in range(buckets)]
+    saved = [g.copy() for g in grads]
+    reducer = gc.GradientReducer(grads, gc.make(spec), comm, bucket_cap_mb=25)
+    assert len(reducer.buckets) == buckets, reducer.buckets
+    faults = []
+    for step in range(6):
+        for g, s in zip(reducer.gradients, saved):
+            np.copyto(g, s)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        reducer.step(reducer.gradients)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    pipeline = comm._pipeline
+    pooled = {kind: len(free) for kind, free in pipeline.shared._free.items()}
+    kept = [buf.nbytes for ws in pipeline.workspaces for buf in ws._buffers.values()]
+    if comm.rank == 0:
+        print(f"{spec}, {buckets} large buckets: pooled {sorted(pooled.values())}, faults per step {faults}",
+              flush=True)
+    assert pooled and all(n <= 2 * most for n, most in zip(pooled.values(), pipeline.shared._most.values())), pooled
+    assert max(kept, default=0) < LARGE_BYTES, f"{spec}: a slot keeps a large temporary of its own"
+    assert not any(ws._lent for ws in pipeline.workspaces), f"{spec}: a finished job still holds its loans"
+    assert max(faults[3:]) <= 0.02 * 256 * 160 * buckets, f"{spec}: {faults} page faults per step"
+
+
+@pytest.mark.parametrize("spec, buckets", [("int8:warmup=0", 1), ("int8:warmup=0", 2)])
+def test_large_temporaries_are_lent_once(spec, buckets):
+    out = run_ranks(2, "tests.comm.test_memory:rank_large_temporaries", spec, buckets, timeout=180)
+    assert "large buckets" in out
+
+
+def test_shared_buffers_lend_the_smallest_that_fits():
+    """The pool's own rules, with several free buffers (they are told apart by place, never
+    compared as arrays): the smallest free buffer that fits, never one over twice the request, and
+    at most twice as many kept free as were ever lent at once."""
+    from gradcomp.comm.pipeline import SharedBuffers
+
+    pool, kind = SharedBuffers(), ("<f4", "None")
+    lent = [pool.take(kind, n, lambda n=n: np.zeros(n, np.float32)) for n in (100, 300, 200)]
+    for buf in lent:
+        pool.give(kind, buf)
+    assert pool.take(kind, 150, lambda: None) is lent[2]  # 200 fits; 300 is over twice 150
+    assert pool.take(kind, 90, lambda: None) is lent[0]
+    fresh = pool.take(kind, 400, lambda: np.zeros(400, np.float32))
+    assert fresh.shape == (400,) and all(fresh is not b for b in lent)
+    for buf in (lent[0], lent[2], fresh):
+        pool.give(kind, buf)
+    assert sorted(b.shape[0] for b in pool._free[kind]) == [100, 200, 300, 400]
+    for n in range(1, 9):  # never more than 3 lent at once: at most 6 kept
+        pool.give(kind, pool.take(kind, 1000 * n, lambda n=n: np.zeros(1000 * n, np.float32)))
+    assert len(pool._free[kind]) == 6 and pool.nbytes() == 4 * sum(b.shape[0] for b in pool._free[kind])
