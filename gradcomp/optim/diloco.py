@@ -170,6 +170,8 @@ class DiLoCo(Optimizer):
         #: fragments whose exchange is in flight: fragment -> (the step it lands after, the
         #: reductions' futures or None once waited for, the outer rates taken at the sync)
         self.flight: dict[int, tuple[int, list | None, list[float]]] = {}
+        if self.overlap and coordinator is None:
+            flight.wait_at_exit(self)
         self.landed: list[int] = []  # the fragments whose outer step landed at the last step()
         if sparse:
             inner = sparse[0]

@@ -8,6 +8,8 @@ lands it at the same step, so the run goes on bit for bit.
 """
 from __future__ import annotations
 
+import atexit
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -27,6 +29,24 @@ def keep_own(kept: dict[int, list[Array]], f: int, deltas: Sequence[Array]) -> N
         kept[f] = [array_module(d).empty_like(d) for d in deltas]
     for mine, d in zip(kept[f], deltas):
         mine[...] = d
+
+
+def wait_at_exit(outer: Any) -> None:
+    """At exit, wait for ``outer``'s exchanges still in flight: a loop that ends between a sync
+    and its landing (every rank ends the same loop, so each waits for the same collectives) then
+    ends its process as a finished run, not as one that left work in flight, which
+    ``gradcomp.comm.exits`` aborts. Their means are not applied: the run is over (``sync_now``
+    lands them first). Registered after the communicator, so it runs before its exit checks."""
+    ref = weakref.ref(outer)
+
+    def wait() -> None:
+        live = ref()
+        for f, (at, futures, rates) in sorted(live.flight.items()) if live is not None else ():
+            if futures:
+                live.reducers[f].finish(futures)
+                live.flight[f] = (at, None, rates)
+
+    atexit.register(wait)
 
 
 def save(outer: Any) -> dict[str, Any]:

@@ -330,6 +330,27 @@ def test_overlapped_exchange():
     run_ranks(2, "tests.optim.test_diloco:rank_overlapped_exchange")
 
 
+def rank_ends_with_an_exchange_in_flight():
+    """The loop ends one step after a sync whose exchange lands 2 steps later."""
+    import gradcomp as gc
+
+    comm = gc.MPICommunicator()
+    params = _start()
+    outer = gc.optim.DiLoCo(params, sync_every=4, compressor="int8", overlap=2, comm=comm)
+    for step in range(1, 6):
+        _inner(params, comm.rank, step)
+        outer.step()
+    assert outer.flight, "the exchange started at step 4 is in flight"
+    print(f"rank {comm.rank}: done with an exchange in flight", flush=True)
+
+
+def test_a_run_that_ends_with_an_exchange_in_flight_exits_0():
+    """A finished run is a job that exits 0, even when its loop ends between a sync and its
+    landing: the exchange is waited for at exit (it was an abort: work in flight at exit)."""
+    out = run_ranks(2, "tests.optim.test_diloco:rank_ends_with_an_exchange_in_flight")
+    assert out.count("done with an exchange in flight") == 2 and "Abort" not in out, out
+
+
 def rank_delayed_exchange():
     """keep_local with overlap = H: the exchange of sync s lands at sync s + H as a correction,
     the replica moved by its own pseudo-gradient back and the outer step on (averaging: to the
