@@ -247,7 +247,7 @@ class OneBitAdam(Optimizer):
         warm-up (Adam would divide by ``eps`` there; a compressed momentum, e.g. a sign code, is
         never exactly zero, so those coordinates would drift)."""
         if self._alive is None:
-            self._alive = [(v > 0).astype(v.dtype) for v in self.v]
+            self._alive = [v > 0 for v in self.v]  # (a bool a coordinate: 1 byte, not a float's 4)
         return self._alive
 
     def _denominators(self, second: float) -> list[Array]:
