@@ -41,7 +41,9 @@ def wait_at_exit(outer: Any) -> None:
 
     def wait() -> None:
         live = ref()
-        for f, (at, futures, rates) in sorted(live.flight.items()) if live is not None else ():
+        if live is None:
+            return
+        for f, (at, futures, rates) in sorted(live.flight.items()):
             if futures:
                 live.reducers[f].finish(futures)
                 live.flight[f] = (at, None, rates)
