@@ -96,16 +96,14 @@ class Workspace:
         key = (id(owner), name, dt.str, str(device))
         n = int(n)
         size = max(n, 1)
-        buf = self._buffers.get(key)
-        if buf is not None and buf.shape[0] >= n:
-            return buf[:n]
+        for held in (self._lent.get(key), self._buffers.get(key)):  # (this job's loan first)
+            if held is not None and held.shape[0] >= n:
+                return held[:n]
         if self._shared is not None and n * dt.itemsize >= LARGE_BYTES:
             kind = key[2:]  # (any owner's, any name's)
-            lent = self._lent.get(key)
-            if lent is None or lent.shape[0] < n:
-                if lent is not None:
-                    self._shared.give(kind, lent)
-                lent = self._lent[key] = self._shared.take(kind, n, lambda: xp.empty(size, dt))
+            if key in self._lent:  # too small: a larger one replaces it
+                self._shared.give(kind, self._lent.pop(key))
+            lent = self._lent[key] = self._shared.take(kind, n, lambda: xp.empty(size, dt))
             return lent[:n]
         buf = self._buffers[key] = xp.empty(size, dt)
         return buf[:n]
@@ -130,14 +128,14 @@ class SharedBuffers:
 
     def __init__(self) -> None:
         self._free: dict[tuple, list[Any]] = {}
-        self._lent: dict[tuple, int] = {}
-        self._most: dict[tuple, int] = {}
+        self._on_loan: dict[tuple, int] = {}
+        self._most: dict[tuple, int] = {}  # the most ever on loan at once
         self._lock = threading.Lock()
 
     def take(self, kind: tuple, n: int, make: Callable[[], Any]) -> Any:
         with self._lock:
-            self._lent[kind] = self._lent.get(kind, 0) + 1
-            self._most[kind] = max(self._most.get(kind, 0), self._lent[kind])
+            self._on_loan[kind] = self._on_loan.get(kind, 0) + 1
+            self._most[kind] = max(self._most.get(kind, 0), self._on_loan[kind])
             free = self._free.get(kind, [])
             fits = [i for i, b in enumerate(free) if n <= b.shape[0] <= 2 * n]
             if fits:
@@ -146,7 +144,7 @@ class SharedBuffers:
 
     def give(self, kind: tuple, buf: Any) -> None:
         with self._lock:
-            self._lent[kind] -= 1
+            self._on_loan[kind] -= 1
             free = self._free.setdefault(kind, [])
             free.append(buf)
             while len(free) > 2 * self._most[kind]:

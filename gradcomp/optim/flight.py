@@ -41,23 +41,26 @@ def wait_at_exit(outer: Any) -> None:
 
     def wait() -> None:
         live = ref()
-        if live is None:
-            return
-        for f, (at, futures, rates) in sorted(live.flight.items()):
-            if futures:
-                live.reducers[f].finish(futures)
-                live.flight[f] = (at, None, rates)
+        if live is not None:
+            wait_all(live)
 
     atexit.register(wait)
 
 
-def save(outer: Any) -> dict[str, Any]:
-    """``outer``'s exchanges in flight, waited for, as ``flight/<f>/...`` entries."""
-    out: dict[str, Any] = {}
+def wait_all(outer: Any) -> None:
+    """Wait for ``outer``'s exchanges in flight: their means are then in the fragments' deltas,
+    to land at their steps (``flight`` holds None for their futures)."""
     for f, (at, futures, rates) in sorted(outer.flight.items()):
         if futures is not None:
             outer.reducers[f].finish(futures)
             outer.flight[f] = (at, None, rates)
+
+
+def save(outer: Any) -> dict[str, Any]:
+    """``outer``'s exchanges in flight, waited for, as ``flight/<f>/...`` entries."""
+    wait_all(outer)
+    out: dict[str, Any] = {}
+    for f, (at, _, rates) in sorted(outer.flight.items()):
         out[f"flight/{f}/lands_at"] = at
         out[f"flight/{f}/rates"] = np.array(rates, dtype=np.float64)
         for d, i in zip(outer._deltas[f], outer.groups[f]):

@@ -26,6 +26,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -84,8 +85,13 @@ def records(out: Path, name: str) -> list[dict]:
 
 
 def wait_for(path: Path, groups: list[Group], timeout: float = 60) -> None:
+    until(path.exists, groups, timeout)
+
+
+def until(done: Callable[[], bool], groups: list[Group], timeout: float = 60) -> None:
+    """Poll ``done()`` while every one of ``groups`` runs, at most ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not done():
         for g in groups:
             assert g.proc.poll() is None, f"{g.name} ended early ({g.proc.returncode})\n{g.tail()}"
         assert time.monotonic() < deadline, "\n".join(g.tail() for g in groups)

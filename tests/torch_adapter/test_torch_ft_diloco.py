@@ -28,7 +28,7 @@ import types
 import pytest
 
 from tests.mpi_launch import ROOT
-from tests.torch_adapter.test_torch_ft import Group, lighthouse, records, report, wait_for  # noqa: F401
+from tests.torch_adapter.test_torch_ft import Group, lighthouse, records, report, until, wait_for  # noqa: F401
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
                                  reason="torchft not installed (the ft extra)"),
@@ -44,16 +44,12 @@ def outer_records(log: list[dict], after: float = 0.0) -> list[dict]:
 
 def wait_for_outer_step(out, name: str, step: int, groups: list[Group], timeout: float = 90) -> None:
     """Until ``name``'s log holds its outer step at inner ``step`` (complete lines only)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def logged() -> bool:
         path = out / f"{name}.log"
         lines = path.read_text().split("\n")[:-1] if path.exists() else []
-        if any(r["event"] == "outer" and r["step"] == step for r in map(json.loads, lines)):
-            return
-        for g in groups:
-            assert g.proc.poll() is None, f"{g.name} ended early ({g.proc.returncode})\n{g.tail()}"
-        assert time.monotonic() < deadline, "\n".join(g.tail() for g in groups)
-        time.sleep(0.05)
+        return any(r["event"] == "outer" and r["step"] == step for r in map(json.loads, lines))
+
+    until(logged, groups, timeout)
 
 
 def first_outer_step(log: list[dict], after: float) -> tuple[dict, dict]:
