@@ -22,6 +22,7 @@ from .comm import CollectiveError, Communicator, default_communicator
 from .compressors.agreement import gather_texts
 from .compressors.contract import Compressor
 from .compressors.hierarchical import scheduled
+from .params import check_int
 from .state import check_saved_here, saved_by, take_saved_by
 
 
@@ -57,11 +58,18 @@ class GradientReducer:
     ``arrays``, every position once, each bucket's arrays of one dtype; e.g. DDP's layout, which
     fills its buckets from the last parameter backwards. Every rank must pass the same plan (a
     different one is a ``CollectiveError`` at the first step, as any layout mismatch).
+
+    ``window``: keep flat buffers for that many buckets only, taken in turn (bucket ``b`` in
+    buffer ``b % window``; a bucket waits for the one ``window`` before it): memory of ``window``
+    buckets instead of the whole model's, for a caller whose arrays are its only copy (the
+    optimizers average the gradients where they lie). Every ``step`` then passes its arrays
+    (``step(arrays)``), and ``gradients``, ``start`` and ``finish`` are refused.
     """
 
     def __init__(self, arrays: Sequence[Array], compressor: Compressor, comm: Communicator | None = None,
                  bucket_cap_mb: float = 25.0, hierarchical: bool | None = None,
-                 buckets: Sequence[Sequence[int]] | None = None, _groups: list[list[int]] | None = None):
+                 buckets: Sequence[Sequence[int]] | None = None, window: int | None = None,
+                 _groups: list[list[int]] | None = None):
         if not isinstance(compressor, Compressor):
             raise TypeError(f"expected a gradcomp Compressor, got {type(compressor).__name__} "
                             "(gradcomp.make(name) builds one by name)")
@@ -72,13 +80,15 @@ class GradientReducer:
         groups = check_arrays(self.comm, self.arrays, bucket_cap_mb) if _groups is None else _groups
         if buckets is not None:
             groups = _plan(buckets, self.arrays)
+        self.window = None if window is None else check_int("window", window, 1)
+        shapes = [[self.arrays[i].shape if self.arrays[i].ndim else (1,) for i in members] for members in groups]
+        sizes = [sum(int(np.prod(s)) for s in bucket) for bucket in shapes]
+        kinds = [self.arrays[members[0]].dtype.newbyteorder("=") for members in groups]
+        flats = ([_module(self.arrays[m[0]]).empty(n, k) for m, n, k in zip(groups, sizes, kinds)]
+                 if self.window is None else _ring(self.window, groups, sizes, kinds, self.arrays))
         self.buckets: list[tuple[Bucket, list[int]]] = []
-        for b, members in enumerate(groups):
-            first = self.arrays[members[0]]
-            xp = _module(first)
-            shapes = [self.arrays[i].shape if self.arrays[i].ndim else (1,) for i in members]
-            flat = xp.empty(sum(int(np.prod(s)) for s in shapes), first.dtype.newbyteorder("="))
-            bucket = Bucket(flat, b, shapes, is_last=b == len(groups) - 1, scratch=True,
+        for b, (members, flat) in enumerate(zip(groups, flats)):
+            bucket = Bucket(flat, b, shapes[b], is_last=b == len(groups) - 1, scratch=True,
                             keys=[str(i) for i in members])
             self.buckets.append((bucket, members))
         self._views: list[Array] = [None] * len(self.arrays)
@@ -92,6 +102,7 @@ class GradientReducer:
         From then on ``step()`` without arguments reduces these arrays where they are: refilling
         them and then copying in the arrays given at construction would silently average stale
         values."""
+        self._refuse_in_window("gradients")
         self.arrays = list(self._views)
         return list(self._views)
 
@@ -102,11 +113,16 @@ class GradientReducer:
 
     def step(self, arrays: Sequence[Array] | None = None) -> list[Array]:
         """Average the arrays (``arrays``, or those given at construction) in place; return them."""
+        if arrays is None and self.window is not None:
+            raise ValueError("GradientReducer.step: a reducer with a window averages the arrays each "
+                             "step passes: step(arrays)")
         if arrays is not None:
             given = arrays if isinstance(arrays, list) else list(arrays)
             if [(a.shape, a.dtype) for a in given] != [(a.shape, a.dtype) for a in self.arrays]:
                 raise ValueError("GradientReducer.step: the arrays must have the shapes and dtypes "
                                  "the reducer was built with")
+            if self.window is not None:
+                return self._in_window(given)
             self.arrays = given
         return self.finish(self.start())
 
@@ -114,25 +130,48 @@ class GradientReducer:
         """Queue every bucket's reduction of the arrays given at construction (or at the last
         ``step``) on the communicator's pipeline and return at once; ``finish`` waits for them.
         Between the two the arrays may change: their values were taken here."""
-        futures = []
-        for bucket, members in self.buckets:
-            for i in members:
-                if not _same_memory(self.arrays[i], self._views[i]):
-                    self._views[i][...] = self.arrays[i]
-            futures.append(self.compressor.reduce(bucket, self.comm))
-        return futures
+        self._refuse_in_window("start")
+        return [self._submit(bucket, members, self.arrays) for bucket, members in self.buckets]
 
     def finish(self, futures: list[Future]) -> list[Array]:
         """Wait for ``start``'s reductions and write the means into the arrays; return them."""
-        step = self.compressor.__dict__.get("_submitted_steps", 1) - 1  # the timeline's (``Compressor.reduce``)
+        self._refuse_in_window("finish")
         for (bucket, members), future in zip(self.buckets, futures):
-            with timeline.span("wait", "wait", bucket=bucket.index, step=step):
-                mean = future.result()
-            for view, i in zip(bucket.views(mean), members):
-                if mean is bucket.buffer and _same_memory(self.arrays[i], self._views[i]):
-                    continue  # reduced where it lives
-                self.arrays[i][...] = view.reshape(self.arrays[i].shape)
+            self._land(bucket, members, future, self.arrays)
         return self.arrays
+
+    def _in_window(self, arrays: list[Array]) -> list[Array]:
+        """``step(arrays)`` through ``window`` buffers: bucket ``b`` is submitted once bucket
+        ``b - window``, which shares its buffer, has landed."""
+        flying: list[tuple[Bucket, list[int], Future]] = []
+        for bucket, members in self.buckets:
+            if len(flying) == self.window:
+                self._land(*flying.pop(0), arrays)
+            flying.append((bucket, members, self._submit(bucket, members, arrays)))
+        for bucket, members, future in flying:
+            self._land(bucket, members, future, arrays)
+        return arrays
+
+    def _submit(self, bucket: Bucket, members: list[int], arrays: list[Array]) -> Future:
+        for i in members:
+            if not _same_memory(arrays[i], self._views[i]):
+                self._views[i][...] = arrays[i]
+        return self.compressor.reduce(bucket, self.comm)
+
+    def _land(self, bucket: Bucket, members: list[int], future: Future, arrays: list[Array]) -> None:
+        """Wait for ``bucket``'s mean and write it into ``arrays``."""
+        step = self.compressor.__dict__.get("_submitted_steps", 1) - 1  # the timeline's (``Compressor.reduce``)
+        with timeline.span("wait", "wait", bucket=bucket.index, step=step):
+            mean = future.result()
+        for view, i in zip(bucket.views(mean), members):
+            if mean is bucket.buffer and _same_memory(arrays[i], self._views[i]):
+                continue  # reduced where it lives
+            arrays[i][...] = view.reshape(arrays[i].shape)
+
+    def _refuse_in_window(self, what: str) -> None:
+        if self.window is not None:
+            raise ValueError(f"GradientReducer.{what}: not with a window (its buffers are shared "
+                             "between buckets); use step(arrays)")
 
     def state_dict(self) -> dict[str, Any]:
         """The compressor's state (per array, by position) and the rank and job size that saved
@@ -220,6 +259,18 @@ def _plan(buckets: Sequence[Sequence[int]], arrays: list[Array]) -> list[list[in
             raise ValueError(f"GradientReducer: bucket {b} of buckets mixes dtypes ({', '.join(sorted(kinds))}); "
                              "a bucket holds one")
     return plan
+
+
+def _ring(window: int, groups: list[list[int]], sizes: list[int], kinds: list[Any],
+          arrays: list[Array]) -> list[Array]:
+    """Each bucket's flat buffer for a reducer with a ``window``: bucket ``b`` gets the front of
+    buffer ``b % window`` of its dtype, each buffer as long as its longest bucket."""
+    longest: dict[tuple[int, Any], int] = {}
+    for b, (size, kind) in enumerate(zip(sizes, kinds)):
+        longest[(b % window, kind)] = max(longest.get((b % window, kind), 0), size)
+    xp = _module(arrays[groups[0][0]]) if groups else np
+    buffers = {key: xp.empty(n, key[1]) for key, n in longest.items()}
+    return [buffers[(b % window, kind)][:size] for b, (size, kind) in enumerate(zip(sizes, kinds))]
 
 
 def _same_memory(a: Array, b: Array) -> bool:

@@ -258,7 +258,10 @@ class OptimizerTransform:
         given = [host_view(x) for x in values]
         for p, x in zip(opt.params, given):
             np.copyto(p, x.reshape(p.shape), casting="no")
-        opt.step([host_view(g).reshape(p.shape) for g, p in zip(grads, opt.params)], lr=rate)
+        local = [host_view(g).reshape(p.shape) for g, p in zip(grads, opt.params)]
+        for g in local:
+            g.flags.writeable = False  # JAX's arrays never change: the step copies them to average
+        opt.step(local, lr=rate)
         for d, p, x in zip(delta, opt.params, given):
             np.subtract(p.reshape(d.shape), x, out=d)
         return delta

@@ -76,6 +76,7 @@ class OneBitAdam(Optimizer):
         for step in range(steps):
             grads = local_gradients(params)     # this rank's own gradients, not averaged
             opt.step(grads)                     # params updated in place, identical on every rank
+                                                # (grads are the exchange's buffer: overwritten)
 
     ``warmup``: ``"auto"`` (the default) freezes the variance once the averaged gradients' scale
     has settled, on the same step on every rank (``stats()`` says when and why; the decision is
@@ -136,8 +137,7 @@ class OneBitAdam(Optimizer):
         exact = warm.describe() == Allreduce().describe()
         self._warmup_config = {} if exact else {"warmup_compressor": warm.describe()}
         self._schedule = Schedule([(0, warm), (self._freeze, inner)])
-        reducer = self._exchange(self._schedule, budget)
-        self._sent = reducer.gradients  # what travels: gradients in the warm-up, momentum after
+        self._exchange(self._schedule, budget)
         xp = array_module(self.params[0])
         self.m = [xp.zeros(p.shape, p.dtype) for p in self.params]
         self.v = [xp.zeros(p.shape, p.dtype) for p in self.params]
@@ -156,7 +156,8 @@ class OneBitAdam(Optimizer):
         return "warm-up" if self.steps < self._freeze else "frozen variance"
 
     def step(self, grads: Sequence[Array], lr: Hyper | None = None, weight_decay: Hyper | None = None) -> None:
-        """One update from this rank's local ``grads`` (one per parameter, any float dtype)."""
+        """One update from this rank's local ``grads`` (one per parameter, any float dtype; in the
+        warm-up they are averaged in place, ``Optimizer.in_place``)."""
         grads = self._check_grads(grads)
         rates, decay = self._hyper(lr, weight_decay)
         b1, b2 = self.betas
@@ -166,28 +167,29 @@ class OneBitAdam(Optimizer):
             # the warm-up's residual is a gradient's error; from now on the momentum travels (in
             # the update's units): handed over, it would be added to a quantity of other units
             self.warmup_compressor.take_residual(self._keys)
+        # What travels is averaged where it lies: the gradients in the warm-up (``in_place``),
+        # then the momentum itself (the same on every rank before and after).
         if warm:
-            for s, g in zip(self._sent, grads):
-                s[...] = g
-            self.reducer.step()
-            for m, v, g in zip(self.m, self.v, self._sent):
+            sent = self.reducer.step(self.in_place(grads))
+            for m, v, g in zip(self.m, self.v, sent):
                 m *= m.dtype.type(b1)
                 m += m.dtype.type(1 - b1) * g
                 v *= v.dtype.type(b2)
                 v += v.dtype.type(1 - b2) * g * g
             second = 1 - b2 ** t
             if self.settling is not None:
-                self._observe(self._sent)
+                self._observe(sent)
         elif self.local_momentum:
             second = 1 - b2 ** min(t - 1, self._freeze)
-            for s, m, g, d in zip(self._sent, self.m, grads, self._denominators(second)):
+            sent = self.in_place(grads)
+            for s, m, g, d in zip(sent, self.m, grads, self._denominators(second)):
                 m *= m.dtype.type(b1)  # this rank's own momentum (DGC's momentum correction)
                 m += m.dtype.type(1 - b1) * g
                 s[...] = m
                 s /= d
-            self.reducer.step()  # each rank's accumulated m / d, sparsified, averaged: the step
+            self.reducer.step(sent)  # each rank's accumulated m / d, sparsified, averaged: the step
             residuals = self.compressor.residuals(self._keys)
-            for i, (m, s, live) in enumerate(zip(self.m, self._sent, self._live(second))):
+            for i, (m, s, live) in enumerate(zip(self.m, sent, self._live(second))):
                 acc = residuals.get(self._keys[i])
                 if acc is not None:
                     m[acc.reshape(m.shape) == 0] = 0  # sent: its momentum goes with it
@@ -195,15 +197,13 @@ class OneBitAdam(Optimizer):
         else:
             second = 1 - b2 ** min(t - 1, self._freeze)  # frozen with the variance
             scale = self._denominators(second) if self.preconditioned else [None] * len(self.m)
-            for s, m, g, d in zip(self._sent, self.m, grads, scale):
-                s[...] = m
-                s *= s.dtype.type(b1)
-                s += s.dtype.type(1 - b1) * g
+            for m, g, d in zip(self.m, grads, scale):
+                m *= m.dtype.type(b1)
+                m += m.dtype.type(1 - b1) * g
                 if d is not None:
-                    s /= d  # compressed in the update's own units
-            self.reducer.step()
-            for s, m, d, live in zip(self._sent, self.m, scale, self._live(second)):
-                m[...] = s
+                    m /= d  # compressed in the update's own units
+            self.reducer.step(self.m)
+            for m, d, live in zip(self.m, scale, self._live(second)):
                 if d is not None:
                     m *= d
                 m *= live  # a sign code has no zero: what never had a gradient takes no step
@@ -215,7 +215,7 @@ class OneBitAdam(Optimizer):
             if wd:
                 p *= kind(1 - rate * wd)
             if self.local_momentum and not warm:
-                p -= kind(rate / first) * self._sent[i]  # already in the update's units
+                p -= kind(rate / first) * sent[i]  # already in the update's units
                 continue
             if frozen is None:
                 denom = array_module(v).sqrt(v / kind(second))

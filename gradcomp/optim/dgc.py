@@ -107,8 +107,7 @@ class DGC(Optimizer):
             self.settling = None
             self.fractions = [f for _, f in ramp]
             self.ramp = Schedule([(s, ErrorFeedback(codec(f))) for s, f in ramp])
-        reducer = self._exchange(self.ramp, budget)
-        self._sent = reducer.gradients
+        self._exchange(self.ramp, budget)
         xp = array_module(self.params[0])
         #: the velocity: each rank's own (local), or the averaged update's, the same on every rank
         self.u = [xp.zeros(p.shape, p.dtype) for p in self.params]
@@ -128,7 +127,8 @@ class DGC(Optimizer):
         return "8-bit warm-up" if kept is None else f"kept {kept:g}"
 
     def step(self, grads: Sequence[Array], lr: Hyper | None = None, weight_decay: Hyper | None = None) -> None:
-        """One update from this rank's local ``grads`` (one per parameter)."""
+        """One update from this rank's local ``grads`` (one per parameter; they are the exchange's
+        buffer and hold what was averaged afterwards, ``Optimizer.in_place``)."""
         grads = self._check_grads(grads)
         rates, decay = self._hyper(lr, weight_decay)
         scale = 1.0
@@ -136,25 +136,25 @@ class DGC(Optimizer):
             norm = global_norm(grads)
             limit = self.clip_norm / math.sqrt(self.comm.size)
             scale = min(1.0, limit / norm) if norm > 0 else 1.0
+        # averaged where they lie: the gradients' own arrays (``in_place``)
+        sent = self.in_place(grads)
         if self.momentum_form == "global":
-            self._global_step(grads, scale, rates, decay)
+            self._global_step(sent, scale, rates, decay)
         else:
-            self._local_step(grads, scale, rates, decay)
+            self._local_step(grads, sent, scale, rates, decay)
         if self.settling is not None and self.settling.warm:
-            self._observe(self._sent)
+            self._observe(sent)
         self.steps += 1
 
-    def _global_step(self, grads: Sequence[Array], scale: float, rates: Sequence[float],
+    def _global_step(self, sent: list[Array], scale: float, rates: Sequence[float],
                      decay: Sequence[float]) -> None:
-        """The gradients exchanged (top-k with error feedback), then momentum SGD on the mean,
-        in ``torch.optim.SGD``'s order: ``d = mean + wd * p``, ``v = momentum * v + d``."""
-        for g, s in zip(grads, self._sent):
-            if scale != 1.0:
-                s[...] = s.dtype.type(scale) * g
-            else:
-                s[...] = g
-        self.reducer.step()
-        for u, p, s, wd, rate in zip(self.u, self.params, self._sent, decay, rates):
+        """The gradients (``sent``) exchanged (top-k with error feedback), then momentum SGD on
+        the mean, in ``torch.optim.SGD``'s order: ``d = mean + wd * p``, ``v = momentum * v + d``."""
+        if scale != 1.0:
+            for s in sent:
+                s *= s.dtype.type(scale)
+        self.reducer.step(sent)
+        for u, p, s, wd, rate in zip(self.u, self.params, sent, decay, rates):
             kind = u.dtype.type
             if wd:
                 s += kind(wd) * p
@@ -162,11 +162,11 @@ class DGC(Optimizer):
             u += s
             p -= kind(rate) * u
 
-    def _local_step(self, grads: Sequence[Array], scale: float, rates: Sequence[float],
+    def _local_step(self, grads: Sequence[Array], sent: list[Array], scale: float, rates: Sequence[float],
                     decay: Sequence[float]) -> None:
-        """The paper's: each rank's velocity exchanged (top-k of its accumulation), and where a
-        value was sent its velocity cleared (momentum factor masking)."""
-        for u, g, p, wd, s in zip(self.u, grads, self.params, decay, self._sent):
+        """The paper's: each rank's velocity exchanged (top-k of its accumulation, in ``sent``),
+        and where a value was sent its velocity cleared (momentum factor masking)."""
+        for u, g, p, wd, s in zip(self.u, grads, self.params, decay, sent):
             kind = u.dtype.type
             u *= kind(self.momentum)
             if scale != 1.0:
@@ -176,9 +176,9 @@ class DGC(Optimizer):
             if wd:
                 u += kind(wd) * p
             s[...] = u
-        self.reducer.step()
+        self.reducer.step(sent)
         residuals = self.compressor.residuals(self._keys)
-        for i, (u, p, s, rate) in enumerate(zip(self.u, self.params, self._sent, rates)):
+        for i, (u, p, s, rate) in enumerate(zip(self.u, self.params, sent, rates)):
             acc = residuals.get(self._keys[i])
             if acc is not None:
                 u[acc.reshape(u.shape) == 0] = 0  # sent from here: its momentum goes with it

@@ -43,11 +43,15 @@ one), to land at the same step after a resume (``optim.flight``).
 **Coordinated** (``coordinator=``): ranks that come and go, such as torchft's replica groups
 (``gradcomp.torch.ft``). The coordinator is asked before each outer step's pseudo-gradients are
 taken (``begin``: who takes part; a rank that joins or fell behind may receive its peers' state
-and outer step here), starts or withholds
-each exchange (``start``), and once the means are in decides whether the step counts (``end``: a
-factor to scale the mean by, or None to discard it; the coordinator then undoes what the
-exchange changed, and the replica keeps its local progress for the next outer step). The
-construction then runs no collective: the coordinator sees to the same start.
+and outer step here), starts or withholds each exchange (``start``), and once the means are in
+decides whether the step counts (``end``: a factor to scale the mean by, or None to discard it;
+the coordinator then undoes what the exchange changed, and the replica keeps its local progress
+for the next outer step). The construction then runs no collective: the coordinator sees to the
+same start.
+
+Memory: where an outer step lands at its sync and overwrites the replica (no ``overlap``, no
+``keep_local``, no coordinator, which may undo a step), the pseudo-gradients are formed and
+averaged in the replica's own memory; else each fragment keeps a buffer of its own for them.
 
 Agreement: the configuration (H, the outer optimizer, the compressor, the fragments, the overlap) and the
 step counters (inner and outer) are part of every bucket's agreement (``_Agreed``), so ranks whose
@@ -57,8 +61,8 @@ data moves. Ranks must start from the same parameters: checked (a digest) at con
 from __future__ import annotations
 
 import copy
-from concurrent.futures import Future, wait
-from typing import Any, Mapping, Protocol, Sequence
+from concurrent.futures import wait
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -77,7 +81,7 @@ from ..state import reject_leftovers, saved_by, take_config, take_int
 from .optimizer import Hyper, Optimizer, _Agreed, governors
 from . import flight
 from .fit import FittedExchange, Fitting
-from .replicas import check_same_start, split
+from .replicas import Coordinator, check_same_start, split
 from .sparseloco import EXCHANGES, exchange
 
 #: the defaults, measured on examples/torch_lm.py's TinyLM (docs/guides/local-steps.md)
@@ -89,24 +93,6 @@ OUTER_MOMENTUM = 0.5
 #: (8-bit codes) and climbs a rung after each ``GOVERNOR_HOLD`` outer steps within budget (chosen
 #: on the workload zoo's tuning half, BENCHMARKS.md)
 GOVERNOR_EVERY, GOVERNOR_WINDOW, GOVERNOR_HOLD, GOVERNOR_START = 1, 1, 5, 2
-
-
-class Coordinator(Protocol):
-    """Who takes part in each outer step, and whether it counts (the module docstring's
-    "Coordinated"; ``gradcomp.torch.ft`` has the torchft one). Called on the training thread."""
-
-    def begin(self, outer: DiLoCo, fragments: list[int], lands_at: int,
-              rates: list[float]) -> tuple[list[int], int, list[float]] | None:
-        """Before the outer step of ``fragments`` takes its pseudo-gradients (landing after inner
-        step ``lands_at``, at outer rates ``rates``). May load the state of a rank that fell
-        behind into ``outer``: it then returns the outer step its peers are in, to run instead."""
-
-    def start(self, outer: DiLoCo, reducer: GradientReducer) -> list[Future] | None:
-        """One fragment's exchange: ``reducer.start()``, or None where no collective may run."""
-
-    def end(self, outer: DiLoCo, fragments: list[int], error: BaseException | None) -> float | None:
-        """After the exchange (``error``: why it failed here, or None): the factor to scale the
-        mean by, or None to discard the outer step."""
 
 
 class DiLoCo(Optimizer):
@@ -219,10 +205,17 @@ class DiLoCo(Optimizer):
             own = [[i] for i in range(len(arrays))] if per_tensor else None
             planned = {"buckets": own} if checked else {"_groups": own or group(arrays, self.bucket_cap_mb)}
             self.reducers.append(GradientReducer(arrays, _Agreed(code, self), self.comm, self.bucket_cap_mb,
-                                                 hierarchical=False, **planned))
+                                                 hierarchical=False, window=2 if self.in_replica else None,
+                                                 **planned))
         self.reducer = self.reducers[0]
         self.compressor = self.reducer.compressor
-        self._deltas = [r.gradients for r in self.reducers]
+        self._deltas = ([[self.params[i] for i in members] for members in self.groups] if self.in_replica
+                        else [r.gradients for r in self.reducers])
+
+    @property
+    def in_replica(self) -> bool:
+        """Whether the pseudo-gradients live in the replica, which the landing overwrites (module docstring)."""
+        return not self.overlap and not self.keep_local and self.coordinator is None
 
     # -- configuration and agreement -------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
@@ -303,6 +296,10 @@ class DiLoCo(Optimizer):
         """Fragment ``f``'s pseudo-gradients, their mean started on the pipeline."""
         for d, i in zip(self._deltas[f], self.groups[f]):
             array_module(d).subtract(self.synced[i], self.params[i], out=d)
+        if self.in_replica:  # averaged now, in the replica (overwritten by the landing, now)
+            self.reducers[f].step(self._deltas[f])
+            self.flight[f] = (lands_at, None, rates)  # (None: waited for)
+            return
         if self.keep_local and lands_at > self.steps:
             flight.keep_own(self.own, f, self._deltas[f])
         else:

@@ -147,13 +147,15 @@ class Optimizer:
         self.steps = 0
         self._step_lr = self.lr
         self._arrays: dict[str, list[Array]] = {}
+        self._spares: dict[int, Array] = {}  # ``in_place``'s buffers for gradients it cannot use
         self.settling: Settling | None = None
         self.reducer: GradientReducer  # set by ``_exchange``, which every subclass calls
         self.compressor: Compressor
 
     # -- what subclasses implement -----------------------------------------------------------------------
     def step(self, grads: Sequence[Array], lr: Hyper | None = None, weight_decay: Hyper | None = None) -> None:
-        """One update from this rank's local ``grads``; ``lr``/``weight_decay`` for this step."""
+        """One update from this rank's local ``grads``; ``lr``/``weight_decay`` for this step.
+        ``grads`` may be overwritten: they are the exchange's buffer (``in_place``)."""
         raise NotImplementedError
 
     def config(self) -> dict[str, Any]:
@@ -199,11 +201,30 @@ class Optimizer:
         self.budget = budget
         if budget is not None:
             compressor = Governed(compressor, budget=budget)
-        like = [array_module(p).zeros(p.shape, p.dtype) for p in self.params]
-        self.reducer = GradientReducer(like, _Agreed(compressor, self), self.comm, self.bucket_cap_mb,
-                                       hierarchical=False)
+        # two buckets' buffers, not the model's: each step averages the arrays it passes where they
+        # lie (``in_place``); the parameters give only the shapes and dtypes
+        self.reducer = GradientReducer(self.params, _Agreed(compressor, self), self.comm, self.bucket_cap_mb,
+                                       hierarchical=False, window=2)
         self.compressor = self.reducer.compressor
         return self.reducer
+
+    def in_place(self, grads: Sequence[Array]) -> list[Array]:
+        """Arrays holding ``grads``' values that this step may overwrite and exchange: each gradient
+        itself where it can be (the parameter's dtype and array module, contiguous, writable), so
+        that no parameter-sized buffer is kept here (the gradients then hold what was averaged, as
+        under DDP); else a copy in a buffer kept from step to step (JAX's read-only arrays)."""
+        out = []
+        for i, (g, p) in enumerate(zip(grads, self.params)):
+            if (type(g) is type(p) and g.dtype == p.dtype and g.flags.c_contiguous
+                    and getattr(g.flags, "writeable", True)):
+                out.append(g)
+                continue
+            spare = self._spares.get(i)
+            if spare is None:
+                spare = self._spares[i] = array_module(p).empty(p.shape, p.dtype)
+            spare[...] = g
+            out.append(spare)
+        return out
 
     def _hyper(self, lr: Hyper | None, weight_decay: Hyper | None) -> tuple[list[float], list[float]]:
         n = len(self.params)

@@ -1,16 +1,20 @@
-"""DiLoCo's replicas: the parameters split into streaming fragments, and the check that every
+"""DiLoCo's replicas: the parameters split into streaming fragments, the check that every
 rank starts from the same bits (the outer step applies one averaged update to synced parameters
-that must be the same everywhere)."""
+that must be the same everywhere), and the protocol of a coordinator of replicas that come and go."""
 from __future__ import annotations
 
 import hashlib
 import itertools
-from typing import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
 from ..arrays import Array, to_host
 from ..comm import CollectiveError, Communicator
+
+if TYPE_CHECKING:
+    from ..reducer import GradientReducer
 
 
 def split(params: Sequence[Array], fragments: int) -> list[list[int]]:
@@ -49,3 +53,21 @@ def check_same_start(comm: Communicator, params: Sequence[Array]) -> None:
         raise CollectiveError(f"DiLoCo: the parameters differ across ranks at construction ({who}); "
                               "initialise them from the same seed on every rank (or broadcast rank 0's; "
                               "gradcomp.torch.DiLoCo does)")
+
+
+class Coordinator(Protocol):
+    """Who takes part in each outer step, and whether it counts (``gradcomp.optim.diloco``'s
+    "Coordinated"; ``gradcomp.torch.ft`` has the torchft one). Called on the training thread."""
+
+    def begin(self, outer: Any, fragments: list[int], lands_at: int,
+              rates: list[float]) -> tuple[list[int], int, list[float]] | None:
+        """Before the outer step of ``fragments`` takes its pseudo-gradients (landing after inner
+        step ``lands_at``, at outer rates ``rates``). May load the state of a rank that fell
+        behind into ``outer``: it then returns the outer step its peers are in, to run instead."""
+
+    def start(self, outer: Any, reducer: GradientReducer) -> list[Future] | None:
+        """One fragment's exchange: ``reducer.start()``, or None where no collective may run."""
+
+    def end(self, outer: Any, fragments: list[int], error: BaseException | None) -> float | None:
+        """After the exchange (``error``: why it failed here, or None): the factor to scale the
+        mean by, or None to discard the outer step."""

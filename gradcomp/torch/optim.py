@@ -14,6 +14,8 @@ already runs ``local_hook``: DDP would average the gradients in fp32 first, and 
 compressed. The arithmetic is
 ``gradcomp.optim``'s, on NumPy (CPU) or CuPy (CUDA) views of the parameters, so every rank holds
 the same bits. ``state_dict()`` adds the method's state (momentum, variance, residuals) as tensors.
+The gradients are averaged where they lie, so after ``step`` a ``.grad`` may hold what was averaged
+(as under DDP or Horovod), and no copy of the model's size is kept for the exchange.
 """
 from __future__ import annotations
 

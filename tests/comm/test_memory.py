@@ -126,3 +126,44 @@ def test_a_job_asking_again_gets_its_loan():
     first.release()
     other = second.array(object(), "y", big, np.float32)  # any owner and name of the dtype
     assert np.shares_memory(other, lent)
+
+
+def rank_window(spec):
+    """A reducer with ``window=2`` keeps two buckets' flat buffers (per dtype), not the model's,
+    and averages the arrays each step passes with the same bits as one that keeps them all."""
+    import gradcomp as gc
+
+    comm = gc.MPICommunicator()
+    rng = np.random.default_rng(comm.rank)
+    shapes = [(300, 200), (700,), (64, 64, 3), (5000,), (128, 128), (31,), (900, 20)]
+    dtypes = [np.float32, np.float32, np.float64, np.float32, np.float64, np.float32, np.float32]
+    like = [np.zeros(s, d) for s, d in zip(shapes, dtypes)]
+    whole = gc.GradientReducer(like, gc.make(spec), comm, bucket_cap_mb=0.1)
+    windowed = gc.GradientReducer(like, gc.make(spec), comm, bucket_cap_mb=0.1, window=2)
+    assert len(windowed.buckets) >= 5, len(windowed.buckets)
+    held: dict[int, int] = {}
+    for bucket, _ in windowed.buckets:
+        base = bucket.buffer.base if bucket.buffer.base is not None else bucket.buffer
+        held[id(base)] = base.nbytes
+    largest = {np.dtype(d): max(b.buffer.nbytes for b, _ in windowed.buckets if b.buffer.dtype == d)
+               for d in set(dtypes)}
+    assert sum(held.values()) <= 2 * sum(largest.values()), (held, largest)
+    for step in range(6):
+        grads = [(rng.standard_normal(s) * (step + 1)).astype(d) for s, d in zip(shapes, dtypes)]
+        mine = [g.copy() for g in grads]
+        expect = whole.step([g.copy() for g in grads])
+        out = windowed.step(mine)
+        assert out is mine
+        for i, (a, b) in enumerate(zip(out, expect)):
+            assert np.array_equal(a, b), f"{spec} step {step}: array {i} differs from the whole reducer"
+    for refused in (lambda: windowed.gradients, windowed.start, windowed.step):
+        with pytest.raises(ValueError, match="window"):
+            refused()
+    if comm.rank == 0:
+        print(f"{spec}: window of 2 == whole", flush=True)
+
+
+@pytest.mark.parametrize("spec", ["int8:warmup=0", "onebit", "powersgd:rank=2,start_iter=2"])
+def test_a_window_of_buckets_averages_as_the_whole(spec):
+    out = run_ranks(2, "tests.comm.test_memory:rank_window", spec, timeout=180)
+    assert "window of 2 == whole" in out

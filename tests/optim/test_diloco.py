@@ -133,6 +133,51 @@ def test_error_feedback_across_outer_steps():
     run_ranks(2, "tests.optim.test_diloco:rank_error_feedback_across_outer_steps")
 
 
+def _flat_bytes(outer) -> int:
+    """The bytes of the flat buffers ``outer``'s reducers keep (their buckets share some)."""
+    held = {}
+    for reducer in outer.reducers:
+        for bucket, _ in reducer.buckets:
+            base = bucket.buffer if bucket.buffer.base is None else bucket.buffer.base
+            held[id(base)] = base.nbytes
+    return sum(held.values())
+
+
+def rank_pseudo_gradients_in_the_replica():
+    """Without overlap, the pseudo-gradients are formed and averaged in the replica itself (which
+    the landing overwrites): the reducers keep two buckets' buffers, not the model's, and the
+    outer steps are the same bits as with a buffer of their own (``keep_local``, which keeps one)."""
+    import gradcomp as gc
+
+    comm = gc.MPICommunicator()
+    shapes = [(20, 10)] * 6 + [(50,)] * 2
+
+    def start():
+        rng = np.random.default_rng(0)
+        return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+    digests, kept = {}, {}
+    for keep_local in (False, True):
+        params = start()
+        outer = gc.optim.DiLoCo(params, sync_every=4, compressor="int8", fragments=2, keep_local=keep_local,
+                                bucket_cap_mb=0.0008, comm=comm)  # (a bucket a tensor)
+        assert outer.in_replica is not keep_local
+        for step in range(1, 14):
+            _inner(params, comm.rank, step)
+            outer.step()
+        outer.sync_now()
+        assert _same_everywhere(comm, params)
+        digests[keep_local], kept[keep_local] = _digest(params), _flat_bytes(outer)
+    model = sum(p.nbytes for p in start())
+    assert kept[True] == model and kept[False] <= 4 * 200 * 4, (kept, model)  # 2 of 200 floats a fragment
+    assert digests[False] == digests[True], "the pseudo-gradients in the replica changed the outer steps"
+    print(f"rank {comm.rank}: ok", flush=True)
+
+
+def test_pseudo_gradients_in_the_replica():
+    run_ranks(2, "tests.optim.test_diloco:rank_pseudo_gradients_in_the_replica")
+
+
 def rank_streaming_fragments():
     """fragments=2, H=4: fragment 0 synced at steps 2, 6, ..., fragment 1 at 4, 8, ...; each is the
     same on every rank right after its own sync and differs on the others' steps."""

@@ -34,8 +34,8 @@ def rank_dgc_matches_its_definition(form: str):
     v = np.zeros(n, np.float32)
     for step in range(25):
         grads = _problem(comm.rank, step, shapes)
+        g = np.concatenate([x.reshape(-1) for x in grads])  # (step averages the gradients in place)
         opt.step(grads)
-        g = np.concatenate([x.reshape(-1) for x in grads])
         if form == "local":
             u *= np.float32(0.9)
             u += g
