@@ -11,8 +11,9 @@ inputs, so the compute stays small). Each (model, size, method) runs as its own 
 ranks: plain DDP (``ddp``: its own allreduce), every registered name through ``gt.register``,
 ``gt.OneBitAdam`` and ``gt.DGC`` (``opt:...``), FSDP2 with ``int8`` gradients (``fsdp:int8``) and
 FSDP's own (``fsdp``), and ``gt.DiLoCo`` with its default exchange (``diloco``). Each job reports
-every rank's peak RSS, the median step, the bytes each rank sent per step and, where a governor
-runs, its audits' share of the bytes.
+every rank's peak RSS, the median step, the bytes each rank sent per step, what gradcomp keeps
+between steps (``benchmarks.held``: exact, where peak RSS moves by tens of MB between runs) and,
+where a governor runs, its audits' share of the bytes.
 
 The summary: per method, the memory it adds over its reference (DDP's own run; FSDP's own for
 ``fsdp:``) in bytes per parameter, as the slope between the two sizes (the fixed cost of compiled
@@ -139,7 +140,8 @@ def worker(args: argparse.Namespace) -> None:
     else:
         model = DistributedDataParallel(net, bucket_cap_mb=25, gradient_as_bucket_view=True)
         if method == "opt:onebitadam":
-            opt = gt.OneBitAdam(model.parameters(), lr=1e-4, model=model)
+            # frozen halfway, so that the peak covers both phases
+            opt = gt.OneBitAdam(model.parameters(), lr=1e-4, model=model, warmup=max(1, args.steps // 2))
             holder = opt
         elif method == "opt:dgc":
             opt = gt.DGC(model.parameters(), lr=1e-3, model=model)
@@ -158,7 +160,7 @@ def worker(args: argparse.Namespace) -> None:
         (diloco or opt).step()
         opt.zero_grad()
         times.append(time.perf_counter() - start)
-    stats = _stats(holder)
+    stats = {**_stats(holder), **_kept(net, method, holder)}
     peak = np.array([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], np.float64)
     everyone = [torch.zeros(1, dtype=torch.float64) for _ in range(launch.size)]
     torch.distributed.all_gather(everyone, torch.from_numpy(peak))
@@ -184,6 +186,22 @@ def _stats(holder) -> dict:
         out["audit_share"] = float(gov.get("audit_share", 0.0))
         out["rungs"] = {rung: sum(1 for v in gov["levels"].values() if v == rung) for rung in ("method", "int4", "int8")}
     return out
+
+
+def _kept(net, method: str, holder) -> dict:
+    """What gradcomp keeps between steps (``benchmarks.held``): MB in all and its five largest
+    kinds, leaving out the model's tensors, the inner optimizer's state and ``OneBitAdam``'s m
+    and v (AdamW's own)."""
+    from gradcomp.torch.communicator import default_comm
+
+    from .held import kept
+
+    own = [*net.parameters(), *(p.grad for p in net.parameters() if p.grad is not None)]
+    if method == "opt:onebitadam":
+        own += [*holder.method_state.m, *holder.method_state.v]
+    held = kept({"gradcomp": holder, "comm": default_comm()}, own)
+    largest = sorted(held.items(), key=lambda kv: -kv[1])[:5]
+    return {"kept_mb": sum(held.values()) / 2**20, "kept_by": {k: v / 2**20 for k, v in largest}}
 
 
 # -- the driver ----------------------------------------------------------------------------------
@@ -223,10 +241,11 @@ def _launch(args: argparse.Namespace, model: str, size: int, method: str, path: 
         print(f"   failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}", flush=True)
 
 
-def _slopes(rows: list[dict]) -> dict[tuple[str, str], tuple[float, float]]:
+def _slopes(rows: list[dict], kept: bool = False) -> dict[tuple[str, str], tuple[float, float]]:
     """(model, method) -> (bytes per parameter over the reference, fixed MB over it), from the
-    rank-largest peak at the two sizes."""
-    by = {(r["model"], r["size"], r["method"]): (r["params"], max(r["peak_rss_mb"])) for r in rows}
+    rank-largest peak at the two sizes (``kept``: from what gradcomp keeps, ``benchmarks.held``)."""
+    by = {(r["model"], r["size"], r["method"]):
+          (r["params"], r.get("kept_mb", math.nan) if kept else max(r["peak_rss_mb"])) for r in rows}
     out = {}
     for model, _, method in by:
         ref = "fsdp" if method.startswith("fsdp:") else "ddp"
@@ -279,14 +298,16 @@ def summary(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['size']} | {r['method']} | {r['params'] / 1e6:.1f}M | "
                      f"{max(r['peak_rss_mb']):,.0f} | {r['step_s']:.2f} | {r['step_s'] / base if base else math.nan:.2f} | "
                      f"{r['step_s'] / floor:.2f} | {sent(r) / 1e6:.1f} MB | {r.get('audit_share', math.nan):.1%} |")
-    slopes = _slopes(rows)
+    slopes, kept = _slopes(rows), _slopes(rows, kept=True)
     if slopes:
         ranks = rows[0]["ranks"]
-        lines += ["", "| model | method | added bytes / parameter | target | fixed MB |", "|---|---|---|---|---|"]
+        lines += ["", "| model | method | added bytes / parameter | kept by gradcomp | target | fixed MB |",
+                  "|---|---|---|---|---|---|"]
         for (model, method), (per, fixed) in sorted(slopes.items()):
             t = target(method, ranks)
             mark = "" if per <= t and fixed <= FIXED_TARGET_MB else " (over)"
-            lines.append(f"| {model} | {method} | {per:.1f} | {t:g} | {fixed:.0f}{mark} |")
+            held = kept.get((model, method), (math.nan, math.nan))[0]
+            lines.append(f"| {model} | {method} | {per:.1f} | {held:.1f} | {t:g} | {fixed:.0f}{mark} |")
     return "\n".join(lines)
 
 

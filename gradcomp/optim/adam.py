@@ -143,7 +143,7 @@ class OneBitAdam(Optimizer):
         self.v = [xp.zeros(p.shape, p.dtype) for p in self.params]
         self._arrays = {"m": self.m, "v": self.v}
         self._keys = [str(i) for i in range(len(self.params))]
-        self._frozen: list[Array] | None = None  # the frozen variance's denominators
+        self._frozen: list[Array] | None = None  # the frozen variance's denominators (in v's memory)
         self._alive: list[Array] | None = None   # where the frozen variance is positive
 
     def config(self) -> dict[str, Any]:
@@ -238,28 +238,42 @@ class OneBitAdam(Optimizer):
             raise ValueError(f"OneBitAdam state: saved by {saved}, whose warm-up averaged exactly (the "
                              "default before warmup_compressor, now int8); to resume it, construct "
                              "OneBitAdam(..., warmup_compressor='allreduce')")
-        super().load_state_dict(state)
-        self._frozen = None  # the denominators follow the loaded variance
-        self._alive = None
+        before = self._arrays, self._frozen, self._alive
+        # the state holds the warm-up's variance, or (saved after the freeze) its denominators
+        if "denominator/0" in state:
+            xp = array_module(self.v[0])
+            self._frozen, self._alive = self.v, [xp.zeros(v.shape, bool) for v in self.v]
+            self._arrays = {"m": self.m, "denominator": self.v, "live": self._alive}
+        else:
+            self._frozen, self._alive = None, None  # computed from the loaded variance at the freeze
+            self._arrays = {"m": self.m, "v": self.v}
+        try:
+            super().load_state_dict(state)
+        except BaseException:
+            self._arrays, self._frozen, self._alive = before
+            raise
 
     def _live(self, second: float) -> list[Array]:
         """1 where the frozen variance is positive, 0 where the gradient was zero all through the
         warm-up (Adam would divide by ``eps`` there; a compressed momentum, e.g. a sign code, is
-        never exactly zero, so those coordinates would drift)."""
-        if self._alive is None:
-            self._alive = [v > 0 for v in self.v]  # (a bool a coordinate: 1 byte, not a float's 4)
+        never exactly zero, so those coordinates would drift); a bool a coordinate."""
+        self._denominators(second)
+        assert self._alive is not None
         return self._alive
 
     def _denominators(self, second: float) -> list[Array]:
-        """``sqrt(v / (1 - beta2^T)) + eps`` of the frozen variance, kept once frozen."""
+        """``sqrt(v / (1 - beta2^T)) + eps`` of the frozen variance, written over it at the first
+        frozen step (it no longer changes, and is not kept beside them: 4 bytes a parameter);
+        checkpoints then hold the denominators and the live flags instead of ``v``."""
         if self._frozen is None:
             xp = array_module(self.v[0])
-            frozen = []
+            self._alive = [v > 0 for v in self.v]
             for v in self.v:
-                d = xp.sqrt(v / v.dtype.type(second))
-                if self.floor and d.size:
-                    xp.maximum(d, d.dtype.type(self.floor * float(d.mean())), out=d)
-                d += v.dtype.type(self.eps)
-                frozen.append(d)
-            self._frozen = frozen
+                v /= v.dtype.type(second)
+                xp.sqrt(v, out=v)
+                if self.floor and v.size:
+                    xp.maximum(v, v.dtype.type(self.floor * float(v.mean())), out=v)
+                v += v.dtype.type(self.eps)
+            self._frozen = self.v
+            self._arrays = {"m": self.m, "denominator": self.v, "live": self._alive}
         return self._frozen
