@@ -152,20 +152,22 @@ def worker(args: argparse.Namespace) -> None:
             elif method != "ddp":
                 holder = gt.register(model, gradcomp.make(method))
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times = []
+    times, cpu = [], []  # wall clock, and this process's CPU time (every thread)
     for step in range(args.steps):
         x, y = _batch(kind, step, launch.rank)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         _loss(kind, model, x, y).backward()
         (diloco or opt).step()
         opt.zero_grad()
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     stats = {**_stats(holder), **_kept(net, method, holder)}
     peak = np.array([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], np.float64)
     everyone = [torch.zeros(1, dtype=torch.float64) for _ in range(launch.size)]
     torch.distributed.all_gather(everyone, torch.from_numpy(peak))
     if launch.rank == 0:
         timed = times[args.warmup:] or times
+        stats["cpu_s"] = statistics.median(cpu[args.warmup:] or cpu)
         row = dict(model=args.model, size=args.size, method=method, params=params, ranks=launch.size,
                    steps=args.steps, step_s=statistics.median(timed), peak_rss_mb=[float(t) for t in everyone],
                    network=os.environ.get("GRADCOMP_NETWORK", ""), **stats)
@@ -287,17 +289,20 @@ def summary(rows: list[dict]) -> str:
     """The table of every job and, with two sizes, the memory slopes against the targets. On a
     capped network (one rank per emulated host), each step against its floor: max(the
     compute-only step, the bytes a rank sends per step over the link's rate)."""
-    lines = ["| model | size | method | params | peak RSS / rank (MB) | step (s) | x DDP | x floor | bytes/step/rank | audits |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | size | method | params | peak RSS / rank (MB) | step (s) | x DDP | x floor | bytes/step/rank "
+             "| audits | CPU over compute (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     ddp = {(r["model"], r["size"], r["network"]): r["step_s"] for r in rows if r["method"] == "ddp"}
-    compute = {(r["model"], r["size"], r["network"]): r["step_s"] for r in rows if r["method"] == "compute"}
+    compute = {(r["model"], r["size"], r["network"]): r for r in rows if r["method"] == "compute"}
     for r in rows:
         where = (r["model"], r["size"], r["network"])
-        base = ddp.get(where)
-        floor = max(compute.get(where, math.nan), sent(r) / rate(r["network"]))
+        base, bare = ddp.get(where), compute.get(where, {})
+        floor = max(bare.get("step_s", math.nan), sent(r) / rate(r["network"]))
+        # (one core a rank on capped.sh's hosts: CPU the method adds cannot hide behind the backward)
+        added = r.get("cpu_s", math.nan) - bare.get("cpu_s", math.nan)
         lines.append(f"| {r['model']} | {r['size']} | {r['method']} | {r['params'] / 1e6:.1f}M | "
                      f"{max(r['peak_rss_mb']):,.0f} | {r['step_s']:.2f} | {r['step_s'] / base if base else math.nan:.2f} | "
-                     f"{r['step_s'] / floor:.2f} | {sent(r) / 1e6:.1f} MB | {r.get('audit_share', math.nan):.1%} |")
+                     f"{r['step_s'] / floor:.2f} | {sent(r) / 1e6:.1f} MB | {r.get('audit_share', math.nan):.1%} | "
+                     f"{added:.2f} |")
     slopes, kept = _slopes(rows), _slopes(rows, kept=True)
     if slopes:
         ranks = rows[0]["ranks"]
@@ -308,7 +313,25 @@ def summary(rows: list[dict]) -> str:
             mark = "" if per <= t and fixed <= FIXED_TARGET_MB else " (over)"
             held = kept.get((model, method), (math.nan, math.nan))[0]
             lines.append(f"| {model} | {method} | {per:.1f} | {held:.1f} | {t:g} | {fixed:.0f}{mark} |")
+        over = [(k, per - target(k[1], ranks), fixed) for k, (per, fixed) in sorted(slopes.items())
+                if per > target(k[1], ranks) or fixed > FIXED_TARGET_MB]
+        for (model, method), by, fixed in over:
+            parts = ", ".join(f"{path} {v:.1f}" for path, v in _kept_parts(rows, model, method))
+            lines.append(f"- {model} `{method}`: {max(by, 0):.1f} bytes a parameter over its target, fixed part "
+                         f"{fixed:.0f} MB; what gradcomp keeps, bytes a parameter: {parts or 'nothing'}")
     return "\n".join(lines)
+
+
+def _kept_parts(rows: list[dict], model: str, method: str) -> list[tuple[str, float]]:
+    """What gradcomp keeps, by where it is kept (``kept_by``), in bytes a parameter between the
+    two sizes: where the memory a target misses sits."""
+    mine = sorted((r for r in rows if r["model"] == model and r["method"] == method), key=lambda r: r["params"])
+    if len(mine) < 2:
+        return []
+    small, large = mine[0], mine[-1]
+    paths = set(small.get("kept_by", {})) & set(large.get("kept_by", {}))
+    per = {p: (large["kept_by"][p] - small["kept_by"][p]) * 2**20 / (large["params"] - small["params"]) for p in paths}
+    return [(p.removeprefix("gradcomp."), v) for p, v in sorted(per.items(), key=lambda kv: -kv[1]) if abs(v) >= 0.05]
 
 
 def plot(rows: list[dict], path: Path) -> Path:

@@ -24,10 +24,17 @@ def test_slope_is_over_the_reference_between_two_sizes():
     assert ("gpt2", "ddp") not in slopes
     text = scale.summary(rows)
     assert "| gpt2 | int8 | 6.0 | 5.0 | 7 | 300 |" in text  # peak RSS, then what gradcomp keeps
-    capped = [dict(r, network="1gbit", method=m, step_s=s) for r, m, s in ((rows[1], "ddp", 2.0), (rows[1], "compute", 1.0))]
-    capped.append(dict(rows[3], network="1gbit", bytes_per_step=250e6, step_s=3.0))  # 2 s of link: the floor
-    assert "| 3.00 | 1.50 | 1.50 | 250.0 MB |" in scale.summary(capped)
+    capped = [dict(r, network="1gbit", method=m, step_s=s, cpu_s=c)
+              for r, m, s, c in ((rows[1], "ddp", 2.0, 1.1), (rows[1], "compute", 1.0, 1.0))]
+    capped.append(dict(rows[3], network="1gbit", bytes_per_step=250e6, step_s=3.0, cpu_s=1.6))  # 2 s of link: the floor
+    assert "| 3.00 | 1.50 | 1.50 | 250.0 MB | nan% | 0.60 |" in scale.summary(capped)  # 0.6 s of CPU over compute
     assert scale.target("opt:onebitadam", 2) == scale.OPT_TARGET and scale.target("topk", 4) == 6
+    # a method over its target: by how much, and where gradcomp keeps its memory
+    heavy = [dict(_row("topk", size, n, ddp[size] + n * 9 / mb), kept_by={"gradcomp.residuals": n * 6 / mb,
+                                                                          "gradcomp.pool": 200.0})
+             for size, n in ((6, 80e6), (12, 120e6))]
+    assert "- gpt2 `topk`: 2.0 bytes a parameter over its target, fixed part 0 MB; what gradcomp keeps, bytes " \
+           "a parameter: residuals 6.0" in scale.summary(rows + heavy)
 
 
 def test_kept_counts_memory_once_and_leaves_out_the_models():
