@@ -10,7 +10,7 @@ kernel and cost first-touch page faults every step (BENCHMARKS.md, "Memory").
 from __future__ import annotations
 
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -144,12 +144,16 @@ class GradientReducer:
         """``step(arrays)`` through ``window`` buffers: bucket ``b`` is submitted once bucket
         ``b - window``, which shares its buffer, has landed."""
         flying: list[tuple[Bucket, list[int], Future]] = []
-        for bucket, members in self.buckets:
-            if len(flying) == self.window:
+        try:
+            for bucket, members in self.buckets:
+                if len(flying) == self.window:
+                    self._land(*flying.pop(0), arrays)
+                flying.append((bucket, members, self._submit(bucket, members, arrays)))
+            while flying:
                 self._land(*flying.pop(0), arrays)
-            flying.append((bucket, members, self._submit(bucket, members, arrays)))
-        for bucket, members, future in flying:
-            self._land(bucket, members, future, arrays)
+        except BaseException:
+            wait([future for _, _, future in flying])  # none left running in a buffer a next step reuses
+            raise
         return arrays
 
     def _submit(self, bucket: Bucket, members: list[int], arrays: list[Array]) -> Future:
