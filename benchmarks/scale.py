@@ -340,7 +340,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    slopes = _slopes(rows)
+    slopes, kept = _slopes(rows), _slopes(rows, kept=True)
     models = sorted({m for m, _ in slopes}) or sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(2, len(models), figsize=(7 * len(models), 8), squeeze=False)
     for j, model in enumerate(models):
@@ -349,7 +349,8 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.barh([m for m, _ in mine], [v[0] for _, v in mine], color="tab:blue")
         for y, (meth, _) in enumerate(mine):
             ax.plot([target(meth, rows[0]["ranks"])] * 2, [y - 0.4, y + 0.4], color="tab:red")
-        ax.set_title(f"{model}: memory added, bytes per parameter (red: target)")
+            ax.plot([kept.get((model, meth), (math.nan,))[0]], [y], "k|", markersize=14)
+        ax.set_title(f"{model}: added bytes a parameter (bars: peak RSS; black: kept; red: target)")
         big = max((r["size"] for r in rows if r["model"] == model), default=0)
         steps = sorted((r["method"], r["step_s"]) for r in rows if r["model"] == model and r["size"] == big)
         ax = axes[1][j]
