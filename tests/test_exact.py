@@ -71,6 +71,31 @@ def test_sum_of_squares_in_float64_for_every_dtype():
     assert exact.sum_of_squares(np.zeros(0, np.float32)) == 0.0
 
 
+def test_sum_of_squares_of_a_large_array_folds_chunk_by_chunk():
+    """Over ``2 ** FOLDS * CHUNK`` values the first folds are taken from the squares chunk by
+    chunk: the same bits as ``total`` of the whole squared array (odd sizes at each fold, every
+    dtype, an inf), holding a float64 array an eighth of the squares' and a few chunks."""
+    import tracemalloc
+
+    import ml_dtypes
+
+    rng = np.random.default_rng(4)
+    above = 2 ** exact.FOLDS * exact.CHUNK
+    for n in (above + 1, above + 7, 3 * above + 5, 4 * above):
+        x = rng.standard_normal(n) * 10.0 ** rng.integers(-3, 3, n)
+        for dtype in (np.float64, np.float32, np.float16, ml_dtypes.bfloat16):
+            a = x.astype(dtype)
+            assert exact.sum_of_squares(a) == exact.total(np.square(a, dtype=np.float64)), (n, dtype)
+    big = rng.standard_normal(8 * above).astype(np.float32)
+    tracemalloc.start()
+    exact.sum_of_squares(big)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 2 * big.size, f"{peak / big.size:.1f} bytes a value (the whole squared array: 8)"
+    big[5] = np.inf
+    assert exact.sum_of_squares(big) == math.inf
+
+
 def test_top_k_keeps_the_first_of_tied_magnitudes():
     """``argpartition`` leaves the choice among ties to NumPy's SIMD form for the CPU; ``largest``
     keeps the first positions (NaN counts as the largest)."""
