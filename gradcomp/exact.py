@@ -90,16 +90,16 @@ def total(values: Any) -> float:
 def _fold(values: Any, n: int, left: list[float]) -> float:
     """``total``'s folds of ``values[:n]``, with the values ``left`` out so far."""
     xp = array_module(values)
-    out = []  # the positions left out: never written again (each later fold writes below them)
+    skipped = []  # the positions left out: never written again (each later fold writes below them)
     while n > TAIL:
         half = n // 2
         if n % 2:
-            out.append(n - 1)
+            skipped.append(n - 1)
         xp.add(values[:half], values[half:2 * half], out=values[:half])
         n = half
     rest = values[:n].tolist() + left
-    if out:
-        rest += values[xp.asarray(out)].tolist()
+    if skipped:
+        rest += values[xp.asarray(skipped)].tolist()
     return fsum(rest)
 
 

@@ -113,10 +113,9 @@ class GradientReducer:
 
     def step(self, arrays: Sequence[Array] | None = None) -> list[Array]:
         """Average the arrays (``arrays``, or those given at construction) in place; return them."""
-        if arrays is None and self.window is not None:
-            raise ValueError("GradientReducer.step: a reducer with a window averages the arrays each "
-                             "step passes: step(arrays)")
-        if arrays is not None:
+        if arrays is None:
+            self._refuse_in_window("step() without arrays")
+        else:
             given = arrays if isinstance(arrays, list) else list(arrays)
             if [(a.shape, a.dtype) for a in given] != [(a.shape, a.dtype) for a in self.arrays]:
                 raise ValueError("GradientReducer.step: the arrays must have the shapes and dtypes "

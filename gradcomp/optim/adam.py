@@ -141,10 +141,11 @@ class OneBitAdam(Optimizer):
         xp = array_module(self.params[0])
         self.m = [xp.zeros(p.shape, p.dtype) for p in self.params]
         self.v = [xp.zeros(p.shape, p.dtype) for p in self.params]
-        self._arrays = {"m": self.m, "v": self.v}
         self._keys = [str(i) for i in range(len(self.params))]
-        self._frozen: list[Array] | None = None  # the frozen variance's denominators (in v's memory)
-        self._alive: list[Array] | None = None   # where the frozen variance is positive
+        # where the frozen variance is positive; None until the freeze writes its denominators
+        # over v (``_denominators``)
+        self._alive: list[Array] | None = None
+        self._hold(None)
 
     def config(self) -> dict[str, Any]:
         return {"betas": self.betas, "eps": self.eps, "warmup": self.warmup, **self._warmup_config,
@@ -238,20 +239,22 @@ class OneBitAdam(Optimizer):
             raise ValueError(f"OneBitAdam state: saved by {saved}, whose warm-up averaged exactly (the "
                              "default before warmup_compressor, now int8); to resume it, construct "
                              "OneBitAdam(..., warmup_compressor='allreduce')")
-        before = self._arrays, self._frozen, self._alive
+        before = self._alive
         # the state holds the warm-up's variance, or (saved after the freeze) its denominators
-        if "denominator/0" in state:
-            xp = array_module(self.v[0])
-            self._frozen, self._alive = self.v, [xp.zeros(v.shape, bool) for v in self.v]
-            self._arrays = {"m": self.m, "denominator": self.v, "live": self._alive}
-        else:
-            self._frozen, self._alive = None, None  # computed from the loaded variance at the freeze
-            self._arrays = {"m": self.m, "v": self.v}
+        xp = array_module(self.v[0])
+        self._hold([xp.zeros(v.shape, bool) for v in self.v] if "denominator/0" in state else None)
         try:
             super().load_state_dict(state)
         except BaseException:
-            self._arrays, self._frozen, self._alive = before
+            self._hold(before)
             raise
+
+    def _hold(self, alive: list[Array] | None) -> None:
+        """Before the freeze (``alive`` None) v holds the variance; after it, the denominators,
+        with ``alive``: what ``_arrays`` (the checkpoint) names."""
+        self._alive = alive
+        self._arrays = ({"m": self.m, "v": self.v} if alive is None
+                        else {"m": self.m, "denominator": self.v, "live": alive})
 
     def _live(self, second: float) -> list[Array]:
         """1 where the frozen variance is positive, 0 where the gradient was zero all through the
@@ -265,15 +268,14 @@ class OneBitAdam(Optimizer):
         """``sqrt(v / (1 - beta2^T)) + eps`` of the frozen variance, written over it at the first
         frozen step (it no longer changes, and is not kept beside them: 4 bytes a parameter);
         checkpoints then hold the denominators and the live flags instead of ``v``."""
-        if self._frozen is None:
+        if self._alive is None:
             xp = array_module(self.v[0])
-            self._alive = [v > 0 for v in self.v]
+            alive = [v > 0 for v in self.v]
             for v in self.v:
                 v /= v.dtype.type(second)
                 xp.sqrt(v, out=v)
                 if self.floor and v.size:
                     xp.maximum(v, v.dtype.type(self.floor * float(v.mean())), out=v)
                 v += v.dtype.type(self.eps)
-            self._frozen = self.v
-            self._arrays = {"m": self.m, "denominator": self.v, "live": self._alive}
-        return self._frozen
+            self._hold(alive)
+        return self.v

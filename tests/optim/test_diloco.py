@@ -133,21 +133,12 @@ def test_error_feedback_across_outer_steps():
     run_ranks(2, "tests.optim.test_diloco:rank_error_feedback_across_outer_steps")
 
 
-def _flat_bytes(outer) -> int:
-    """The bytes of the flat buffers ``outer``'s reducers keep (their buckets share some)."""
-    held = {}
-    for reducer in outer.reducers:
-        for bucket, _ in reducer.buckets:
-            base = bucket.buffer if bucket.buffer.base is None else bucket.buffer.base
-            held[id(base)] = base.nbytes
-    return sum(held.values())
-
-
 def rank_pseudo_gradients_in_the_replica():
     """Without overlap, the pseudo-gradients are formed and averaged in the replica itself (which
     the landing overwrites): the reducers keep two buckets' buffers, not the model's, and the
     outer steps are the same bits as with a buffer of their own (``keep_local``, which keeps one)."""
     import gradcomp as gc
+    from tests.comm.test_memory import flat_bytes
 
     comm = gc.MPICommunicator()
     shapes = [(20, 10)] * 6 + [(50,)] * 2
@@ -167,7 +158,7 @@ def rank_pseudo_gradients_in_the_replica():
             outer.step()
         outer.sync_now()
         assert _same_everywhere(comm, params)
-        digests[keep_local], kept[keep_local] = _digest(params), _flat_bytes(outer)
+        digests[keep_local], kept[keep_local] = _digest(params), flat_bytes(outer.reducers)
     model = sum(p.nbytes for p in start())
     assert kept[True] == model and kept[False] <= 4 * 200 * 4, (kept, model)  # 2 of 200 floats a fragment
     assert digests[False] == digests[True], "the pseudo-gradients in the replica changed the outer steps"
