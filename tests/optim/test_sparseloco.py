@@ -228,19 +228,37 @@ def test_fit_picks_the_least_predicted_time_to_a_loss():
             assert CANDIDATES.index(spec) <= CANDIDATES.index(chosen[beta, step_s, 0]), (beta, step_s)
 
 
+def test_fit_prices_a_sparse_option_on_a_bucket_per_tensor():
+    """A sparse option runs on a bucket per tensor (``Fitting.apply``), a message each; it is
+    priced on that layout, the codes on DiLoCo's own buckets (one here)."""
+    from gradcomp.optim.fit import FittedExchange, fit, predict
+    from gradcomp.planning.cost import Cluster, Link
+
+    shapes = [(256, 96), (256,), (3 * 96, 96), (96, 384), (384, 96)] * 4
+    own = [[s] for s in shapes]
+    cluster = Cluster(2, 2, Link(1.3e-3, 175e3))  # what the probe fitted at 1 Mbit/s on 2 hosts
+    exchange = FittedExchange()
+    fit(exchange, [shapes], cluster, 0.1, 20, 0, sparse_buckets=own)
+    for spec, c, outer in zip(exchange.allowed, exchange.options, exchange.outer):
+        expected = predict(c, own if outer is not None else [shapes], cluster)
+        assert exchange.why["predicted_s"][spec] == expected, spec
+        if outer is not None:  # a message a tensor: the latencies count
+            assert expected > predict(c, [shapes], cluster), spec
+
+
 def rank_auto_exchange(pause: float):
     """``compressor="auto"`` on real ranks: the same choice everywhere at the first outer step,
     the chosen exchange's outer defaults, identical replicas, ``stats()["fit"]``, and a resume
     that keeps the choice. With ``pause`` seconds of inner step the exchange costs next to nothing
-    and int8 is chosen; with none, and every candidate counted at int8's steps, the exchange is
-    all there is and the sparsest wins (its bytes and its one allgather)."""
+    and int8 is chosen; with none, and the codes counted at ten times a sparse exchange's steps, a
+    sparse one wins (on a fast link the latencies of its message a tensor could outweigh its bytes)."""
     import time
 
     import gradcomp as gc
     from gradcomp.optim import fit as fitting
 
-    if not pause:
-        fitting.STEPS = dict.fromkeys(fitting.STEPS, 1.0)
+    if not pause:  # a sparse exchange wins where the codes need ten times its steps
+        fitting.STEPS = {spec: 1.0 if spec.startswith("sparseloco") else 10.0 for spec in fitting.STEPS}
 
     comm = gc.MPICommunicator()
     shapes = [(128, 64), (64,)]
