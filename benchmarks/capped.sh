@@ -21,6 +21,8 @@
 #   first 2 s of traffic through at wire speed. Each run checks it: the benchmark measures
 #   fp32's goodput against RATE and refuses to report ratios below 85% of it (benchmarks/link.py).
 #   GRADCOMP_RANKS_PER_HOST=L is exported, so gradcomp's topology sees the emulated hosts.
+#   CAPPED_QUEUE (tbf's latency, default 100ms) bounds how long a packet may wait in the qdisc
+#   before it is dropped: a longer one (1000ms) drops and resends less on a slow line.
 # mpiexec is told each emulated host is a node of its own (`-launcher fork -hosts gcbhost0:L,...`:
 # one local proxy per host), so MPICH uses shared memory between the ranks of one host, as on a
 # real one, and TCP (ch4:ofi with the tcp provider on eth0) between hosts; it launches this script
@@ -133,7 +135,7 @@ ip -n "$BRNS" link add br0 type bridge || fail "cannot create the bridge"
 ip -n "$BRNS" link set br0 up
 ip -n "$BRNS" link set lo up
 
-TBF="tbf rate $RATE burst $BURST latency 100ms"
+TBF="tbf rate $RATE burst $BURST latency ${CAPPED_QUEUE:-100ms}"
 NCPU=$(nproc)
 for ((r = 0; r < HOSTS; r++)); do
     ns="$PREFIX-$r"

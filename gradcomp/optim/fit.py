@@ -130,14 +130,13 @@ def predict(candidate: Compressor, buckets: Sequence[Sequence[Sequence[int]]], c
 
 
 def fit(exchange: FittedExchange, buckets: Sequence[Sequence[Sequence[int]]], cluster: cost.Cluster,
-        step_s: float, sync_every: int, overlap: int,
-        sparse_buckets: Sequence[Sequence[Sequence[int]]] | None = None) -> int:
+        step_s: float, sync_every: int, overlap: int) -> int:
     """The option predicted to reach a loss soonest (see the module docstring); its index, with
-    the predictions and the reason kept in ``exchange.why``. ``sparse_buckets``: the layout a
-    sparse option runs on (a bucket per tensor, ``Fitting.apply``; default ``buckets``), priced
-    as it will run: every bucket is a message of its own."""
-    seconds = {spec: predict(c, buckets if outer is None or sparse_buckets is None else sparse_buckets, cluster)
-               for spec, c, outer in zip(exchange.allowed, exchange.options, exchange.outer)}
+    the predictions and the reason kept in ``exchange.why``. The codes are priced on ``buckets``
+    (DiLoCo's), a sparse option on the bucket per tensor it runs on (``Fitting.apply``)."""
+    own = [[shape] for bucket in buckets for shape in bucket]
+    seconds = {spec: predict(c, buckets if defaults is None else own, cluster)
+               for spec, c, defaults in zip(exchange.allowed, exchange.options, exchange.outer)}
     compute = sync_every * step_s
     hidden = overlap * step_s
     paced = {spec: STEPS.get(spec, 1.0) * (compute + max(0.0, t - hidden)) for spec, t in seconds.items()}
@@ -187,8 +186,7 @@ class Fitting:
         exchanges = outer.fitted
         buckets = [[tuple(s) for s in bucket.shapes] for r in outer.reducers for bucket, _ in r.buckets]
         hosts, per_host = topology(comm)
-        k = fit(exchanges[0], buckets, cost.Cluster(hosts, per_host, link), step_s, outer.sync_every, outer.overlap,
-                sparse_buckets=[[tuple(p.shape)] for p in outer.params])
+        k = fit(exchanges[0], buckets, cost.Cluster(hosts, per_host, link), step_s, outer.sync_every, outer.overlap)
         for other in exchanges[1:]:
             other.choose(k, exchanges[0].why)
         self.apply(outer, k)

@@ -207,7 +207,10 @@ def test_fit_picks_the_least_predicted_time_to_a_loss():
                 k = fit(exchange, buckets, Cluster(4, 1, Link(1e-3, beta)), step_s, 20, overlap)
                 why = exchange.why
                 seconds = list(why["predicted_s"].values())
-                assert seconds == sorted(seconds, reverse=True)  # densest first
+                for sparse in (False, True):  # densest first: the codes on DiLoCo's buckets, the
+                    # sparse ones on a bucket per tensor
+                    mine = [t for t, o in zip(seconds, exchange.outer) if (o is not None) == sparse]
+                    assert mine == sorted(mine, reverse=True), why["predicted_s"]
                 paced = [STEPS[c] * (20 * step_s + max(0.0, t - overlap * step_s)) for c, t in zip(CANDIDATES, seconds)]
                 best = 0
                 for j, t in enumerate(paced):
@@ -238,7 +241,7 @@ def test_fit_prices_a_sparse_option_on_a_bucket_per_tensor():
     own = [[s] for s in shapes]
     cluster = Cluster(2, 2, Link(1.3e-3, 175e3))  # what the probe fitted at 1 Mbit/s on 2 hosts
     exchange = FittedExchange()
-    fit(exchange, [shapes], cluster, 0.1, 20, 0, sparse_buckets=own)
+    fit(exchange, [shapes], cluster, 0.1, 20, 0)
     for spec, c, outer in zip(exchange.allowed, exchange.options, exchange.outer):
         expected = predict(c, own if outer is not None else [shapes], cluster)
         assert exchange.why["predicted_s"][spec] == expected, spec
